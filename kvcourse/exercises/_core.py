@@ -1,0 +1,28 @@
+"""What every chapter's checks share: one error type and one success message."""
+
+from __future__ import annotations
+
+import math
+
+
+class ExerciseError(AssertionError):
+    """A wrong answer. The message says what was expected and gives a hint, never the answer itself."""
+
+
+def passed(message: str) -> bool:
+    print(f"Correct: {message}")
+    return True
+
+
+def expect_close(name: str, got: object, want: float, rel: float = 1e-6, hint: str = "") -> None:
+    """Raise :class:`ExerciseError` unless ``got`` is a number within ``rel`` of ``want``."""
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        raise ExerciseError(f"{name} should be a number, got {type(got).__name__}. {hint}".strip())
+    if not math.isclose(float(got), float(want), rel_tol=rel, abs_tol=0.0 if want else 1e-12):
+        raise ExerciseError(f"{name} = {got!r} is not right. {hint}".strip())
+
+
+def expect_equal(name: str, got: object, want: object, hint: str = "") -> None:
+    """Raise :class:`ExerciseError` unless ``got == want``."""
+    if got != want:
+        raise ExerciseError(f"{name} = {got!r} is not right. {hint}".strip())

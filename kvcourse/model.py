@@ -1,0 +1,205 @@
+"""A Llama-architecture decoder, readable in one sitting.
+
+Embedding -> N x [RMSNorm -> GQA attention with RoPE -> residual -> RMSNorm -> SwiGLU MLP -> residual]
+-> RMSNorm -> output head. The names follow the Llama paper and Hugging Face's
+``modeling_llama.py`` so that weights map one to one.
+
+The only thing that makes this a *course* model is the ``cache`` argument:
+``model(input_ids, cache=cache)`` runs the new tokens only, appends their K and
+V to the cache, and attends against everything the cache holds. With
+``cache=None`` the model recomputes the whole sequence, as the naive loop does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import causal_attention
+
+__all__ = ["LlamaConfig", "LlamaModel", "KVCacheLike"]
+
+
+@dataclass
+class LlamaConfig:
+    """Model shape, with Hugging Face ``config.json`` names."""
+
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 100000.0
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = 1
+    eos_token_id: list[int] = field(default_factory=lambda: [2])
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    def to_dict(self) -> dict:
+        """The config as a Hugging Face ``config.json``-style dict."""
+        return asdict(self)
+
+
+class KVCacheLike(Protocol):
+    """What the model needs from a cache (the contiguous and the paged one both provide it)."""
+
+    seq_len: int
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 for stability, as the reference implementation does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables ``[T, head_dim]`` for the given absolute positions."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    angles = torch.cat([angles, angles], dim=-1)  # the "rotate half" layout: pairs are (i, i + D/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, H, T, D]`` by position. K is rotated *before* it is cached, so it never changes again."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCacheLike | None
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            # Store this step's K/V and get back the whole history: the heart of the course.
+            k, v = cache.update(self.layer_idx, k, v)
+        out = causal_attention(q, k, v)  # the last t of the keys are the queries' own tokens
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """``model(input_ids [B, T], cache=None) -> logits [B, T, vocab]``.
+
+    With a cache holding ``S`` tokens, ``input_ids`` are taken to be positions
+    ``S .. S+T-1``; their K and V are appended to the cache in place.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: KVCacheLike | None = None) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input_ids must be an integer torch.Tensor [B, T], got {type(input_ids).__name__}")
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+        start = 0 if cache is None else cache.seq_len
+        end = start + input_ids.shape[1]
+        if end > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence of {end} tokens exceeds the model's context length "
+                f"({self.config.max_position_embeddings} positions)"
+            )
+        positions = torch.arange(start, end, device=input_ids.device)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache)
+        return self.lm_head(self.norm(x))
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"layers={c.num_hidden_layers}, hidden={c.hidden_size}, heads={c.num_attention_heads}, "
+            f"kv_heads={c.num_key_value_heads}, head_dim={c.head_dim}, rope_theta={c.rope_theta:g}, "
+            f"params={self.num_parameters() / 1e6:.1f}M"
+        )
+

@@ -1,0 +1,1 @@
+"""Maintenance tools for the book: executing notebooks, making student copies."""

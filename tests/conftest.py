@@ -1,0 +1,53 @@
+"""Shared fixtures: the real model and tokenizer (ours and Hugging Face's), loaded once per session."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import kvcourse
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three primary colors:\n1.",
+]
+
+
+@pytest.fixture(scope="session")
+def model_and_tok():
+    torch.manual_seed(0)
+    return kvcourse.load_pretrained()
+
+
+@pytest.fixture(scope="session")
+def model(model_and_tok):
+    return model_and_tok[0]
+
+
+@pytest.fixture(scope="session")
+def tok(model_and_tok):
+    return model_and_tok[1]
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """Hugging Face's LlamaForCausalLM loaded from the same GGUF: the independent reference."""
+    transformers = pytest.importorskip("transformers")
+    path = kvcourse.gguf_path()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_tok():
+    transformers = pytest.importorskip("transformers")
+    path = kvcourse.gguf_path()
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
