@@ -1,0 +1,93 @@
+"""Counting the work of generation, naive and cached, exactly.
+
+Two counts, both for generating ``new_tokens`` tokens after a ``prompt_len``-token prompt:
+
+* **K/V projections**: how many (token, layer) K/V vectors are computed. The naive
+  loop recomputes every earlier token at every step; the cached loop computes
+  each token once.
+* **FLOPs**: multiply-adds x 2 of every matrix product in a forward pass of
+  :class:`kvcourse.model.LlamaModel` (projections, attention scores and mixing,
+  MLP, output head). Norms, RoPE and softmax are left out: they are O(hidden)
+  per token, under 1% here.
+
+Step ``i`` (``i = 0 .. new_tokens-1``) produces token ``i``. Before it the sequence
+holds ``prompt_len + i`` tokens. The naive loop feeds all of them; the cached loop
+feeds the prompt at step 0 (prefill) and one token afterwards (decode).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "tokens_fed",
+    "kv_projections_per_step",
+    "kv_projections_total",
+    "forward_flops",
+    "generation_flops",
+    "step_flops",
+]
+
+
+def _check(prompt_len: int, new_tokens: int) -> None:
+    if not isinstance(prompt_len, int) or prompt_len < 1:
+        raise ValueError(f"prompt_len must be a positive int, got {prompt_len!r}")
+    if not isinstance(new_tokens, int) or new_tokens < 0:
+        raise ValueError(f"new_tokens must be a non-negative int, got {new_tokens!r}")
+
+
+def tokens_fed(prompt_len: int, step: int, use_cache: bool) -> tuple[int, int]:
+    """``(tokens fed to the model, position of the first one)`` at generation step ``step``."""
+    _check(prompt_len, step)
+    if not use_cache:
+        return prompt_len + step, 0
+    return (prompt_len, 0) if step == 0 else (1, prompt_len + step - 1)
+
+
+def kv_projections_per_step(prompt_len: int, step: int, use_cache: bool, num_layers: int = 1) -> int:
+    """K/V vectors computed at step ``step`` (per KV head; times ``num_layers``)."""
+    return tokens_fed(prompt_len, step, use_cache)[0] * num_layers
+
+
+def kv_projections_total(prompt_len: int, new_tokens: int, use_cache: bool, num_layers: int = 1) -> int:
+    """K/V vectors computed over the whole generation (closed form).
+
+    Naive: ``sum_{i<n} (P + i) = n P + n (n - 1) / 2`` -- quadratic in ``n``.
+    Cached: ``P + (n - 1)`` -- linear (every token but the last generated one is projected once;
+    the last one is never fed back). Zero when ``n == 0``.
+    """
+    _check(prompt_len, new_tokens)
+    n, p = new_tokens, prompt_len
+    if n == 0:
+        return 0
+    per_layer = n * p + n * (n - 1) // 2 if not use_cache else p + n - 1
+    return per_layer * num_layers
+
+
+def forward_flops(config, num_tokens: int, start_pos: int = 0) -> int:
+    """Matmul FLOPs of one forward pass over ``num_tokens`` tokens at positions ``start_pos ..``.
+
+    Each token attends to every position up to its own (causal), cached or not.
+    ``config`` is a :class:`kvcourse.model.LlamaConfig` (or anything with its field names).
+    """
+    if num_tokens < 1 or start_pos < 0:
+        raise ValueError(f"need num_tokens >= 1 and start_pos >= 0, got {num_tokens}, {start_pos}")
+    h, d = config.hidden_size, config.head_dim
+    q_dim, kv_dim = config.num_attention_heads * d, config.num_key_value_heads * d
+    per_token_linear = 2 * (h * q_dim + 2 * h * kv_dim + q_dim * h + 3 * h * config.intermediate_size)
+    # Keys seen by the queries: (start+1) + (start+2) + ... + (start+num_tokens).
+    keys_seen = num_tokens * start_pos + num_tokens * (num_tokens + 1) // 2
+    attention = 2 * 2 * keys_seen * q_dim  # QK^T and PV, for every query head
+    layers = config.num_hidden_layers * (num_tokens * per_token_linear + attention)
+    head = 2 * num_tokens * h * config.vocab_size
+    return layers + head
+
+
+def step_flops(config, prompt_len: int, step: int, use_cache: bool) -> int:
+    """FLOPs of generation step ``step``."""
+    n, start = tokens_fed(prompt_len, step, use_cache)
+    return forward_flops(config, n, start)
+
+
+def generation_flops(config, prompt_len: int, new_tokens: int, use_cache: bool) -> int:
+    """FLOPs to generate ``new_tokens`` tokens after a ``prompt_len``-token prompt."""
+    _check(prompt_len, new_tokens)
+    return sum(step_flops(config, prompt_len, i, use_cache) for i in range(new_tokens))
