@@ -1,0 +1,104 @@
+"""The cache grid: which cells each scene lights, and that it agrees with kvcourse.costs."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcourse.costs import kv_projections_total
+from kvcourse.viz import CACHED, COMPUTED, EMPTY, MODES, READ, cache_grid_animation, cache_grid_frames
+
+sizes = st.tuples(st.integers(1, 6), st.integers(1, 12), st.integers(2, 12))
+
+
+def _columns(state: np.ndarray, value: int) -> list[int]:
+    """Token positions whose whole column (every layer) is in ``value``; checks columns are uniform."""
+    assert (state == state[:1]).all(), "every layer of a column must be in the same state"
+    return [int(t) for t in np.flatnonzero(state[0] == value)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes)
+def test_computed_cells_add_up_to_the_cost_model(size):
+    layers, prompt, new = size
+    for mode, use_cache in (("naive", False), ("cached", True)):
+        frames = cache_grid_frames(layers, prompt, new, mode)
+        assert len(frames) == new
+        assert sum(f.computed for f in frames) == kv_projections_total(prompt, new, use_cache, num_layers=layers)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes)
+def test_naive_relights_the_whole_sequence_every_step(size):
+    layers, prompt, new = size
+    for i, frame in enumerate(cache_grid_frames(layers, prompt, new, "naive")):
+        assert frame.state.shape == (layers, prompt + new - 1)
+        assert _columns(frame.state, COMPUTED) == list(range(prompt + i))
+        assert not (frame.state == CACHED).any() and not (frame.state == READ).any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes)
+def test_cached_prefills_then_computes_one_column_per_step(size):
+    layers, prompt, new = size
+    frames = cache_grid_frames(layers, prompt, new, "cached")
+    assert _columns(frames[0].state, COMPUTED) == list(range(prompt))
+    for i, frame in enumerate(frames[1:], start=1):
+        assert _columns(frame.state, COMPUTED) == [prompt + i - 1]
+        assert _columns(frame.state, CACHED) == list(range(prompt + i - 1))
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes)
+def test_prefill_fills_the_prompt_in_one_frame_and_decode_reads_everything(size):
+    layers, prompt, new = size
+    empty, filled, done = (f.state for f in cache_grid_frames(layers, prompt, new, "prefill"))
+    assert (empty == EMPTY).all()
+    assert _columns(filled, COMPUTED) == list(range(prompt))
+    assert _columns(done, CACHED) == list(range(prompt))
+    decode = cache_grid_frames(layers, prompt, new, "decode")
+    assert len(decode) == new - 1
+    for i, frame in enumerate(decode, start=1):
+        assert _columns(frame.state, READ) == list(range(prompt + i - 1))
+        assert _columns(frame.state, COMPUTED) == [prompt + i - 1]
+        assert frame.computed == layers  # constant work per decode step
+
+
+def test_all_plays_the_four_scenes_in_order():
+    frames = cache_grid_frames(4, 3, 5, "all")
+    scenes = [f.scene for f in frames]
+    assert scenes == ["naive"] * 5 + ["cached"] * 5 + ["prefill"] * 3 + ["decode"] * 4
+    assert set(scenes) == set(MODES)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((0, 3, 4, "naive"), "num_layers"),
+        ((2, 0, 4, "naive"), "prompt_len"),
+        ((2, 3, 0, "cached"), "new_tokens"),
+        ((2, 3, 4, "paged"), "mode"),
+        ((2, 3, 1, "decode"), "new_tokens >= 2"),
+        ((2.0, 3, 4, "naive"), "num_layers"),
+    ],
+)
+def test_bad_arguments_are_named(args, match):
+    with pytest.raises(ValueError, match=match):
+        cache_grid_frames(*args)
+
+
+def test_animation_has_one_frame_per_grid_frame_and_renders_deterministically():
+    pytest.importorskip("matplotlib")
+    anim = cache_grid_animation(num_layers=3, prompt_len=2, new_tokens=3, mode="all", dpi=30)
+    html = anim.to_jshtml()
+    assert html.count("data:image/png") == len(cache_grid_frames(3, 2, 3, "all"))
+    again = cache_grid_animation(num_layers=3, prompt_len=2, new_tokens=3, mode="all", dpi=30).to_jshtml()
+
+    def strip_ids(s: str) -> str:  # the same patterns as book/nbval-sanitize.cfg
+        return re.sub(r"anim[0-9a-f]{32}", "animID", re.sub(r"_anim_[0-9a-zA-Z_]+", "_anim_ID", s))
+
+    assert strip_ids(html) == strip_ids(again)
