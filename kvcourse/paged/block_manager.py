@@ -1,0 +1,238 @@
+"""The block allocator behind a paged KV cache (vLLM's ``BlockManager``, nano-vllm's ``block_manager.py``).
+
+KV memory is cut into ``num_blocks`` fixed-size **blocks** of ``block_size`` token
+slots each. A sequence owns a **block table**: the list of physical block ids that
+hold its tokens, in order, so token ``pos`` lives in block ``table[pos // block_size]``
+at offset ``pos % block_size``. Blocks need not be adjacent, so memory is handed
+out one block at a time as a sequence grows instead of reserved for its maximum
+length up front: at most ``block_size - 1`` slots per sequence are ever wasted.
+
+Blocks can be **shared**. :meth:`BlockManager.fork` gives a child sequence the
+parent's whole table (parallel sampling, beam search: the prompt is stored once)
+and counts the extra owner in each block's **reference count**. Full blocks are
+never written again, so sharing them is free. The last block may still be
+partially filled: the first sequence to append into a shared one gets a private
+copy (**copy-on-write**), and :meth:`append_slot` reports ``(src_block, dst_block)``
+so the caller copies the K/V data too. A block returns to the free list when its
+reference count drops to zero.
+
+This module only does bookkeeping (pure Python, no tensors); the K/V data lives in
+:class:`kvcourse.paged.PagedKVStore`. Every operation either succeeds completely
+or raises and leaves the state exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+__all__ = ["BlockManager", "CopyOnWrite", "NoFreeBlocksError"]
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an operation needs more free blocks than remain. Nothing was changed."""
+
+
+@dataclass(frozen=True)
+class CopyOnWrite:
+    """A copy-on-write that happened: the caller must copy block ``src_block``'s K/V into ``dst_block``."""
+
+    src_block: int
+    dst_block: int
+
+
+def _check_count(name: str, value: object, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class BlockManager:
+    """Free list, per-block reference counts and per-sequence block tables.
+
+    Args:
+        num_blocks: physical blocks in the pool.
+        block_size: token slots per block.
+
+    Sequence ids are any hashable value (ints in the course). Unknown ids, reused ids
+    and double frees raise ``ValueError``; running out of blocks raises
+    :class:`NoFreeBlocksError`.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = _check_count("num_blocks", num_blocks, 1)
+        self.block_size = _check_count("block_size", block_size, 1)
+        # A FIFO free list, as in nano-vllm: blocks come back at the tail and are handed out
+        # from the head, so a freshly made pool hands out 0, 1, 2, ... (easy to read in a demo).
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref_counts: list[int] = [0] * num_blocks
+        self._tables: dict[Hashable, list[int]] = {}
+        self._num_tokens: dict[Hashable, int] = {}
+
+    # ---- queries ------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks on the free list (reference count 0)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks owned by at least one sequence (a shared block counts once)."""
+        return self.num_blocks - len(self._free)
+
+    @property
+    def seq_ids(self) -> list[Hashable]:
+        """Ids of the live sequences, in allocation order."""
+        return list(self._tables)
+
+    def __contains__(self, seq_id: Hashable) -> bool:
+        return seq_id in self._tables
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        """A copy of ``seq_id``'s block table: physical block ids in token order."""
+        return list(self._table(seq_id))
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        """Tokens ``seq_id`` holds slots for."""
+        self._table(seq_id)
+        return self._num_tokens[seq_id]
+
+    def ref_count(self, block: int) -> int:
+        """How many sequences' tables contain ``block`` (0 means it is free)."""
+        _check_count("block", block, 0)
+        if block >= self.num_blocks:
+            raise ValueError(f"block must be in [0, {self.num_blocks}), got {block}")
+        return self._ref_counts[block]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
+        _check_count("num_tokens", num_tokens, 0)
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether a new sequence of ``num_tokens`` tokens fits in the free blocks."""
+        return self.blocks_needed(num_tokens) <= len(self._free)
+
+    def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
+        """Whether ``append_slots(seq_id, num_tokens)`` would succeed."""
+        return self._blocks_needed_to_append(seq_id, num_tokens) <= len(self._free)
+
+    def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> list[int]:
+        """Physical slots of positions ``start .. end-1`` (``end`` defaults to ``num_tokens``).
+
+        Slot ``s`` is offset ``s % block_size`` of block ``s // block_size`` in a pool viewed
+        as one flat array of ``num_blocks * block_size`` token slots.
+        """
+        table, n = self._table(seq_id), self._num_tokens[seq_id]
+        end = n if end is None else end
+        _check_count("start", start, 0)
+        _check_count("end", end, 0)
+        if not start <= end <= n:
+            raise ValueError(f"need 0 <= start <= end <= num_tokens ({n}), got start={start}, end={end}")
+        bs = self.block_size
+        return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+
+    # ---- operations ---------------------------------------------------------
+    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """Create sequence ``seq_id`` with slots for ``num_tokens`` tokens (its prompt); return its table.
+
+        ``num_tokens`` may be 0: the id is registered and blocks come with the first append.
+        """
+        self._check_new(seq_id, "seq_id")
+        needed = self.blocks_needed(num_tokens)
+        self._require(needed, f"allocate {num_tokens} tokens for sequence {seq_id!r}")
+        self._tables[seq_id] = [self._take() for _ in range(needed)]
+        self._num_tokens[seq_id] = num_tokens
+        return list(self._tables[seq_id])
+
+    def append_slot(self, seq_id: Hashable) -> CopyOnWrite | None:
+        """Add one token slot to ``seq_id``; see :meth:`append_slots`."""
+        return self.append_slots(seq_id, 1)
+
+    def append_slots(self, seq_id: Hashable, num_tokens: int) -> CopyOnWrite | None:
+        """Add ``num_tokens`` token slots to ``seq_id``, taking new blocks as the last one fills.
+
+        Returns a :class:`CopyOnWrite` if the last block was shared and partially filled
+        (so writing into it would change the other owners' tokens): it has been replaced
+        in this sequence's table by a fresh block, and the caller must copy the K/V of
+        ``src_block`` into ``dst_block`` before writing. Returns ``None`` otherwise.
+        """
+        needed = self._blocks_needed_to_append(seq_id, num_tokens)
+        self._require(needed, f"append {num_tokens} tokens to sequence {seq_id!r}")
+        table, n = self._tables[seq_id], self._num_tokens[seq_id]
+        cow = None
+        if num_tokens and self._needs_copy_on_write(table, n):
+            src, dst = table[-1], self._take()
+            self._ref_counts[src] -= 1  # still >= 1: another sequence owns it
+            table[-1] = dst
+            cow = CopyOnWrite(src, dst)
+        for _ in range(self.blocks_needed(n + num_tokens) - len(table)):
+            table.append(self._take())
+        self._num_tokens[seq_id] = n + num_tokens
+        return cow
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Make ``child_id`` a copy of ``parent_id`` that shares every block (no memory is taken)."""
+        parent = self._table(parent_id, "parent_id")
+        self._check_new(child_id, "child_id")
+        for block in parent:
+            self._ref_counts[block] += 1
+        self._tables[child_id] = list(parent)
+        self._num_tokens[child_id] = self._num_tokens[parent_id]
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release ``seq_id``: drop one reference from each of its blocks; unshared blocks go back to the free list."""
+        table = self._table(seq_id)
+        # Reversed, as nano-vllm does: the tail of a sequence goes back first.
+        for block in reversed(table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free.append(block)
+        del self._tables[seq_id], self._num_tokens[seq_id]
+
+    # ---- internals ----------------------------------------------------------
+    def _table(self, seq_id: Hashable, name: str = "seq_id") -> list[int]:
+        try:
+            return self._tables[seq_id]
+        except TypeError:
+            raise TypeError(f"{name} must be hashable, got {type(seq_id).__name__}") from None
+        except KeyError:
+            raise ValueError(
+                f"{name}={seq_id!r} is not an allocated sequence (never allocated, or already freed)"
+            ) from None
+
+    def _check_new(self, seq_id: Hashable, name: str) -> None:
+        if not isinstance(seq_id, Hashable):
+            raise TypeError(f"{name} must be hashable, got {type(seq_id).__name__}")
+        if seq_id in self._tables:
+            raise ValueError(f"{name}={seq_id!r} is already allocated; free it first or pick a new id")
+
+    def _needs_copy_on_write(self, table: list[int], num_tokens: int) -> bool:
+        # Only a partially filled last block is ever written again; full blocks stay shared.
+        return num_tokens % self.block_size != 0 and self._ref_counts[table[-1]] > 1
+
+    def _blocks_needed_to_append(self, seq_id: Hashable, num_tokens: int) -> int:
+        table, n = self._table(seq_id), self._num_tokens[seq_id]
+        new_blocks = self.blocks_needed(n + num_tokens) - len(table)
+        return new_blocks + int(num_tokens > 0 and self._needs_copy_on_write(table, n))
+
+    def _require(self, needed: int, what: str) -> None:
+        # Checked before anything changes, so a failed call leaves no half-made sequence behind.
+        if needed > len(self._free):
+            raise NoFreeBlocksError(
+                f"cannot {what}: needs {needed} free blocks, only {len(self._free)} of {self.num_blocks} are free"
+            )
+
+    def _take(self) -> int:
+        block = self._free.popleft()
+        self._ref_counts[block] = 1
+        return block
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"free={self.num_free_blocks}, seqs={len(self._tables)})"
+        )
