@@ -52,6 +52,7 @@ __all__ = [
     "catalog_names",
     "dtype_bytes",
     "format_bytes",
+    "generate_with_cache",
     "get_entry",
     "kv_bytes_per_token",
     "kv_cache_bytes",
@@ -402,3 +403,31 @@ def format_bytes(n: float) -> str:
         if n >= 1000**p:
             return f"{n / 1000**p:.2f} {dec} ({n / 1024**p:.2f} {bin_})"
     return f"{int(n)} B"
+
+
+def generate_with_cache(model, ids: list[int], max_new_tokens: int, dtype=None):
+    """Greedy cached generation that hands back the cache, to weigh it: ``(new_tokens, cache)``.
+
+    The same loop as :func:`kvcourse.generate` (prefill, then one token per decode step).
+    After ``max_new_tokens`` tokens the cache holds ``len(ids) + max_new_tokens - 1``
+    positions: the last token generated has not been fed back yet.
+    """
+    import torch
+
+    from ..cache import KVCache
+
+    if not isinstance(ids, (list, tuple)) or not ids or not all(isinstance(t, int) for t in ids):
+        raise ValueError(f"ids must be a non-empty list of token ids, got {ids!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    device = next(model.parameters()).device
+    cache = KVCache.for_model(model.config, batch_size=1, dtype=dtype or next(model.parameters()).dtype, device=device)
+    new: list[int] = []
+    feed = list(ids)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([feed], device=device), cache=cache)
+            token = int(logits[0, -1].argmax())
+            new.append(token)
+            feed = [token]
+    return new, cache
