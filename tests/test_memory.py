@@ -429,3 +429,30 @@ def test_formula_equals_hf_dynamic_cache(hf_model, our_run):
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in hf_cache.layers)
     assert hf_cache.get_seq_length() == cache.seq_len
     assert held == kv_cache_bytes(hf_model.config.to_dict(), cache.seq_len, dtype="fp32") == cache.nbytes
+
+
+# ---- crossover and prefill cost ----------------------------------------------------------------
+def test_crossover_tokens_is_the_first_token_count_past_the_weights():
+    from kvcourse.memory import crossover_tokens
+
+    n = crossover_tokens("llama-3-8b")
+    assert kv_cache_bytes("llama-3-8b", n) >= weight_bytes("llama-3-8b") > kv_cache_bytes("llama-3-8b", n - 1)
+    assert n == -(-weight_bytes("llama-3-8b") // 131_072)
+    assert crossover_tokens("mistral-7b") is None  # every layer windowed at 4096: 0.54 GB at most
+    g = crossover_tokens("gemma-2-9b")  # half the layers stop at 4096, so it takes ~2x the naive count
+    assert kv_cache_bytes("gemma-2-9b", g) >= weight_bytes("gemma-2-9b") > kv_cache_bytes("gemma-2-9b", g - 1)
+
+
+def test_prefill_flops_matches_the_course_cost_model():
+    from kvcourse.costs import forward_flops
+    from kvcourse.memory import prefill_flops
+
+    for t in (1, 50, 2000):
+        ours, reference = prefill_flops("smollm2-135m", t), forward_flops(kvcourse.LlamaConfig(), t)
+        assert abs(ours / reference - 1) < 5e-4
+    # Untied Llama-3-8B: the 525M-parameter embedding table is a lookup, not a product.
+    assert prefill_flops("llama-3-8b", 1) == 2 * (8_030_261_248 - 128256 * 4096) + 4 * 32 * 4096
+    with pytest.raises(ValueError, match="num_tokens"):
+        prefill_flops("llama-3-8b", -1)
+    with pytest.raises(ValueError, match="dense"):
+        prefill_flops("deepseek-v3", 10)

@@ -50,6 +50,7 @@ __all__ = [
     "GiB",
     "KVLayout",
     "catalog_names",
+    "crossover_tokens",
     "dtype_bytes",
     "format_bytes",
     "generate_with_cache",
@@ -59,6 +60,7 @@ __all__ = [
     "kv_layout",
     "load_config",
     "max_concurrent_sequences",
+    "prefill_flops",
     "weight_bytes",
 ]
 
@@ -431,3 +433,45 @@ def generate_with_cache(model, ids: list[int], max_new_tokens: int, dtype=None):
             new.append(token)
             feed = [token]
     return new, cache
+
+
+def crossover_tokens(model: str, dtype: Any = "bf16", weight_dtype: Any = "bf16") -> int | None:
+    """Fewest cached tokens (one sequence) whose K/V outweigh the model's weights; ``None`` if never.
+
+    A model whose every layer is windowed stops growing at its window and may never get there.
+    For full-attention models, the same count of tokens spread over a batch weighs the same.
+    """
+    weights = weight_bytes(model, weight_dtype)
+    layout = kv_layout(model)
+    if all(w is not None for w in layout.layer_windows) and kv_cache_bytes(model, max(layout.layer_windows), dtype=dtype) < weights:
+        return None
+    lo, hi = 1, 1
+    while kv_cache_bytes(model, hi, dtype=dtype) < weights:
+        lo, hi = hi, hi * 2
+    while lo < hi:  # smallest n with cache(n) >= weights
+        mid = (lo + hi) // 2
+        if kv_cache_bytes(model, mid, dtype=dtype) >= weights:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def prefill_flops(model: str, num_tokens: int) -> int:
+    """FLOPs to prefill ``num_tokens`` of one sequence of a dense catalog model.
+
+    ``2 x parameters x tokens`` for the matrix products against the weights (the input
+    embedding is a lookup, so an untied embedding table is left out; norm weights stay in,
+    under 0.01%) plus ``4 x layers x (query heads x head_dim) x T(T+1)/2`` for causal
+    attention scores and mixing. Equals :func:`kvcourse.costs.forward_flops` for SmolLM2 to 0.03%.
+    """
+    entry = get_entry(model)
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+    layout = kv_layout(model)
+    if layout.attention == "MLA":
+        raise ValueError(f"model must be a dense catalog model; {model!r} is a mixture of experts with MLA")
+    q_width = layout.num_attention_heads * layout.head_dim
+    cfg = entry.config
+    matmul_params = entry.num_parameters - (0 if cfg.get("tie_word_embeddings") else cfg["vocab_size"] * cfg["hidden_size"])
+    return 2 * matmul_params * num_tokens + 4 * layout.num_layers * q_width * num_tokens * (num_tokens + 1) // 2
