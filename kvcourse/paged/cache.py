@@ -112,7 +112,7 @@ class PagedKVCache:
         return self.block_manager.num_tokens(self.seq_id)
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k, v [1, H_kv, T, D]`` for layer ``layer_idx``; return the layer's K, V so far ``[1, H_kv, S, D]``."""
+        """Store ``k, v [1, H_kv, T, D]`` for layer ``layer_idx``; return its K, V so far, ``[1, H_kv, S, D]``."""
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
             raise ValueError(f"layer_idx must be an int in [0, {self.num_layers}), got {layer_idx!r}")
         if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
@@ -125,11 +125,15 @@ class PagedKVCache:
                 f"(PagedKVCache holds one sequence), got {list(k.shape)} and {list(v.shape)}"
             )
         if layer_idx != self._next_layer:
-            raise ValueError(f"layers must be updated in order within a forward: expected layer {self._next_layer}, got {layer_idx}")
+            raise ValueError(
+                f"layers must be updated in order within a forward: expected layer {self._next_layer}, got {layer_idx}"
+            )
         if layer_idx == 0:
             self._slots = self._append(t)  # layer 0 starts a forward: reserve slots for its tokens
         elif self._slots.numel() != t:
-            raise ValueError(f"layer {layer_idx} got {t} new tokens but layer 0 of this forward had {self._slots.numel()}")
+            raise ValueError(
+                f"layer {layer_idx} got {t} new tokens but layer 0 of this forward had {self._slots.numel()}"
+            )
         self._next_layer = (layer_idx + 1) % self.num_layers
         self.kv_store.write(layer_idx, self._slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
         k_all, v_all = self.kv_store.gather(layer_idx, self.block_table, self.seq_len)

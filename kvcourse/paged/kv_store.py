@@ -178,8 +178,8 @@ def paged_attention_ref(
 
     Equal to :func:`kvcourse.attention.decode_attention_ref` on the gathered, contiguous K/V.
     """
-    for name, t, doc in (("q", q, "[B, Hq, D]"), ("k_cache", k_cache, "[num_blocks, block_size, Hkv, D]"),
-                         ("v_cache", v_cache, "[num_blocks, block_size, Hkv, D]")):
+    pool_doc = "[num_blocks, block_size, Hkv, D]"
+    for name, t, doc in (("q", q, "[B, Hq, D]"), ("k_cache", k_cache, pool_doc), ("v_cache", v_cache, pool_doc)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor {doc}, got {type(t).__name__}")
         if not t.is_floating_point():
@@ -189,13 +189,17 @@ def paged_attention_ref(
         if t.dtype != q.dtype or t.device != q.device:
             raise TypeError(f"{name} is {t.dtype} on {t.device} but q is {q.dtype} on {q.device}; they must match")
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     batch, hq, head_dim = q.shape
     num_blocks, block_size, hkv, cache_dim = k_cache.shape
     if cache_dim != head_dim:
         raise ValueError(f"k_cache has head_dim {cache_dim} but q has {head_dim}")
     if hq % hkv:
         raise ValueError(f"the number of query heads in q ({hq}) must be a multiple of the KV heads in k_cache ({hkv})")
+    if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0):
+        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
     _check_int32("block_tables", block_tables, 2, "[B, max_blocks]")
     _check_int32("seq_lens", seq_lens, 1, "[B]")
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
@@ -217,7 +221,9 @@ def paged_attention_ref(
     bad = used_blocks & ((tables < 0) | (tables >= num_blocks))
     if bool(bad.any()):
         row = int(bad.any(dim=1).nonzero()[0])
-        raise ValueError(f"block_tables[{row}] points outside [0, {num_blocks}) in its used entries: {tables[row].tolist()}")
+        raise ValueError(
+            f"block_tables[{row}] points outside [0, {num_blocks}) in its used entries: {tables[row].tolist()}"
+        )
 
     # Gather every sequence's tokens through its block table. Padding entries are replaced by
     # block 0 so the gather stays in bounds; the mask below makes sure they are never attended to.
@@ -225,6 +231,9 @@ def paged_attention_ref(
     slots = tables[:, pos // block_size] * block_size + pos % block_size  # [B, S]
     k = k_cache.reshape(-1, hkv, head_dim)[slots]  # [B, S, Hkv, D]
     v = v_cache.reshape(-1, hkv, head_dim)[slots]
+    # Slots past seq_len hold stale or unwritten data; zero V there so even NaN garbage
+    # cannot leak in through 0 * NaN (a kernel simply never loads them).
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)
 
     # GQA without copying K/V: group the query heads that share KV head g, q -> [B, Hkv, G, D].
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
