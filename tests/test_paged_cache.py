@@ -220,9 +220,10 @@ def test_forked_caches_share_the_prompt_and_copy_on_write(model, prompt_ids):
     assert child.block_table[-1] != parent.block_table[-1]  # the partial block was copied
     assert parent.num_free_blocks == free_after_prompt - 1
     out_parent = model(torch.tensor([[b]]), cache=parent)
+    contiguous = kvcourse.KVCache.for_model(model.config)
+    model(torch.tensor([prompt_ids]), cache=contiguous)
     for token, out in ((a, out_child), (b, out_parent)):
-        contiguous = kvcourse.KVCache.for_model(model.config)
-        model(torch.tensor([prompt_ids]), cache=contiguous)
+        contiguous.crop(len(prompt_ids))  # back to the shared prompt, then this branch's token
         ref = model(torch.tensor([[token]]), cache=contiguous)
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
@@ -261,6 +262,16 @@ def test_paged_cache_runs_out_cleanly_and_validates(model, prompt_ids):
     cache.free()
     with pytest.raises(ValueError, match="already freed"):
         cache.free()
+
+
+def test_generate_paged_makes_its_own_pool_and_stops_at_eos(model, prompt_ids):
+    short = prompt_ids[:5]
+    assert generate_paged(model, short, 3) == kvcourse.generate(model, short, 3)
+    first = generate_paged(model, short, 1)[0]
+    # Declaring the first token an end-of-sequence token stops generation right after it.
+    assert generate_paged(model, short, 3, eos_token_ids=[first]) == [first]
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_paged(model, short, -1)
 
 
 def test_two_caches_share_one_pool():
