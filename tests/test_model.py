@@ -1,0 +1,123 @@
+"""Our decoder against an implementation nobody here wrote: Hugging Face's LlamaForCausalLM on the same GGUF."""
+
+import pytest
+import torch
+
+import kvcourse
+from kvcourse import KVCache
+
+from .conftest import PROMPTS
+
+LONG_PROMPT = (
+    "The KV cache stores the keys and values of every earlier token, in every layer, so that a decoder "
+    "does not recompute them at each step. " * 4
+)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS + [LONG_PROMPT])
+def test_logits_match_hugging_face(model, tok, hf_model, prompt):
+    ids = torch.tensor([tok.encode(prompt)])
+    with torch.no_grad():
+        theirs = hf_model(ids).logits
+    ours = model(ids)
+    assert ours.shape == theirs.shape == (1, ids.shape[1], 49152)
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_batched_logits_match_hugging_face(model, tok, hf_model):
+    ids = torch.tensor([tok.encode("Hello there, my friend"), tok.encode("One two three four five")])
+    assert ids.shape[0] == 2
+    with torch.no_grad():
+        theirs = hf_model(ids).logits
+    assert (model(ids) - theirs).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("prompt", PROMPTS + ["The history of the printing press"])
+def test_greedy_generation_matches_hugging_face(model, tok, hf_model, prompt):
+    """Token for token, EOS included. All but the first prompt run the full 64 tokens."""
+    ids = tok.encode(prompt)
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
+    theirs = out[0, len(ids) :].tolist()
+    ours = kvcourse.generate(model, ids, max_new_tokens=64)
+    assert ours == theirs
+    if prompt != PROMPTS[0]:  # "The capital of France is" answers and stops (EOS) after 30 tokens
+        assert len(ours) == 64
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_cached_equals_naive_token_for_token(model, tok, prompt):
+    ids = tok.encode(prompt)
+    cached = kvcourse.generate(model, ids, max_new_tokens=40, use_cache=True, eos_token_ids=())
+    naive = kvcourse.generate(model, ids, max_new_tokens=40, use_cache=False, eos_token_ids=())
+    assert cached == naive and len(cached) == 40
+
+
+def test_cached_logits_equal_full_recompute_and_cache_holds_the_same_kv(model, tok):
+    ids = tok.encode(LONG_PROMPT)
+    cache = KVCache.for_model(model.config)
+    prefix = model(torch.tensor([ids[:30]]), cache=cache)
+    steps = [model(torch.tensor([[t]]), cache=cache) for t in ids[30:40]]
+    full_cache = KVCache.for_model(model.config)
+    full = model(torch.tensor([ids[:40]]), cache=full_cache)
+    assert (prefix[0] - full[0, :30]).abs().max() < 1e-4
+    for i, step in enumerate(steps):
+        assert (step[0, 0] - full[0, 30 + i]).abs().max() < 1e-4
+    assert cache.seq_len == full_cache.seq_len == 40
+    for layer in (0, 15, 29):
+        assert (cache.keys(layer) - full_cache.keys(layer)).abs().max() < 1e-4
+        assert (cache.values(layer) - full_cache.values(layer)).abs().max() < 1e-4
+
+
+def test_sampling_is_seeded(model, tok):
+    ids = tok.encode("My favourite animal is")
+    a = kvcourse.generate(model, ids, 12, temperature=0.9, seed=3, eos_token_ids=())
+    b = kvcourse.generate(model, ids, 12, temperature=0.9, seed=3, eos_token_ids=())
+    c = kvcourse.generate(model, ids, 12, temperature=0.9, seed=4, eos_token_ids=())
+    naive = kvcourse.generate(model, ids, 12, use_cache=False, temperature=0.9, seed=3, eos_token_ids=())
+    assert a == b == naive and a != c
+
+
+def test_generation_stops_at_eos(model, tok):
+    ids = tok.encode_chat("What is the capital of France? Answer in one word.")
+    out = kvcourse.generate(model, ids, max_new_tokens=60)
+    assert out[-1] == tok.eos_token_id and len(out) < 60
+    assert "Paris" in tok.decode(out)
+
+
+def test_capital_of_france(model, tok):
+    out = kvcourse.generate(model, tok.encode("The capital of France is"), max_new_tokens=1)
+    assert tok.decode(out) == " Paris"
+
+
+def test_streaming_and_timings(model, tok):
+    ids = tok.encode("Count: one, two, three,")
+    streamed = list(kvcourse.stream_generate(model, ids, 8, eos_token_ids=()))
+    timed = kvcourse.timed_generate(model, ids, 8, eos_token_ids=())
+    assert streamed == timed.tokens == kvcourse.generate(model, ids, 8, eos_token_ids=())
+    assert len(timed.step_times) == 8 and timed.ttft > 0 and timed.tpot > 0
+    assert timed.total == pytest.approx(sum(timed.step_times))
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, word",
+    [
+        (dict(ids=[]), ValueError, "ids"),
+        (dict(ids="hello"), TypeError, "ids"),
+        (dict(ids=[1, 99999]), ValueError, "ids"),
+        (dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
+        (dict(temperature=-0.5), ValueError, "temperature"),
+        (dict(max_new_tokens=9000), ValueError, "context length"),
+    ],
+)
+def test_generate_rejects_bad_input(model, kwargs, exc, word):
+    args = dict(ids=[1, 2, 3], max_new_tokens=2) | kwargs
+    with pytest.raises(exc, match=word):
+        kvcourse.generate(model, **args)
+
+
+def test_model_rejects_bad_input(model):
+    with pytest.raises(TypeError, match="input_ids"):
+        model(torch.tensor([[1.0, 2.0]]))
+    with pytest.raises(ValueError, match="input_ids"):
+        model(torch.tensor([1, 2]))
