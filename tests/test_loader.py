@@ -42,7 +42,15 @@ def test_disk_cache_round_trips(tmp_path, monkeypatch):
 
 def test_hf_folder_path_loads_the_same_model(tmp_path, model, tok, hf_model):
     """The online path reads a Hugging Face checkpoint folder; here we write one from the GGUF model."""
-    hf_model.save_pretrained(tmp_path)
+    import json
+
+    from safetensors.torch import save_file
+
+    # save_pretrained refuses GGUF-quantized models, so write the folder's three files by hand:
+    # Hugging Face's own config and state dict names, and a tokenizer.json.
+    (tmp_path / "config.json").write_text(json.dumps(hf_model.config.to_dict()))
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
     tok.backend.save(str(tmp_path / "tokenizer.json"))
     other, other_tok = load_pretrained(source="hf", path=tmp_path)
     ids = torch.tensor([tok.encode("The capital of France is")])
