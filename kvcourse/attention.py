@@ -92,13 +92,19 @@ def causal_attention(
     if q_offset < 0 or q_offset + t > s:
         raise ValueError(f"q_offset={q_offset} with {t} queries does not fit in {s} keys")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    k, v = repeat_kv(k, hq // hkv), repeat_kv(v, hq // hkv)
-    scores = (q @ k.transpose(-1, -2)) * scale  # [B, Hq, T, S]
-    q_pos = torch.arange(t, device=q.device)[:, None] + q_offset
-    k_pos = torch.arange(s, device=q.device)[None, :]
-    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))  # the causal mask
+    b, _, _, d = q.shape
+    n_rep = hq // hkv
+    # Stack each KV head's query heads along the token axis, [B, Hkv, n_rep * T, D], so every group
+    # reads its shared K and V in place: the same result as repeat_kv, without copying the cache.
+    q_grouped = (q * scale).reshape(b, hkv, n_rep * t, d)
+    scores = q_grouped @ k.transpose(-1, -2)  # [B, Hkv, n_rep * T, S]
+    if t > 1 or q_offset != s - 1:  # one query at the end sees every key: nothing to mask
+        q_pos = torch.arange(t, device=q.device)[:, None] + q_offset
+        k_pos = torch.arange(s, device=q.device)[None, :]
+        future = (k_pos > q_pos).repeat(n_rep, 1)  # [n_rep * T, S], the causal mask for each group
+        scores = scores.masked_fill(future, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return probs @ v
+    return (probs @ v).reshape(b, hq, t, d)
 
 
 def decode_attention_ref(
