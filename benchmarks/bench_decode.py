@@ -28,6 +28,16 @@ import torch
 import kvcourse
 
 
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def _median(xs):
     return statistics.median(xs)
 
@@ -107,7 +117,8 @@ def main(argv=None) -> dict:
 
     res = {
         "machine": platform.machine(),
-        "processor": platform.processor() or "unknown",
+        "processor": _cpu_name(),
+        "transformers": __import__("transformers").__version__,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "prompt_len": args.prompt_len,
