@@ -26,3 +26,15 @@ def expect_equal(name: str, got: object, want: object, hint: str = "") -> None:
     """Raise :class:`ExerciseError` unless ``got == want``."""
     if got != want:
         raise ExerciseError(f"{name} = {got!r} is not right. {hint}".strip())
+
+
+def call_learner(name: str, fn, *args):
+    """Call the learner's function; turn a crash into an :class:`ExerciseError` that says where."""
+    if not callable(fn):
+        raise ExerciseError(f"pass a function to check, got {type(fn).__name__}")
+    try:
+        return fn(*args)
+    except ExerciseError:
+        raise
+    except Exception as exc:  # the learner's code failed: say where, not the answer
+        raise ExerciseError(f"{name}{args} raised {type(exc).__name__}: {exc}") from exc

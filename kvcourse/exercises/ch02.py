@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from ..attention import decode_attention_ref
-from ._core import ExerciseError, expect_close, passed
+from ._core import ExerciseError, expect_close, passed, call_learner
 
 __all__ = ["check_cache_bytes", "check_request_latency", "check_decode_attention", "smollm2_cache_bytes"]
 
@@ -26,15 +26,7 @@ def smollm2_cache_bytes(num_tokens: int, bytes_per_value: int = 4, batch_size: i
     return 2 * _LAYERS * _KV_HEADS * _HEAD_DIM * num_tokens * batch_size * bytes_per_value
 
 
-def _call(name: str, fn: Callable, *args):
-    if not callable(fn):
-        raise ExerciseError(f"pass a function to check, got {type(fn).__name__}")
-    try:
-        return fn(*args)
-    except ExerciseError:
-        raise
-    except Exception as exc:  # the learner's code failed: say where, not the answer
-        raise ExerciseError(f"{name}{args} raised {type(exc).__name__}: {exc}") from exc
+_call = call_learner
 
 
 def check_cache_bytes(cache_bytes: Callable[[int, int], int]) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from ..fragmentation import block_size_sweep, make_trace
 from ..paged import BlockManager
-from ._core import ExerciseError, expect_equal, passed
+from ._core import ExerciseError, expect_equal, passed, call_learner
 
 __all__ = [
     "check_blocks_needed",
@@ -26,15 +26,7 @@ __all__ = [
 ]
 
 
-def _call(name: str, fn: Callable, *args):
-    if not callable(fn):
-        raise ExerciseError(f"pass a function to check, got {type(fn).__name__}")
-    try:
-        return fn(*args)
-    except ExerciseError:
-        raise
-    except Exception as exc:  # the learner's code failed: say where, not the answer
-        raise ExerciseError(f"{name}{args} raised {type(exc).__name__}: {exc}") from exc
+_call = call_learner
 
 
 def _expect_int(name: str, got: object) -> None:
