@@ -25,17 +25,25 @@ def test_strip_removes_solution_cells_and_directives():
     nb = _nb(
         [
             {"cell_type": "markdown", "metadata": {}, "source": md},
-            {"cell_type": "code", "metadata": {"tags": ["solution", "hide-cell"]}, "source": "x = 42", "outputs": []},
+            {
+                "cell_type": "code",
+                "metadata": {"tags": ["solution", "hide-cell"]},
+                "source": "x = 42\nassert ch01.check_answer(x)",
+                "outputs": [],
+            },
             {"cell_type": "code", "metadata": {}, "source": "check(x)", "outputs": []},
         ]
     )
     student, removed = strip_solutions(nb)
     assert removed == 2
-    assert len(student["cells"]) == 2
+    assert len(student["cells"]) == 3
     text = student["cells"][0]["source"]
     assert "{exercise}" in text and "Text after." in text
     assert "42" not in text and "{solution}" not in text
-    assert student["cells"][1]["source"] == "check(x)"
+    answer = student["cells"][1]
+    assert "42" not in answer["source"] and "ch01.check_answer(...)" in answer["source"]
+    assert answer["metadata"] == {} and answer["outputs"] == []
+    assert student["cells"][2]["source"] == "check(x)"
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
@@ -57,5 +65,7 @@ def test_cli_writes_copies(tmp_path, capsys):
     assert CHAPTERS, "no chapter notebooks found"
     main([str(CHAPTERS[0]), "--out", str(tmp_path)])
     out = json.loads((tmp_path / CHAPTERS[0].name).read_text())
-    assert len(out["cells"]) < len(json.loads(CHAPTERS[0].read_text())["cells"])
+    original = json.loads(CHAPTERS[0].read_text())
+    assert len(out["cells"]) == len(original["cells"])  # each solution cell became an answer cell
+    assert not any("solution" in c.get("metadata", {}).get("tags", []) for c in out["cells"])
     assert "solution parts removed" in capsys.readouterr().out

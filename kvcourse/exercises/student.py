@@ -2,8 +2,9 @@
 
 Usage: ``python -m kvcourse.exercises.student book/*.ipynb --out student/``
 
-Removed: code cells tagged ``solution`` (their outputs go with them) and, in
-markdown cells, every ```` ```{solution} ```` directive block. The exercise text
+Removed: code cells tagged ``solution`` (their outputs go with them; an empty
+answer cell naming the check to run takes their place) and, in markdown cells,
+every ```` ```{solution} ```` directive block. The exercise text
 and the ``check_*`` calls stay, so a student fills in the blanks and runs the
 checks; an instructor grades by running the same checks.
 """
@@ -19,6 +20,20 @@ from pathlib import Path
 _SOLUTION = re.compile(r"^(?P<fence>`{3,}|:{3,})\{solution(?:-start)?\}.*?^(?P=fence)\s*$\n?", re.M | re.S)
 
 
+_CHECK_CALL = re.compile(r"\b(ch\d\d\.check_\w+)\(")
+
+
+def _answer_cell(solution: dict) -> dict:
+    """An empty code cell for the student's answer, naming the check(s) the solution called."""
+    source = "".join(solution["source"]) if isinstance(solution["source"], list) else solution["source"]
+    checks = list(dict.fromkeys(_CHECK_CALL.findall(source)))
+    lines = ["# Your answer here."] + [f"# Then run: {name}(...)" for name in checks]
+    cell = {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": "\n".join(lines) + "\n"}
+    if "id" in solution:  # nbformat >= 4.5 notebooks need a unique id per cell
+        cell["id"] = f"{solution['id']}-answer"[:64]
+    return cell
+
+
 def strip_solutions(nb: dict) -> tuple[dict, int]:
     """Return ``(student_notebook, number_of_things_removed)``."""
     removed, cells = 0, []
@@ -26,6 +41,7 @@ def strip_solutions(nb: dict) -> tuple[dict, int]:
         tags = cell.get("metadata", {}).get("tags", [])
         if cell["cell_type"] == "code" and "solution" in tags:
             removed += 1
+            cells.append(_answer_cell(cell))
             continue
         if cell["cell_type"] == "markdown":
             source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
