@@ -21,10 +21,18 @@ import torch
 
 from .cache import KVCache
 
-__all__ = ["generate", "stream_generate", "timed_generate", "GenerationResult"]
+__all__ = [
+    "generate",
+    "stream_generate",
+    "timed_generate",
+    "GenerationResult",
+    "check_generation_args",
+    "pick_next_token",
+]
 
 
-def _check_args(model, ids, max_new_tokens, temperature) -> list[int]:
+def check_generation_args(model, ids, max_new_tokens: int, temperature: float) -> list[int]:
+    """Validate the arguments every generation loop shares; return ``ids`` as a list of ints."""
     if isinstance(ids, torch.Tensor):
         if ids.ndim != 1:
             raise ValueError(f"ids must be a 1-D sequence of token ids, got a tensor of shape {tuple(ids.shape)}")
@@ -50,7 +58,7 @@ def _check_args(model, ids, max_new_tokens, temperature) -> list[int]:
     return ids
 
 
-def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+def pick_next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
     """Next token from the last position's logits: argmax, or a sample at ``temperature``."""
     if temperature == 0:
         return int(torch.argmax(logits))
@@ -71,7 +79,7 @@ def stream_generate(
 
     ``eos_token_ids`` defaults to the model's; pass ``()`` to always generate ``max_new_tokens``.
     """
-    ids = _check_args(model, ids, max_new_tokens, temperature)
+    ids = check_generation_args(model, ids, max_new_tokens, temperature)
     stop = set(model.config.eos_token_id if eos_token_ids is None else eos_token_ids)
     generator = None
     if temperature > 0:
@@ -85,7 +93,7 @@ def stream_generate(
         if not use_cache:
             next_input = seq  # naive: recompute everything, every step
         logits = model(torch.tensor([next_input], device=device), cache=cache)
-        token = _pick(logits[0, -1].cpu(), temperature, generator)
+        token = pick_next_token(logits[0, -1].cpu(), temperature, generator)
         seq.append(token)
         yield token
         if token in stop:

@@ -22,7 +22,7 @@ from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 
-from ..generate import _check_args, _pick
+from ..generate import check_generation_args, pick_next_token
 from .block_manager import BlockManager
 from .kv_store import PagedKVStore
 
@@ -219,7 +219,7 @@ def generate_paged(
     ``ids`` are the tokens ``cache`` has not seen yet (the prompt for an empty cache, or a
     continuation for a forked one). Without a ``cache``, a pool just big enough is made.
     """
-    ids = _check_args(model, ids, max_new_tokens, temperature)
+    ids = check_generation_args(model, ids, max_new_tokens, temperature)
     if cache is None:
         num_blocks = max(1, -(-(len(ids) + max_new_tokens) // 16))
         cache = PagedKVCache.for_model(model.config, num_blocks, 16, dtype=model.dtype, device=model.device)
@@ -234,7 +234,7 @@ def generate_paged(
     next_input = ids  # prefill: everything the cache has not seen; then one token per step
     for _ in range(max_new_tokens):
         logits = model(torch.tensor([next_input], device=model.device), cache=cache)
-        token = _pick(logits[0, -1].cpu(), temperature, generator)
+        token = pick_next_token(logits[0, -1].cpu(), temperature, generator)
         out.append(token)
         if token in stop:
             break
