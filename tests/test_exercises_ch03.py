@@ -26,7 +26,7 @@ def test_bytes_per_token_accepts_right_function(capsys):
         (lambda c, b: 2 * c["num_hidden_layers"] * c["num_key_value_heads"]
          * (c["hidden_size"] // c["num_attention_heads"]) * b, "head_dim"),
         (lambda c, b: None, "number"),
-        (lambda c, b: _per_token(c, 2), ""),
+        (lambda c, b: _per_token(c, 2), "bytes_per_value"),
     ],
 )
 def test_bytes_per_token_rejects_wrong_functions(wrong, hint):

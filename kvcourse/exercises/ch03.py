@@ -25,7 +25,9 @@ def check_bytes_per_token(fn: Callable[[dict, float], float]) -> bool:
         layers, heads, kv = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
         head_dim = config.get("head_dim") or config["hidden_size"] // heads
         hint = ""
-        if got == want // 2:
+        if nbytes != 2 and got == want * 2 // nbytes:
+            hint = "Use bytes_per_value: the answer must change with the dtype (4 bytes for fp32, 2 for bf16)."
+        elif got == want // 2:
             hint = "The cache holds two tensors per layer: K and V."
         elif kv != heads and got == want * heads // kv:
             hint = "Under GQA only num_key_value_heads heads are cached, not num_attention_heads."
