@@ -1,139 +1,155 @@
-"""Reference attention in plain torch, with grouped-query attention (GQA).
+"""Attention backends: where a layer's new K/V go, and which K/V its queries read.
 
-Two functions, the two shapes attention takes during generation:
+The model computes ``q, k, v`` for its new tokens (RoPE applied) and hands them to one callable:
 
-* :func:`causal_attention` -- every query of a sequence against every key at or
-  before it (the naive loop and prefill both do this);
-* :func:`decode_attention_ref` -- one new query per sequence against the keys and
-  values already in the cache (decode does this).
+    out = attn(layer_idx, q, k, v)      # q [B, T, Hq, D], k, v [B, T, Hkv, D] -> [B, T, Hq, D]
 
-Layout follows the serving engines: ``[batch, heads, tokens, head_dim]``.
-With GQA, ``Hq`` query heads share ``Hkv`` key/value heads: query head ``h``
-reads KV head ``h // (Hq // Hkv)``.
+Everything about caches lives behind that call, so the same model runs three ways:
 
-These are the ground truth that every faster path in the course (the cached
-model, the paged cache, the Triton kernels) is tested against, so they favour
-clarity and strict input checks over speed.
+* :class:`NoCache` -- chapter 1's naive loop: attend over this forward's own tokens, keep nothing;
+* :class:`ContiguousBackend` -- chapter 2's :class:`~kvcourse.KVCache`: append, attend over the history;
+* :class:`PagedTorchBackend` -- chapter 4 on: a ragged :class:`~kvcourse.batch.ForwardBatch` of many
+  sequences; new K/V scattered into a paged pool through ``slot_mapping``, queries reading the pool
+  through ``block_tables``. Chapter 5's ``"triton"`` backend replaces its decode and write paths.
+
+A backend is built once per forward step, before any layer runs, with everything it needs (the
+cache and the start position, or the pool and the batch). The layers never allocate memory and never
+depend on the order in which they run. Causal masks come from token positions.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 
-__all__ = ["causal_attention", "decode_attention_ref", "repeat_kv", "check_qkv"]
+from .batch import ForwardBatch
+from .kernels.reference import causal_attention, paged_attention, reshape_and_cache_ref
+
+__all__ = [
+    "AttentionBackend",
+    "ContiguousBackend",
+    "KVCacheLike",
+    "NoCache",
+    "PAGED_BACKENDS",
+    "PagedTorchBackend",
+    "paged_backend",
+]
 
 
-def _check_tensor(name: str, t: object, ndim: int, shape_doc: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor {shape_doc}, got {type(t).__name__}")
-    if t.ndim != ndim:
-        raise ValueError(f"{name} must have rank {ndim} {shape_doc}, got shape {tuple(t.shape)}")
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    return t
+class AttentionBackend(Protocol):
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_shape_doc: str) -> tuple[int, int]:
-    """Validate a GQA (q, k, v) triple; return ``(Hq, Hkv)``.
+class KVCacheLike(Protocol):
+    """What a contiguous cache gives the model: the tokens it holds, and an append that returns the history."""
 
-    ``q`` may be ``[B, Hq, T, D]`` or ``[B, Hq, D]``; ``k`` and ``v`` are
-    ``[B, Hkv, S, D]``. Raises ``TypeError``/``ValueError`` naming the argument.
+    @property
+    def seq_len(self) -> int: ...
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)  # [B, T, H, D] <-> [B, H, T, D]
+
+
+class NoCache:
+    """No cache: the forward sees the whole sequence, positions ``0 .. T-1``, and recomputes every K/V."""
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _heads_first(causal_attention(_heads_first(q), _heads_first(k), _heads_first(v), q_offset=0))
+
+
+class ContiguousBackend:
+    """A contiguous cache holding ``start`` tokens; this forward's tokens sit at positions ``start ..``."""
+
+    def __init__(self, cache: KVCacheLike, start: int) -> None:
+        self.cache, self.start = cache, start
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Store this step's K/V and get back the whole history: the heart of chapter 2.
+        k_all, v_all = self.cache.update(layer_idx, _heads_first(k), _heads_first(v))
+        if k_all.shape[2] != self.start + k.shape[1]:
+            raise ValueError(
+                f"cache.update(layer {layer_idx}) returned {k_all.shape[2]} keys, but the cache held "
+                f"seq_len={self.start} tokens before this forward and {k.shape[1]} were added: expected "
+                f"{self.start + k.shape[1]}"
+            )
+        out = causal_attention(_heads_first(q), k_all, v_all, q_offset=self.start)
+        return _heads_first(out)
+
+
+class PagedTorchBackend:
+    """A ragged batch on a paged pool, in plain torch (the reference every faster backend must equal).
+
+    Per layer: write the new K/V into their slots, then attend. Sequences with one new token (decodes)
+    are attended together; each prefill or prefill chunk is attended on its own.
     """
-    _check_tensor("q", q, len(q_shape_doc.split(",")), q_shape_doc)
-    _check_tensor("k", k, 4, "[B, Hkv, S, D]")
-    _check_tensor("v", v, 4, "[B, Hkv, S, D]")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has dtype {q.dtype}; they must match")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must be on one device")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    batch, hq, head_dim = q.shape[0], q.shape[1], q.shape[-1]
-    if k.shape[0] != batch:
-        raise ValueError(f"k has batch size {k.shape[0]} but q has {batch}")
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"k has head_dim {k.shape[-1]} but q has {head_dim}")
-    hkv = k.shape[1]
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(
-            f"the number of query heads in q ({hq}) must be a multiple of the number of KV heads in k ({hkv})"
-        )
-    return hq, hkv
+
+    def __init__(self, kv_pool, batch: ForwardBatch) -> None:
+        if not isinstance(batch, ForwardBatch):
+            raise TypeError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
+        self.pool, self.batch = kv_pool, batch
+        qsl, lens = batch.query_start_loc_host, batch.seq_lens_host
+        # Split the batch once per step, on the host, so no layer has to ask the device.
+        self.decode_seqs = [b for b in range(batch.num_seqs) if qsl[b + 1] - qsl[b] == 1]
+        self.prefill_seqs = [b for b in range(batch.num_seqs) if qsl[b + 1] - qsl[b] > 1]
+        device = batch.input_ids.device
+        idx = torch.tensor(self.decode_seqs, dtype=torch.int64, device=device)
+        self.all_decode = len(self.decode_seqs) == batch.num_seqs
+        self.decode_rows = batch.query_start_loc[:-1].to(torch.int64)[idx]  # each decode's row in the batch
+        self.decode_tables = batch.block_tables[idx]
+        self.decode_lens = batch.seq_lens[idx]
+        self.decode_max_len = max((lens[b] for b in self.decode_seqs), default=0)
+        self.scale = 1.0 / math.sqrt(kv_pool.head_dim)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = q[0], k[0], v[0]  # the batch is one packed row: [N, H, D]
+        self.write_kv(layer_idx, k, v)
+        if self.all_decode:  # the common serving step: one token per sequence, rows in order
+            return self.decode(layer_idx, q)[None]
+        out = torch.empty_like(q)
+        if self.decode_seqs:
+            out[self.decode_rows] = self.decode(layer_idx, q[self.decode_rows])
+        qsl = self.batch.query_start_loc_host
+        for b in self.prefill_seqs:
+            out[qsl[b] : qsl[b + 1]] = self.prefill(layer_idx, q, b)
+        return out[None]
+
+    # ---- the three operations a faster backend may replace ------------------------------------
+    def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Scatter the new tokens' K/V into their slots (vLLM's ``reshape_and_cache``)."""
+        k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
+        reshape_and_cache_ref(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache,
+                              self.batch.slot_mapping, check=False)  # fmt: skip
+
+    def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """One query per decoding sequence, ``q [Bd, Hq, D]``, against its blocks."""
+        lens = self.decode_lens
+        out = paged_attention(
+            q[:, None], (lens.to(torch.int64) - 1)[:, None], self.pool.k_cache[layer_idx],
+            self.pool.v_cache[layer_idx], self.decode_tables, lens, self.scale, self.decode_max_len,
+        )  # fmt: skip
+        return out[:, 0]
+
+    def prefill(self, layer_idx: int, q: torch.Tensor, b: int) -> torch.Tensor:
+        """Sequence ``b``'s chunk of queries against its blocks (the chunk's own K/V already written)."""
+        lo, hi = self.batch.query_start_loc_host[b], self.batch.query_start_loc_host[b + 1]
+        out = paged_attention(
+            q[None, lo:hi], self.batch.positions[None, lo:hi], self.pool.k_cache[layer_idx],
+            self.pool.v_cache[layer_idx], self.batch.block_tables[b : b + 1], self.batch.seq_lens[b : b + 1],
+            self.scale, self.batch.seq_lens_host[b],
+        )  # fmt: skip
+        return out[0]
 
 
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Expand ``[B, Hkv, S, D]`` to ``[B, Hkv * n_rep, S, D]`` so each query head has its KV head.
-
-    This is a copy for clarity; a kernel reads the shared head in place instead.
-    """
-    if n_rep == 1:
-        return x
-    b, hkv, s, d = x.shape
-    return x[:, :, None].expand(b, hkv, n_rep, s, d).reshape(b, hkv * n_rep, s, d)
+PAGED_BACKENDS: dict[str, type] = {"paged-torch": PagedTorchBackend}
 
 
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, q_offset: int | None = None
-) -> torch.Tensor:
-    """Causal softmax attention, ``q [B, Hq, T, D]``, ``k, v [B, Hkv, S, D]`` -> ``[B, Hq, T, D]``.
-
-    Query ``i`` sits at absolute position ``q_offset + i`` and may attend to keys
-    ``0 .. q_offset + i``. ``q_offset`` defaults to ``S - T``: the queries are the
-    last ``T`` tokens, which covers both a whole sequence (``S == T``) and a new
-    chunk appended to a cache.
-    """
-    hq, hkv = check_qkv(q, k, v, "[B, Hq, T, D]")
-    t, s = q.shape[2], k.shape[2]
-    if q_offset is None:
-        q_offset = s - t
-    if q_offset < 0 or q_offset + t > s:
-        raise ValueError(f"q_offset={q_offset} with {t} queries does not fit in {s} keys")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    b, _, _, d = q.shape
-    n_rep = hq // hkv
-    # Stack each KV head's query heads along the token axis, [B, Hkv, n_rep * T, D], so every group
-    # reads its shared K and V in place: the same result as repeat_kv, without copying the cache.
-    q_grouped = (q * scale).reshape(b, hkv, n_rep * t, d)
-    scores = q_grouped @ k.transpose(-1, -2)  # [B, Hkv, n_rep * T, S]
-    if t > 1 or q_offset != s - 1:  # one query at the end sees every key: nothing to mask
-        q_pos = torch.arange(t, device=q.device)[:, None] + q_offset
-        k_pos = torch.arange(s, device=q.device)[None, :]
-        future = (k_pos > q_pos).repeat(n_rep, 1)  # [n_rep * T, S], the causal mask for each group
-        scores = scores.masked_fill(future, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return (probs @ v).reshape(b, hq, t, d)
-
-
-def decode_attention_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    seq_lens: torch.Tensor | list[int] | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """One decode step: ``q [B, Hq, D]`` against cached ``k, v [B, Hkv, S, D]`` -> ``[B, Hq, D]``.
-
-    ``seq_lens[b]`` is how many cached tokens sequence ``b`` really has (the rest
-    of its ``S`` slots are padding); ``None`` means all ``S``. No causal mask is
-    needed: the new token is the last one, so it may see every cached token.
-    """
-    hq, hkv = check_qkv(q, k, v, "[B, Hq, D]")
-    batch, s = q.shape[0], k.shape[2]
-    if seq_lens is None:
-        lens = torch.full((batch,), s, device=q.device)
-    else:
-        lens = torch.as_tensor(seq_lens, device=q.device)
-        if lens.shape != (batch,):
-            raise ValueError(f"seq_lens must have shape [B]=[{batch}], got {tuple(lens.shape)}")
-        if bool((lens < 1).any()) or bool((lens > s).any()):
-            raise ValueError(f"seq_lens must lie in [1, {s}] (the cache length), got {lens.tolist()}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    k, v = repeat_kv(k, hq // hkv), repeat_kv(v, hq // hkv)
-    scores = torch.einsum("bhd,bhsd->bhs", q, k) * scale
-    valid = torch.arange(s, device=q.device)[None, :] < lens[:, None]  # [B, S]
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.einsum("bhs,bhsd->bhd", probs, v)
+def paged_backend(name: str, kv_pool, batch: ForwardBatch) -> AttentionBackend:
+    """The paged backend called ``name`` for one step of ``batch`` on ``kv_pool``."""
+    if name not in PAGED_BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(PAGED_BACKENDS)}, got {name!r}")
+    return PAGED_BACKENDS[name](kv_pool, batch)

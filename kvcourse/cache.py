@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .utils import check_config
+
 __all__ = ["KVCache", "CacheOverflowError"]
 
 
@@ -87,6 +89,7 @@ class KVCache:
         ``max_seq_len`` defaults to the model's context length
         (``config.max_position_embeddings``); memory is still allocated lazily.
         """
+        check_config(config)
         return cls(
             num_layers=config.num_hidden_layers,
             batch_size=batch_size,

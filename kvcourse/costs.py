@@ -18,6 +18,8 @@ feeds the prompt at step 0 (prefill) and one token afterwards (decode).
 from __future__ import annotations
 
 __all__ = [
+    "matmul_parameters",
+    "transformer_flops",
     "tokens_fed",
     "kv_projections_per_step",
     "kv_projections_total",
@@ -62,23 +64,37 @@ def kv_projections_total(prompt_len: int, new_tokens: int, use_cache: bool, num_
     return per_layer * num_layers
 
 
-def forward_flops(config, num_tokens: int, start_pos: int = 0) -> int:
-    """Matmul FLOPs of one forward pass over ``num_tokens`` tokens at positions ``start_pos ..``.
+def transformer_flops(matmul_params: int, num_layers: int, q_width: int, num_tokens: int, start_pos: int = 0) -> int:
+    """FLOPs of one forward over ``num_tokens`` tokens at positions ``start_pos ..``: the one formula.
 
-    Each token attends to every position up to its own (causal), cached or not.
-    ``config`` is a :class:`kvcourse.model.LlamaConfig` (or anything with its field names).
+    ``2 x matmul_params`` per token for the products against the weights, plus ``2 x 2 x q_width``
+    per (query, key) pair for attention's ``Q K^T`` and ``P V`` in each layer. Causal: the token at
+    position ``p`` sees ``p + 1`` keys, cached or not.
     """
     if num_tokens < 1 or start_pos < 0:
         raise ValueError(f"need num_tokens >= 1 and start_pos >= 0, got {num_tokens}, {start_pos}")
+    keys_seen = num_tokens * start_pos + num_tokens * (num_tokens + 1) // 2  # (start+1) + ... + (start+n)
+    return 2 * matmul_params * num_tokens + 2 * 2 * num_layers * q_width * keys_seen
+
+
+def matmul_parameters(config) -> int:
+    """Weights a token is multiplied by in :class:`kvcourse.model.LlamaModel`: projections, MLP, output head.
+
+    The input embedding is a lookup, not a product; norms are left out (O(hidden) per token).
+    """
     h, d = config.hidden_size, config.head_dim
     q_dim, kv_dim = config.num_attention_heads * d, config.num_key_value_heads * d
-    per_token_linear = 2 * (h * q_dim + 2 * h * kv_dim + q_dim * h + 3 * h * config.intermediate_size)
-    # Keys seen by the queries: (start+1) + (start+2) + ... + (start+num_tokens).
-    keys_seen = num_tokens * start_pos + num_tokens * (num_tokens + 1) // 2
-    attention = 2 * 2 * keys_seen * q_dim  # QK^T and PV, for every query head
-    layers = config.num_hidden_layers * (num_tokens * per_token_linear + attention)
-    head = 2 * num_tokens * h * config.vocab_size
-    return layers + head
+    per_layer = h * q_dim + 2 * h * kv_dim + q_dim * h + 3 * h * config.intermediate_size  # Q, K, V, O, SwiGLU
+    return config.num_hidden_layers * per_layer + h * config.vocab_size
+
+
+def forward_flops(config, num_tokens: int, start_pos: int = 0) -> int:
+    """Matmul FLOPs of one forward pass of our model over ``num_tokens`` tokens at positions ``start_pos ..``.
+
+    ``config`` is a :class:`kvcourse.model.LlamaConfig` (or anything with its field names).
+    """
+    q_width = config.num_attention_heads * config.head_dim
+    return transformer_flops(matmul_parameters(config), config.num_hidden_layers, q_width, num_tokens, start_pos)
 
 
 def step_flops(config, prompt_len: int, step: int, use_cache: bool) -> int:

@@ -1,38 +1,35 @@
-"""The generation loop, naive and cached.
+"""The generation loop: one loop, three ways to run a step.
 
-* ``use_cache=False`` -- chapter 1's naive loop: every step feeds the *whole*
-  sequence through the model again, recomputing every earlier token's K and V.
-* ``use_cache=True`` -- chapter 2: one **prefill** pass over the prompt fills the
-  KV cache, then each **decode** step feeds only the newest token.
+* no cache (``use_cache=False``) -- chapter 1's naive loop: every step feeds the *whole* sequence
+  through the model again, recomputing every earlier token's K and V;
+* a contiguous :class:`~kvcourse.KVCache` -- chapter 2: one **prefill** over the prompt fills the
+  cache, then each **decode** step feeds only the newest token;
+* a :class:`~kvcourse.paged.PagedKVCache` -- chapter 4: the same, on blocks of a shared pool; before
+  each step the cache allocates slots for the new tokens, then ``model.forward_batch`` runs it.
 
-Both pick tokens the same way (greedy, or temperature sampling with a seeded
-generator), so for the same inputs they must produce the same tokens.
-:func:`stream_generate` yields tokens as they come; :func:`timed_generate`
-also measures time to first token (TTFT) and time per output token (TPOT).
+All three pick tokens with the same :class:`~kvcourse.sequence.Sampler` (greedy, or seeded sampling
+with temperature, top-k and top-p), so for the same inputs they produce the same tokens.
+:func:`stream_generate` yields tokens as they come; :func:`timed_generate` also measures time to
+first token (TTFT) and time per output token (TPOT).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .cache import KVCache
+from .paged.cache import PagedKVCache
+from .sequence import Sampler, SamplingParams
+from .sequence import Sequence as Seq
 
-__all__ = [
-    "generate",
-    "stream_generate",
-    "timed_generate",
-    "GenerationResult",
-    "check_generation_args",
-    "pick_next_token",
-]
+__all__ = ["GenerationResult", "generate", "generate_paged", "stream_generate", "timed_generate"]
 
 
-def check_generation_args(model, ids, max_new_tokens: int, temperature: float) -> list[int]:
-    """Validate the arguments every generation loop shares; return ``ids`` as a list of ints."""
+def _check_ids(model, ids) -> list[int]:
     if isinstance(ids, torch.Tensor):
         if ids.ndim != 1:
             raise ValueError(f"ids must be a 1-D sequence of token ids, got a tensor of shape {tuple(ids.shape)}")
@@ -46,72 +43,130 @@ def check_generation_args(model, ids, max_new_tokens: int, temperature: float) -
     bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab]
     if bad:
         raise ValueError(f"ids must be ints in [0, {vocab}), got {bad[:5]}")
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    if len(ids) + max_new_tokens > model.config.max_position_embeddings:
-        raise ValueError(
-            f"len(ids) + max_new_tokens = {len(ids) + max_new_tokens} exceeds the model's context length "
-            f"({model.config.max_position_embeddings})"
-        )
     return ids
 
 
-def pick_next_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """Next token from the last position's logits: argmax, or a sample at ``temperature``."""
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def _params(max_new_tokens, temperature, seed, eos_token_ids, sampling_params) -> SamplingParams:
+    """One :class:`SamplingParams` from either the keyword arguments or ``sampling_params`` (not both)."""
+    if sampling_params is None:
+        return SamplingParams(
+            max_new_tokens=16 if max_new_tokens is None else max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            stop_token_ids=None if eos_token_ids is None else tuple(eos_token_ids),
+        )
+    if not isinstance(sampling_params, SamplingParams):
+        raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+    given = [n for n, v, d in (("max_new_tokens", max_new_tokens, None), ("temperature", temperature, 0.0),
+                               ("seed", seed, None), ("eos_token_ids", eos_token_ids, None)) if v != d]  # fmt: skip
+    if given:
+        raise ValueError(f"give either sampling_params or {', '.join(given)}, not both")
+    return sampling_params
+
+
+def _step_function(model, use_cache: bool, cache) -> tuple[Callable[[list[int]], torch.Tensor], int]:
+    """How to run one step: ``step(new_token_ids) -> logits of the last position``; and the tokens cached already."""
+    device = model.device
+    if cache is None and not use_cache:
+        return (lambda feed: model(torch.tensor([feed], device=device))[0, -1]), 0
+    if cache is None:
+        cache = KVCache.for_model(model.config, batch_size=1, dtype=model.dtype, device=device)
+    elif not use_cache:
+        raise ValueError("cache was given but use_cache=False: pass one or the other")
+    if isinstance(cache, PagedKVCache):
+        # Allocate the step's slots first (copy-on-write included), then run the ragged forward.
+        return (lambda feed: model.forward_batch(cache.prepare(feed), cache.kv_store)[0]), cache.seq_len
+    if isinstance(cache, KVCache) or (hasattr(cache, "update") and hasattr(cache, "seq_len")):
+        if getattr(cache, "batch_size", 1) != 1:
+            raise ValueError(f"cache must hold one sequence to generate, it has batch_size={cache.batch_size}")
+        return (lambda feed: model(torch.tensor([feed], device=device), cache=cache)[0, -1]), cache.seq_len
+    raise TypeError(f"cache must be a KVCache, a PagedKVCache or None, got {type(cache).__name__}")
 
 
 def stream_generate(
     model,
     ids: Sequence[int],
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
     use_cache: bool = True,
     temperature: float = 0.0,
     seed: int | None = None,
     eos_token_ids: Iterable[int] | None = None,
+    *,
+    sampling_params: SamplingParams | None = None,
+    cache: KVCache | PagedKVCache | None = None,
 ) -> Iterator[int]:
-    """Yield new token ids one at a time, stopping after an EOS token or ``max_new_tokens``.
+    """Yield new token ids one at a time, stopping after a stop token (EOS) or ``max_new_tokens``.
 
-    ``eos_token_ids`` defaults to the model's; pass ``()`` to always generate ``max_new_tokens``.
+    Args:
+        ids: the tokens to feed first: the prompt, or, with a ``cache`` that already holds a context,
+            what comes after it.
+        max_new_tokens, temperature, seed, eos_token_ids: the sampling settings (see
+            :class:`~kvcourse.sequence.SamplingParams`; ``eos_token_ids`` defaults to the model's,
+            ``()`` never stops early), or pass ``sampling_params`` instead.
+        use_cache: ``False`` for the naive loop that recomputes everything.
+        cache: a cache to fill (and keep using afterwards); by default a fresh contiguous one.
     """
-    ids = check_generation_args(model, ids, max_new_tokens, temperature)
-    stop = set(model.config.eos_token_id if eos_token_ids is None else eos_token_ids)
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(0 if seed is None else seed)
-    device = model.device
-    seq = list(ids)
-    cache = KVCache.for_model(model.config, batch_size=1, dtype=model.dtype, device=device) if use_cache else None
-    next_input = seq  # prefill: the whole prompt; afterwards, only what the cache has not seen
-    for _ in range(max_new_tokens):
-        if not use_cache:
-            next_input = seq  # naive: recompute everything, every step
-        logits = model(torch.tensor([next_input], device=device), cache=cache)
-        token = pick_next_token(logits[0, -1].cpu(), temperature, generator)
-        seq.append(token)
+    params = _params(max_new_tokens, temperature, seed, eos_token_ids, sampling_params)
+    ids = _check_ids(model, ids)
+    step, cached = _step_function(model, use_cache, cache)
+    if cached + len(ids) + params.max_new_tokens > model.config.max_position_embeddings:
+        raise ValueError(
+            f"{cached} cached + {len(ids)} ids + {params.max_new_tokens} max_new_tokens exceeds the model's "
+            f"context length ({model.config.max_position_embeddings})"
+        )
+    seq = Seq(0, ids, params, eos_token_ids=model.config.eos_token_id)
+    sample = Sampler(params)
+    feed = ids  # prefill: everything the cache has not seen; then the newest token only
+    while not seq.is_finished:
+        if use_cache:
+            logits = step(feed)
+            seq.num_computed_tokens += len(feed)
+        else:
+            logits = step(seq.token_ids)  # naive: recompute everything, every step
+        token = sample(logits)
+        seq.append_token(token)
         yield token
-        if token in stop:
-            return
-        next_input = [token]
+        feed = [token]
 
 
 def generate(
     model,
     ids: Sequence[int],
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
     use_cache: bool = True,
     temperature: float = 0.0,
     seed: int | None = None,
     eos_token_ids: Iterable[int] | None = None,
+    *,
+    sampling_params: SamplingParams | None = None,
+    cache: KVCache | PagedKVCache | None = None,
 ) -> list[int]:
-    """The new token ids (greedy by default), EOS included if it was generated."""
-    return list(stream_generate(model, ids, max_new_tokens, use_cache, temperature, seed, eos_token_ids))
+    """The new token ids (greedy by default), the stop token included if one was generated."""
+    return list(stream_generate(model, ids, max_new_tokens, use_cache, temperature, seed, eos_token_ids,
+                                sampling_params=sampling_params, cache=cache))  # fmt: skip
+
+
+def generate_paged(
+    model,
+    ids: Sequence[int],
+    max_new_tokens: int,
+    cache: PagedKVCache | None = None,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    eos_token_ids: Iterable[int] | None = None,
+) -> list[int]:
+    """:func:`generate` through a :class:`~kvcourse.paged.PagedKVCache` (by default a pool just big enough).
+
+    ``ids`` are the tokens ``cache`` has not seen yet: the prompt for an empty cache, a continuation
+    for a forked one.
+    """
+    if cache is None:
+        ids = _check_ids(model, ids)
+        num_blocks = -(-(len(ids) + max(max_new_tokens, 1)) // 16)
+        cache = PagedKVCache.for_model(model.config, num_blocks, 16, dtype=model.dtype, device=model.device)
+    elif not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be a PagedKVCache or None, got {type(cache).__name__}")
+    return generate(model, ids, max_new_tokens, True, temperature, seed, eos_token_ids, cache=cache)
 
 
 @dataclass
@@ -140,16 +195,20 @@ class GenerationResult:
 def timed_generate(
     model,
     ids: Sequence[int],
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
     use_cache: bool = True,
     temperature: float = 0.0,
     seed: int | None = None,
     eos_token_ids: Iterable[int] | None = None,
+    *,
+    sampling_params: SamplingParams | None = None,
+    cache: KVCache | PagedKVCache | None = None,
 ) -> GenerationResult:
     """:func:`generate`, timing each step with a wall clock (synchronising CUDA when used)."""
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     tokens, times = [], []
-    stream = stream_generate(model, ids, max_new_tokens, use_cache, temperature, seed, eos_token_ids)
+    stream = stream_generate(model, ids, max_new_tokens, use_cache, temperature, seed, eos_token_ids,
+                             sampling_params=sampling_params, cache=cache)  # fmt: skip
     while True:
         sync()
         start = time.perf_counter()

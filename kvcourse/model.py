@@ -4,24 +4,30 @@ Embedding -> N x [RMSNorm -> GQA attention with RoPE -> residual -> RMSNorm -> S
 -> RMSNorm -> output head. The names follow the Llama paper and Hugging Face's
 ``modeling_llama.py`` so that weights map one to one.
 
-The only thing that makes this a *course* model is the ``cache`` argument:
-``model(input_ids, cache=cache)`` runs the new tokens only, appends their K and
-V to the cache, and attends against everything the cache holds. With
-``cache=None`` the model recomputes the whole sequence, as the naive loop does.
+What makes this a *course* model is where attention goes. Every layer hands its new
+tokens' Q, K and V (RoPE applied) to an **attention backend** (:mod:`kvcourse.attention`) and
+knows nothing about caches. Two entry points choose the backend:
+
+* ``model(input_ids, cache=None)`` -- chapters 1-2: ``[B, T]`` tokens of equal-length sequences.
+  Without a cache the model recomputes the whole sequence (the naive loop); with a contiguous
+  :class:`~kvcourse.KVCache` it runs the new tokens only, appends their K/V and attends over the history.
+* ``model.forward_batch(batch, kv_pool)`` -- chapter 4 on: one ragged step of many sequences (whole
+  prompts, prefill chunks and decode tokens mixed) described by a :class:`~kvcourse.batch.ForwardBatch`,
+  its K/V in a paged pool.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import causal_attention
+from .attention import AttentionBackend, ContiguousBackend, KVCacheLike, NoCache, paged_backend
+from .batch import ForwardBatch
 
-__all__ = ["LlamaConfig", "LlamaModel", "KVCacheLike"]
+__all__ = ["LlamaConfig", "LlamaModel", "KVCacheLike", "apply_rope", "rope_cos_sin"]
 
 
 @dataclass
@@ -55,14 +61,6 @@ class LlamaConfig:
         return asdict(self)
 
 
-class KVCacheLike(Protocol):
-    """What the model needs from a cache (the contiguous and the paged one both provide it)."""
-
-    seq_len: int
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -85,7 +83,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [B, H, T, D]`` by position. K is rotated *before* it is cached, so it never changes again."""
+    """Rotate ``x`` by position; ``cos``/``sin`` broadcast against it (``[T, D]`` for ``x [B, H, T, D]``,
+    ``[T, 1, D]`` for ``x [B, T, H, D]``). K is rotated *before* it is cached, so it never changes again."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
@@ -106,19 +105,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCacheLike | None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)  # [B, T, H, D]: token-major
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            # Store this step's K/V and get back the whole history: the heart of the course.
-            k, v = cache.update(self.layer_idx, k, v)
-        out = causal_attention(q, k, v)  # the last t of the keys are the queries' own tokens
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        out = attn(self.layer_idx, q, k, v)  # the backend stores K/V (or not) and attends
+        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -142,13 +136,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
-    """``model(input_ids [B, T], cache=None) -> logits [B, T, vocab]``.
+    """``model(input_ids [B, T], cache=None) -> logits [B, T, vocab]``; ``model.forward_batch(batch, kv_pool)``.
 
     With a cache holding ``S`` tokens, ``input_ids`` are taken to be positions
     ``S .. S+T-1``; their K and V are appended to the cache in place.
@@ -170,19 +164,55 @@ class LlamaModel(nn.Module):
             raise TypeError(f"input_ids must be an integer torch.Tensor [B, T], got {type(input_ids).__name__}")
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
-        start = 0 if cache is None else cache.seq_len
-        end = start + input_ids.shape[1]
-        if end > self.config.max_position_embeddings:
+        if cache is not None and not (hasattr(cache, "update") and hasattr(cache, "seq_len")):
+            raise TypeError(
+                f"cache must be a contiguous cache with seq_len and update() (a kvcourse.KVCache), got "
+                f"{type(cache).__name__}; a paged cache runs through model.forward_batch(cache.prepare(ids), cache.kv_store)"
+            )
+        start = 0 if cache is None else cache.seq_len  # read once, before any layer runs
+        self._check_context(start + input_ids.shape[1])
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+        attn = NoCache() if cache is None else ContiguousBackend(cache, start)
+        return self.lm_head(self.hidden_states(input_ids, positions, attn))
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, batch: ForwardBatch, kv_pool, backend: str = "paged-torch", all_logits: bool = False
+    ) -> torch.Tensor:
+        """One ragged step on a paged pool: logits ``[B, vocab]`` at each sequence's last new token.
+
+        ``all_logits=True`` returns ``[N, vocab]``, one row per packed token. The caller has already
+        allocated every slot the batch writes (copy-on-write copies included).
+        """
+        if not isinstance(batch, ForwardBatch):
+            raise TypeError(f"batch must be a kvcourse.batch.ForwardBatch, got {type(batch).__name__}")
+        if batch.block_size != kv_pool.block_size or batch.max_block_host >= kv_pool.num_blocks:
             raise ValueError(
-                f"sequence of {end} tokens exceeds the model's context length "
+                f"batch does not fit kv_pool: block_size {batch.block_size} vs {kv_pool.block_size}, "
+                f"largest block {batch.max_block_host} vs a pool of {kv_pool.num_blocks} blocks"
+            )
+        self._check_context(batch.max_seq_len)
+        batch = batch.to(self.device)
+        hidden = self.hidden_states(batch.input_ids[None], batch.positions, paged_backend(backend, kv_pool, batch))[0]
+        if not all_logits:
+            hidden = hidden[batch.last_token_indices]  # only the rows whose next token we need
+        return self.lm_head(hidden)
+
+    def _check_context(self, num_tokens: int) -> None:
+        if num_tokens > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence of {num_tokens} tokens exceeds the model's context length "
                 f"({self.config.max_position_embeddings} positions)"
             )
-        positions = torch.arange(start, end, device=input_ids.device)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """The decoder stack: ``input_ids [B, T]`` at ``positions [T]`` -> final-norm hidden states ``[B, T, hidden]``."""
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]: broadcast over heads
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache)
-        return self.lm_head(self.norm(x))
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
 
     @property
     def device(self) -> torch.device:

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-__all__ = ["seed_everything", "default_device", "glue", "in_colab"]
+__all__ = ["check_config", "seed_everything", "default_device", "glue", "in_colab"]
 
 
 def seed_everything(seed: int = 0) -> None:
@@ -42,3 +42,17 @@ def glue(name: str, value, display: bool = False):
         return value
     _glue(name, value, display=display)
     return value
+
+
+_CONFIG_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def check_config(config: object, name: str = "config") -> None:
+    """Raise a clear ``TypeError`` unless ``config`` is a model config (``model.config``), not the model."""
+    if isinstance(config, torch.nn.Module):
+        raise TypeError(f"{name} must be the model's config (model.config), got the model itself")
+    missing = [f for f in _CONFIG_FIELDS if not hasattr(config, f)]
+    if missing:
+        raise TypeError(
+            f"{name} must be a kvcourse.LlamaConfig (model.config), got {type(config).__name__} without {missing}"
+        )

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..attention import decode_attention_ref
+from ..kernels.reference import decode_attention_ref
 from ._core import ExerciseError, expect_close, passed, call_learner
 
 __all__ = ["check_cache_bytes", "check_request_latency", "check_decode_attention", "smollm2_cache_bytes"]

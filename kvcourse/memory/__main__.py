@@ -18,8 +18,10 @@ from . import (
     kv_bytes_per_token,
     kv_cache_bytes,
     kv_layout,
+    load_config,
     weight_bytes,
 )
+from .units import dtype_key
 
 
 def _positive(text: str) -> int:
@@ -30,6 +32,23 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def _dtype(text: str) -> str:
+    """A dtype name as the Python API accepts it (``bf16``, ``bfloat16``, ``torch.float16``, ...)."""
+    try:
+        return dtype_key(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def context_note(config, seq_len: int) -> str | None:
+    """A warning line when ``seq_len`` is beyond the model's trained context, else ``None``."""
+    limit = load_config(config).get("max_position_embeddings")
+    if isinstance(limit, int) and seq_len > limit:
+        return (f"note: --seq-len {seq_len:,} is beyond the model's context length ({limit:,} positions, "
+                "max_position_embeddings); the bill is computed anyway")  # fmt: skip
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,14 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--list", action="store_true", help="list the catalog models and their sources, then exit")
     parser.add_argument("--seq-len", type=_positive, default=8192, help="tokens per sequence (default 8192)")
     parser.add_argument("--batch-size", type=_positive, default=1, help="concurrent sequences (default 1)")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="KV cache dtype (default bf16)")
+    dtypes = ", ".join(sorted(DTYPE_BYTES))
+    parser.add_argument("--dtype", type=_dtype, default="bf16", help=f"KV cache dtype: {dtypes} (default bf16)")
     parser.add_argument("--tp-size", type=_positive, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument(
         "--quant-group-size", type=_positive, default=None,
         help="for fp8/int8/int4: count one fp16 scale per this many values (default: payload only)",
     )
     parser.add_argument(
-        "--weight-dtype", choices=sorted(DTYPE_BYTES), default="bf16",
+        "--weight-dtype", type=_dtype, default="bf16",
         help="dtype of the weights, for the weights row of catalog models (default bf16)",
     )
     return parser
@@ -110,9 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         text = report(config, args.model or args.config, args.seq_len, args.batch_size, args.dtype, args.tp_size,
                       args.quant_group_size, args.weight_dtype)
+        note = context_note(config, args.seq_len)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     print(text)
+    if note:
+        print(note, file=sys.stderr)
     return 0
 
 

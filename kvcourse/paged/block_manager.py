@@ -17,7 +17,8 @@ so the caller copies the K/V data too. A block returns to the free list when its
 reference count drops to zero.
 
 This module only does bookkeeping (pure Python, no tensors); the K/V data lives in
-:class:`kvcourse.paged.PagedKVStore`. Every operation either succeeds completely
+:class:`kvcourse.paged.PagedKVStore`, and the slot a token's K/V goes to is
+:func:`kvcourse.batch.slot_mapping` of its block table. Every operation either succeeds completely
 or raises and leaves the state exactly as it was.
 """
 
@@ -118,22 +119,11 @@ class BlockManager:
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Whether ``append_slots(seq_id, num_tokens)`` would succeed."""
-        return self._blocks_needed_to_append(seq_id, num_tokens) <= len(self._free)
+        return self.blocks_to_append(seq_id, num_tokens) <= len(self._free)
 
-    def slot_mapping(self, seq_id: Hashable, start: int = 0, end: int | None = None) -> list[int]:
-        """Physical slots of positions ``start .. end-1`` (``end`` defaults to ``num_tokens``).
-
-        Slot ``s`` is offset ``s % block_size`` of block ``s // block_size`` in a pool viewed
-        as one flat array of ``num_blocks * block_size`` token slots.
-        """
-        table, n = self._table(seq_id), self._num_tokens[seq_id]
-        end = n if end is None else end
-        _check_count("start", start, 0)
-        _check_count("end", end, 0)
-        if not start <= end <= n:
-            raise ValueError(f"need 0 <= start <= end <= num_tokens ({n}), got start={start}, end={end}")
-        bs = self.block_size
-        return [table[pos // bs] * bs + pos % bs for pos in range(start, end)]
+    def blocks_to_append(self, seq_id: Hashable, num_tokens: int = 1) -> int:
+        """Free blocks ``append_slots(seq_id, num_tokens)`` would take (a copy-on-write copy included)."""
+        return self._blocks_needed_to_append(seq_id, num_tokens)
 
     # ---- operations ---------------------------------------------------------
     def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
@@ -215,6 +205,7 @@ class BlockManager:
         return num_tokens % self.block_size != 0 and self._ref_counts[table[-1]] > 1
 
     def _blocks_needed_to_append(self, seq_id: Hashable, num_tokens: int) -> int:
+        _check_count("num_tokens", num_tokens, 0)  # a sequence only grows; free() is how it shrinks
         table, n = self._table(seq_id), self._num_tokens[seq_id]
         new_blocks = self.blocks_needed(n + num_tokens) - len(table)
         return new_blocks + int(num_tokens > 0 and self._needs_copy_on_write(table, n))

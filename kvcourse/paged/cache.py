@@ -1,32 +1,45 @@
-"""A paged KV cache the real model can run on: :class:`PagedKVCache` and :func:`generate_paged`.
+"""One sequence on a paged pool (:class:`PagedKVCache`), and the step before every forward (:func:`allocate_slots`).
 
-It speaks the same two-member protocol as the contiguous :class:`kvcourse.KVCache`
-(``seq_len`` and ``update``), so ``model(ids, cache=PagedKVCache(...))`` works unchanged.
-Behind it, a :class:`BlockManager` hands out blocks and a :class:`PagedKVStore` holds the
-K/V. One forward pass goes:
+A forward pass on a paged pool never allocates. Before it runs, the caller
 
-1. layer 0's ``update`` asks the manager for slots for the ``T`` new tokens (taking new
-   blocks, or copying a shared block first: copy-on-write) and computes their slot mapping;
-2. every layer scatters its new K/V into those slots, then gathers the whole sequence
-   back through the block table for attention.
+1. asks the :class:`BlockManager` for slots for the step's new tokens (:func:`allocate_slots`), which
+   may take new blocks and, if the sequence's last block is shared with a fork, give it a private
+   copy: the K/V of that block are copied right then (**copy-on-write**), in every layer;
+2. describes the step in a :class:`~kvcourse.batch.ForwardBatch` (positions, slot mapping, block tables);
+3. runs ``model.forward_batch(batch, kv_store)``: each layer writes its new K/V into the slots and
+   attends by reading the blocks in place through the block table.
 
-The gather makes a contiguous copy each step, which a real engine avoids by reading the
-blocks inside the attention kernel (:func:`paged_attention_ref`, and chapter 5's Triton
-version). Here it keeps the model untouched and the result exactly equal to the contiguous cache.
+:class:`PagedKVCache` does steps 1-2 for a single sequence (``cache.prepare(token_ids)``), which is
+all chapter 4 needs; chapter 6's scheduler does them for a whole batch with the same function.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
-from ..generate import check_generation_args, pick_next_token
+from ..batch import ForwardBatch, SeqSlice
+from ..utils import check_config
 from .block_manager import BlockManager
 from .kv_store import PagedKVStore
 
-__all__ = ["PagedKVCache", "generate_paged"]
+__all__ = ["PagedKVCache", "allocate_slots"]
+
+
+def allocate_slots(block_manager: BlockManager, kv_store: PagedKVStore, seq_id: Hashable, num_new_tokens: int) -> int:
+    """Reserve slots for ``num_new_tokens`` more tokens of ``seq_id``; return the first new token's position.
+
+    Raises :class:`~kvcourse.paged.NoFreeBlocksError` (changing nothing) if the pool is too full.
+    """
+    start = block_manager.num_tokens(seq_id)
+    cow = block_manager.append_slots(seq_id, num_new_tokens)
+    if cow is not None:
+        # The last block was shared with a fork and is about to be written: this sequence gets its
+        # own copy of the tokens already in it (all layers at once), before anything writes.
+        kv_store.copy_block(cow.src_block, cow.dst_block)
+    return start
 
 
 def _unused_seq_id(block_manager: BlockManager) -> int:
@@ -82,8 +95,6 @@ class PagedKVCache:
         seq_id = _unused_seq_id(block_manager) if seq_id is None else seq_id
         block_manager.allocate(seq_id, 0)  # registers the id; blocks come with the first tokens
         self.seq_id = seq_id
-        self._slots: torch.Tensor | None = None  # slot mapping of the current forward's new tokens
-        self._next_layer = 0  # layers must arrive 0, 1, ..., num_layers - 1 in every forward
 
     @classmethod
     def for_model(
@@ -95,6 +106,7 @@ class PagedKVCache:
         device: torch.device | str | None = None,
     ) -> PagedKVCache:
         """A cache with a fresh pool of ``num_blocks`` blocks shaped for ``config`` (a LlamaConfig)."""
+        check_config(config)
         return cls(
             config.num_hidden_layers,
             config.num_key_value_heads,
@@ -105,50 +117,24 @@ class PagedKVCache:
             device="cpu" if device is None else device,
         )
 
-    # ---- what the model calls -------------------------------------------------
+    # ---- before each forward ----------------------------------------------------------------
     @property
     def seq_len(self) -> int:
-        """Tokens this sequence has slots for (read by the model before a forward: the tokens cached)."""
+        """Tokens this sequence has slots for: the tokens cached once the last prepared step has run."""
         return self.block_manager.num_tokens(self.seq_id)
 
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k, v [1, H_kv, T, D]`` for layer ``layer_idx``; return its K, V so far, ``[1, H_kv, S, D]``."""
-        if not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be an int in [0, {self.num_layers}), got {layer_idx!r}")
-        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-            raise TypeError("k and v must be torch.Tensors [1, H_kv, T, D]")
-        t = k.shape[2] if k.ndim == 4 else -1
-        expected = (1, self.num_kv_heads, t, self.head_dim)
-        if k.ndim != 4 or k.shape != expected or v.shape != expected:
-            raise ValueError(
-                f"k and v must have shape [1, H_kv, T, D] = [1, {self.num_kv_heads}, T, {self.head_dim}] "
-                f"(PagedKVCache holds one sequence), got {list(k.shape)} and {list(v.shape)}"
-            )
-        if layer_idx != self._next_layer:
-            raise ValueError(
-                f"layers must be updated in order within a forward: expected layer {self._next_layer}, got {layer_idx}"
-            )
-        if layer_idx == 0:
-            self._slots = self._append(t)  # layer 0 starts a forward: reserve slots for its tokens
-        elif self._slots.numel() != t:
-            raise ValueError(
-                f"layer {layer_idx} got {t} new tokens but layer 0 of this forward had {self._slots.numel()}"
-            )
-        self._next_layer = (layer_idx + 1) % self.num_layers
-        self.kv_store.write(layer_idx, self._slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
-        k_all, v_all = self.kv_store.gather(layer_idx, self.block_table, self.seq_len)
-        return k_all.unsqueeze(0), v_all.unsqueeze(0)
+    def prepare(self, token_ids: Sequence[int]) -> ForwardBatch:
+        """Allocate slots for ``token_ids`` (the sequence's next tokens) and describe the step.
 
-    def _append(self, num_tokens: int) -> torch.Tensor:
-        start = self.seq_len
-        # Raises NoFreeBlocksError before changing anything if the pool is full.
-        cow = self.block_manager.append_slots(self.seq_id, num_tokens)
-        if cow is not None:
-            # The last block was shared with a fork and is about to be written: give this
-            # sequence its own copy of the tokens already in it (all layers at once).
-            self.kv_store.copy_block(cow.src_block, cow.dst_block)
-        slots = self.block_manager.slot_mapping(self.seq_id, start)
-        return torch.tensor(slots, dtype=torch.int64, device=self.kv_store.device)
+        Run it with ``model.forward_batch(batch, cache.kv_store)``.
+        """
+        if isinstance(token_ids, torch.Tensor):
+            token_ids = token_ids.tolist()
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence) or not token_ids:
+            raise ValueError(f"token_ids must be a non-empty list of token ids, got {token_ids!r}")
+        start = allocate_slots(self.block_manager, self.kv_store, self.seq_id, len(token_ids))
+        seq = SeqSlice(list(token_ids), start, self.block_table)
+        return ForwardBatch.build([seq], self.block_size, self.kv_store.device)
 
     # ---- sharing ----------------------------------------------------------------
     def fork(self, seq_id: Hashable | None = None) -> PagedKVCache:
@@ -157,18 +143,15 @@ class PagedKVCache:
         No K/V is copied now; whichever sequence first appends into the shared, partially
         filled last block gets its own copy of that one block.
         """
-        if self._next_layer != 0:
-            raise ValueError("fork() must be called between forward passes")
         seq_id = _unused_seq_id(self.block_manager) if seq_id is None else seq_id
         self.block_manager.fork(self.seq_id, seq_id)
         child = copy.copy(self)  # same shape, same block_manager and kv_store: only the id differs
-        child.seq_id, child._slots, child._next_layer = seq_id, None, 0
+        child.seq_id = seq_id
         return child
 
     def free(self) -> None:
         """Give this sequence's blocks back to the pool (shared blocks stay with their other owners)."""
         self.block_manager.free(self.seq_id)
-        self._slots, self._next_layer = None, 0
 
     # ---- what readers look at -------------------------------------------------
     @property
@@ -203,40 +186,3 @@ class PagedKVCache:
             f"PagedKVCache(seq_id={self.seq_id!r}, seq_len={self.seq_len}, block_size={self.block_size}, "
             f"block_table={self.block_table}, free_blocks={self.num_free_blocks})"
         )
-
-
-def generate_paged(
-    model,
-    ids: Sequence[int],
-    max_new_tokens: int,
-    cache: PagedKVCache | None = None,
-    temperature: float = 0.0,
-    seed: int | None = None,
-    eos_token_ids: Iterable[int] | None = None,
-) -> list[int]:
-    """:func:`kvcourse.generate` through a :class:`PagedKVCache`: greedy by default, EOS included.
-
-    ``ids`` are the tokens ``cache`` has not seen yet (the prompt for an empty cache, or a
-    continuation for a forked one). Without a ``cache``, a pool just big enough is made.
-    """
-    ids = check_generation_args(model, ids, max_new_tokens, temperature)
-    if cache is None:
-        num_blocks = max(1, -(-(len(ids) + max_new_tokens) // 16))
-        cache = PagedKVCache.for_model(model.config, num_blocks, 16, dtype=model.dtype, device=model.device)
-    elif not isinstance(cache, PagedKVCache):
-        raise TypeError(f"cache must be a PagedKVCache or None, got {type(cache).__name__}")
-    stop = set(model.config.eos_token_id if eos_token_ids is None else eos_token_ids)
-    generator = None
-    if temperature > 0:
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(0 if seed is None else seed)
-    out: list[int] = []
-    next_input = ids  # prefill: everything the cache has not seen; then one token per step
-    for _ in range(max_new_tokens):
-        logits = model(torch.tensor([next_input], device=model.device), cache=cache)
-        token = pick_next_token(logits[0, -1].cpu(), temperature, generator)
-        out.append(token)
-        if token in stop:
-            break
-        next_input = [token]
-    return out

@@ -1,0 +1,161 @@
+"""One request's state (:class:`Sequence`) and how its next tokens are picked (:class:`SamplingParams`).
+
+A sequence is its token ids (prompt, then the tokens generated so far), how many of them already have
+K/V in the cache (``num_computed_tokens``), and where it is in its life (``status``). Its block table
+is not stored here: the :class:`~kvcourse.paged.BlockManager` owns it, keyed by ``seq_id``, so there
+is one copy of it that cannot drift.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable, Iterable, Sequence as SequenceABC
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SamplingParams", "Sampler", "Sequence", "SequenceStatus"]
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request generates.
+
+    Args:
+        max_new_tokens: the most tokens to generate (>= 1).
+        temperature: 0 means greedy (argmax); above 0, sample from ``softmax(logits / temperature)``.
+        top_k: keep only the ``top_k`` most likely tokens before sampling (0: all of them).
+        top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p`` (1: all).
+        seed: seeds this request's sampler, so a sampled run is reproducible; ``None`` means seed 0.
+        stop_token_ids: generation stops after any of these; ``None`` means the model's EOS tokens,
+            ``()`` means never stop early.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 turns it off), got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.stop_token_ids is not None:
+            stops = self.stop_token_ids
+            if isinstance(stops, (str, bytes)) or not isinstance(stops, Iterable):
+                raise ValueError(f"stop_token_ids must be a list of token ids or None, got {stops!r}")
+            stops = tuple(stops)
+            if not all(_is_int(t) and t >= 0 for t in stops):
+                raise ValueError(f"stop_token_ids must be non-negative ints, got {list(stops)}")
+            object.__setattr__(self, "stop_token_ids", stops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    """Picks one request's tokens from its logits, with its own seeded random generator."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator(device="cpu").manual_seed(0 if params.seed is None else params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """The next token from one position's logits ``[vocab]``."""
+        p = self.params
+        if p.greedy:
+            return int(torch.argmax(logits))
+        logits = logits.detach().float().cpu() / p.temperature
+        if p.top_k and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if p.top_p < 1:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above
+            drop = order[before >= p.top_p]  # the most likely token always has before = 0: kept
+            logits = logits.index_fill(0, drop, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # arrived, no K/V yet
+    RUNNING = "running"  # scheduled: its K/V are in the cache
+    PREEMPTED = "preempted"  # its blocks were taken back; it will be recomputed
+    FINISHED = "finished"  # hit a stop token or max_new_tokens
+    CANCELLED = "cancelled"  # aborted by the caller
+
+
+class Sequence:
+    """One request: ``token_ids`` = prompt + generated, ``num_computed_tokens`` of them cached.
+
+    Args:
+        seq_id: any hashable id (the block manager's key).
+        prompt_token_ids: the prompt, at least one token.
+        params: how it generates.
+        eos_token_ids: the model's EOS tokens, used when ``params.stop_token_ids`` is ``None``.
+    """
+
+    def __init__(
+        self,
+        seq_id: Hashable,
+        prompt_token_ids: SequenceABC[int],
+        params: SamplingParams | None = None,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids must contain at least one token")
+        self.seq_id = seq_id
+        self.params = SamplingParams() if params is None else params
+        self.token_ids: list[int] = prompt
+        self.num_prompt_tokens = len(prompt)
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        stops = self.params.stop_token_ids
+        self.stop_token_ids = frozenset(eos_token_ids if stops is None else stops)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.CANCELLED)
+
+    def append_token(self, token: int) -> None:
+        """Add a generated token; the sequence finishes on a stop token or at ``max_new_tokens``."""
+        self.token_ids.append(token)
+        if token in self.stop_token_ids or len(self.token_ids) - self.num_prompt_tokens >= self.params.max_new_tokens:
+            self.status = SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(seq_id={self.seq_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"generated={self.num_tokens - self.num_prompt_tokens}, computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,77 @@
+"""The model runner: one step of many sequences on a paged pool.
+
+Given the step's work -- for each scheduled sequence, the tokens it feeds this step -- the runner
+
+1. reserves their slots in the :class:`~kvcourse.paged.BlockManager` (copy-on-write copies done on
+   the K/V data right away), all or nothing;
+2. packs them into one :class:`~kvcourse.batch.ForwardBatch`;
+3. runs the model once: ``model.forward_batch(batch, kv_store, backend)``.
+
+It decides nothing: which sequences run and how many tokens each feeds is the scheduler's job
+(chapter 6). A sequence's work may be its whole prompt, the next chunk of a long prompt, or the one
+token it just generated, all mixed in one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from ..batch import ForwardBatch, SeqSlice
+from ..paged import BlockManager, NoFreeBlocksError, PagedKVStore, allocate_slots
+
+__all__ = ["ModelRunner"]
+
+
+class ModelRunner:
+    """A model and its paged KV pool.
+
+    Args:
+        model: a :class:`~kvcourse.LlamaModel`.
+        num_blocks, block_size: the pool.
+        backend: the paged attention backend (``"paged-torch"``; chapter 5 adds ``"triton"``).
+    """
+
+    def __init__(self, model, num_blocks: int, block_size: int = 16, backend: str = "paged-torch") -> None:
+        self.model, self.backend = model, backend
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.kv_store = PagedKVStore.for_model(model.config, num_blocks, block_size, model.dtype, model.device)
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    def step(self, work: Sequence[tuple[Hashable, Sequence[int]]], all_logits: bool = False) -> torch.Tensor:
+        """Run one step; ``work`` lists ``(seq_id, new_token_ids)``. Returns logits ``[B, vocab]``.
+
+        Row ``b`` is the next-token logits of ``work[b]``'s sequence (``all_logits=True``: one row per
+        fed token, ``[N, vocab]``). A ``seq_id`` the pool has not seen starts a new sequence.
+        Raises :class:`~kvcourse.paged.NoFreeBlocksError`, changing nothing, if the pool is too full.
+        """
+        if isinstance(work, tuple) or not isinstance(work, Sequence) or not work:
+            raise ValueError("work must be a non-empty list of (seq_id, new_token_ids) pairs")
+        bm = self.block_manager
+        ids = [seq_id for seq_id, _ in work]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"work names a sequence twice: {ids}")
+        for seq_id in ids:
+            if seq_id not in bm:
+                bm.allocate(seq_id, 0)
+        needed = sum(bm.blocks_to_append(seq_id, len(tokens)) for seq_id, tokens in work)
+        if needed > bm.num_free_blocks:
+            raise NoFreeBlocksError(f"the step needs {needed} free blocks, only {bm.num_free_blocks} are free")
+        slices = []
+        for seq_id, tokens in work:
+            start = allocate_slots(bm, self.kv_store, seq_id, len(tokens))
+            slices.append(SeqSlice(list(tokens), start, bm.block_table(seq_id)))
+        batch = ForwardBatch.build(slices, self.block_size, self.kv_store.device)
+        return self.model.forward_batch(batch, self.kv_store, self.backend, all_logits=all_logits)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """``child_id`` shares every block of ``parent_id`` (copy-on-write on its first write)."""
+        self.block_manager.fork(parent_id, child_id)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Give ``seq_id``'s blocks back (shared blocks stay with their other owners)."""
+        self.block_manager.free(seq_id)
