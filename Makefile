@@ -49,11 +49,13 @@ book: setup
 # Reader copies (glued numbers filled in, exercises and admonitions as plain markdown) of every chapter,
 # and of its student copy (solutions removed), with the Colab setup cell pinned to the commit being built.
 # CI pushes main's tree with these to the branch the Colab and Binder buttons open (_config.yml).
+# PUBLISH_REF (CI sets it to the commit it builds) overrides the default: this checkout's HEAD.
+PUBLISH_REF_ARG = $(if $(PUBLISH_REF),--ref $(PUBLISH_REF),)
 published: setup
 	rm -rf _build/published _build/student-src
 	$(STUDENT_COPIES) _build/student-src
-	$(PY) -m kvcourse.tools.reader_copies $(CHAPTERS) --out _build/published/book
-	$(PY) -m kvcourse.tools.reader_copies _build/student-src/*.ipynb --out _build/published/exercises
+	$(PY) -m kvcourse.tools.reader_copies $(CHAPTERS) --out _build/published/book $(PUBLISH_REF_ARG)
+	$(PY) -m kvcourse.tools.reader_copies _build/student-src/*.ipynb --out _build/published/exercises $(PUBLISH_REF_ARG)
 
 # The built book in headless Chromium (Debian's chromium + chromium-driver): console errors, images,
 # the animation, launch links, search, cut-off code lines, offline MathJax; screenshots per chapter.

@@ -85,7 +85,8 @@ class _Renderer:
     def role(self, m: re.Match) -> str:
         name, content = m["name"], m["content"]
         if name in ("glue", "glue:text", "glue:any", "glue:md"):
-            key, _, fmt = content.partition(":") if name == "glue:text" else (content, "", "")
+            # As myst-nb reads it: the last ":" starts a format spec (glue:text only).
+            key, fmt = content.rsplit(":", 1) if name == "glue:text" and ":" in content else (content, "")
             bundle = self.glue.get(key)
             if bundle is None:
                 raise ReaderCopyError(f"{self.name}: {{{name}}}`{content}` quotes a value the notebook never glued")
