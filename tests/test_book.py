@@ -15,7 +15,8 @@ def test_toc_lists_every_chapter_and_only_existing_files():
     files = [toc["root"]] + [c["file"] for c in toc["chapters"]]
     for f in files:
         assert any((ROOT / f).with_suffix(s).exists() for s in (".md", ".ipynb")), f"_toc.yml names missing {f}"
-    assert sorted(f"book/{p.stem}" for p in CHAPTERS) == sorted(files[1:])
+    # Every chapter notebook is in the TOC; the other pages (glossary, references) are not chapters.
+    assert sorted(f"book/{p.stem}" for p in CHAPTERS) == sorted(f for f in files[1:] if Path(f).name[:2].isdigit())
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
