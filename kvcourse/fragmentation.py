@@ -49,8 +49,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .paged import BlockManager, NoFreeBlocksError
+from .sequence import SamplingParams, Sequence
+from .serving.scheduler import Scheduler
+
 __all__ = [
     "Request",
+    "ReservationPool",
     "SimResult",
     "STRATEGIES",
     "make_trace",
@@ -232,13 +237,64 @@ class _ContiguousPool:
             del self.free_starts[i], self.free_lens[i]
 
 
-@dataclass
-class _Running:
-    req: Request
-    admitted: int  # order of admission (for choosing whom to preempt)
-    generated: int  # output tokens produced so far
-    allocated: int  # slots held
-    offset: int = -1  # start of the contiguous range (reservation strategies)
+class ReservationPool:
+    """The reservation strategies behind the block manager's interface, so one scheduler serves all four.
+
+    A pool of ``pool_tokens`` slots in blocks of one slot. Admitting a sequence reserves its whole
+    reservation (``reservations[seq_id]`` slots: max, pow2 or oracle) at once, in one contiguous range
+    (first fit) unless ``contiguous=False``; it never needs another slot afterwards.
+    """
+
+    block_size = 1
+
+    def __init__(self, pool_tokens: int, contiguous: bool, reservations: dict) -> None:
+        self.num_blocks = pool_tokens
+        self._pool = _ContiguousPool(pool_tokens, contiguous)
+        self._reservations = reservations
+        self._held: dict = {}  # seq_id -> [offset, reserved slots, tokens held]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.free_total
+
+    def __contains__(self, seq_id) -> bool:
+        return seq_id in self._held
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return num_tokens
+
+    def num_tokens(self, seq_id) -> int:
+        return self._held[seq_id][2]
+
+    def offset(self, seq_id) -> int:
+        """Start of ``seq_id``'s range (``-1`` when ranges need not be contiguous)."""
+        return self._held[seq_id][0]
+
+    def reserved(self, seq_id) -> int:
+        return self._held[seq_id][1]
+
+    def allocate(self, seq_id, num_tokens: int) -> None:
+        size = self._reservations[seq_id]
+        if num_tokens > size:
+            raise ValueError(f"{num_tokens} tokens exceed the reservation of {size} slots of {seq_id!r}")
+        offset = self._pool.alloc(size)
+        if offset is None:
+            raise NoFreeBlocksError(f"no free range of {size} slots for {seq_id!r}")
+        self._held[seq_id] = [offset, size, num_tokens]
+
+    def blocks_to_append(self, seq_id, num_tokens: int) -> int:
+        offset, size, held = self._held[seq_id]
+        if held + num_tokens > size:
+            raise RuntimeError(f"{seq_id!r} outgrew its reservation of {size} slots")
+        return 0  # reserved up front
+
+    def append_slots(self, seq_id, num_tokens: int) -> None:
+        self.blocks_to_append(seq_id, num_tokens)
+        self._held[seq_id][2] += num_tokens
+
+    def free(self, seq_id) -> None:
+        offset, size, _ = self._held.pop(seq_id)
+        self._pool.free(offset, size)
 
 
 def simulate(
@@ -262,6 +318,12 @@ def simulate(
     admission leaves free for running requests to grow into (vLLM's default is 0.01); a
     larger one means fewer preemptions and fewer requests at once. ``snapshot_step``
     records the running requests at that step.
+
+    The policy is chapter 6's :class:`~kvcourse.serving.Scheduler` (no token budget, no chunking),
+    driven by the trace instead of a model: each request is a :class:`~kvcourse.Sequence` of
+    ``prompt_len`` placeholder tokens that stops after ``output_len`` tokens, and its memory is a
+    :class:`~kvcourse.paged.BlockManager` (paged) or a :class:`ReservationPool`. A token's slot
+    counts from the step that produces it (``num_lookahead_slots=1``).
     """
     if not isinstance(trace, (list, tuple)) or not trace or not all(isinstance(r, Request) for r in trace):
         raise TypeError("trace must be a non-empty list of Request (see make_trace)")
@@ -292,107 +354,53 @@ def simulate(
     if need_max > usable:
         raise ValueError(f"pool_tokens={pool_tokens} cannot hold even one request of {need_max} slots")
 
+    if strategy == "paged":
+        pool = BlockManager(pool_tokens // block_size, block_size)
+        b = block_size
+    else:
+        reservations = {r.req_id: reserved_slots(r, strategy, max_len) for r in trace}
+        pool = ReservationPool(pool_tokens, contiguous, reservations)
+        b, watermark = 1, 0.0  # a reservation never grows: nothing to keep free for growth
+    scheduler = Scheduler(pool, max_num_seqs=max_running, watermark=watermark, num_lookahead_slots=1)
+    final_len = {r.req_id: r.total_len for r in trace}
+
+    def allocated_to(seq_id) -> int:  # slots handed to one request
+        if strategy == "paged":
+            return pool.blocks_needed(pool.num_tokens(seq_id)) * b
+        return pool.reserved(seq_id)
+
+    def offset_of(seq_id) -> int:  # where a contiguous reservation starts; -1 for blocks
+        return -1 if strategy == "paged" else pool.offset(seq_id)
+
     pending = deque(sorted(trace, key=lambda r: (r.arrival, r.req_id)))
-    waiting: deque[_Running | Request] = deque()  # Requests, or preempted _Running to resume
-    running: list[_Running] = []
-    pool = _ContiguousPool(pool_tokens, contiguous) if strategy != "paged" else None
-    b = block_size or 1
-    free_blocks = pool_tokens // b if strategy == "paged" else 0
-    keep_free = int(watermark * free_blocks)
-
-    def final_hold(r: _Running) -> int:  # min(A, T): slots of this allocation that will hold tokens
-        return min(r.allocated, r.req.total_len)
-
-    # running totals, updated incrementally
-    live = allocated = useful = 0  # useful = sum of min(A, T)
     finish_step: dict[int, int] = {}
     live_s, alloc_s, run_s = [], [], []
     keys = ("n", "live", "reserved", "internal", "external", "running", "alloc", "blocks")
     sat = dict.fromkeys(keys, 0)  # totals over saturated steps
     every = dict.fromkeys(keys, 0)  # totals over all steps (used when no step was saturated)
     preemptions = recomputed = 0
-    admit_counter = 0
     snapshot = None
     step = 0
-
-    def release(r: _Running) -> None:
-        nonlocal live, allocated, useful, free_blocks
-        live -= r.req.prompt_len + r.generated
-        allocated -= r.allocated
-        useful -= final_hold(r)
-        if pool is not None:
-            pool.free(r.offset, r.allocated)
-        else:
-            free_blocks += r.allocated // b
-
-    while pending or waiting or running:
+    while pending or scheduler.has_unfinished():
         while pending and pending[0].arrival <= step:
-            waiting.append(pending.popleft())
-        # 1. every running request produces one more token (paged: may need a new block)
-        if strategy == "paged":
-            running.sort(key=lambda r: r.admitted)
-            i = 0
-            while i < len(running):
-                r = running[i]
-                if r.req.prompt_len + r.generated == r.allocated:  # last block full: need another
-                    while free_blocks == 0 and running[-1] is not r:
-                        victim = running.pop()  # latest admitted
-                        release(victim)
-                        recomputed += victim.req.prompt_len + victim.generated
-                        victim.allocated = 0
-                        waiting.appendleft(victim)
-                        preemptions += 1
-                    if free_blocks == 0:  # r itself is the latest: preempt it
-                        running.pop()
-                        release(r)
-                        recomputed += r.req.prompt_len + r.generated
-                        r.allocated = 0
-                        waiting.appendleft(r)
-                        preemptions += 1
-                        continue
-                    free_blocks -= 1
-                    useful -= final_hold(r)
-                    r.allocated += b
-                    allocated += b
-                    useful += final_hold(r)
-                r.generated += 1
-                live += 1
-                i += 1
-        else:
-            for r in running:
-                r.generated += 1
-            live += len(running)
-        # 2. admit waiting requests, first come first served (no overtaking)
-        while waiting and (max_running is None or len(running) < max_running):
-            head = waiting[0]
-            if isinstance(head, _Running):  # a preempted request resumes: re-prefill what it had
-                req, generated = head.req, head.generated
-            else:
-                req, generated = head, 0
-            tokens = req.prompt_len + generated + 1  # prefill, plus the slot of the token it produces
-            if strategy == "paged":
-                need = math.ceil(tokens / b)
-                if need > free_blocks - (keep_free if running else 0):
-                    break
-                free_blocks -= need
-                slots, offset = need * b, -1
-            else:
-                slots = reserved_slots(req, strategy, max_len)
-                offset = pool.alloc(slots)
-                if offset is None:
-                    break
-            waiting.popleft()
-            r = _Running(req, admit_counter, generated + 1, slots, offset)
-            admit_counter += 1
-            running.append(r)
-            live += tokens
-            allocated += slots
-            useful += final_hold(r)
-        # 3. measure
+            r = pending.popleft()
+            params = SamplingParams(max_new_tokens=r.output_len, stop_token_ids=())
+            scheduler.add(Sequence(r.req_id, [0] * r.prompt_len, params))
+        out = scheduler.schedule()  # every running request grows by one token; then admission
+        preemptions += len(out.preempted)
+        recomputed += sum(seq.num_tokens for seq in out.preempted)  # prefilled again when re-admitted
+        # measure: with one lookahead slot, a request holds exactly its tokens (prompt + produced)
+        running = scheduler.running
+        live = useful = 0
+        for seq in running:
+            held, alloc = pool.num_tokens(seq.seq_id), allocated_to(seq.seq_id)
+            live += held
+            useful += min(alloc, final_len[seq.seq_id])  # slots of this allocation that will hold tokens
+        allocated = (pool.num_blocks - pool.num_free_blocks) * b
         live_s.append(live)
         alloc_s.append(allocated)
         run_s.append(len(running))
-        for totals in (every, sat) if waiting else (every,):
+        for totals in (every, sat) if scheduler.waiting else (every,):
             totals["n"] += 1
             totals["live"] += live
             totals["reserved"] += useful - live
@@ -404,24 +412,19 @@ def simulate(
         if snapshot_step is not None and step == snapshot_step:
             snapshot = [
                 {
-                    "req_id": r.req.req_id,
-                    "prompt_len": r.req.prompt_len,
-                    "live": r.req.prompt_len + r.generated,
-                    "allocated": r.allocated,
-                    "total_len": r.req.total_len,
-                    "offset": r.offset,
+                    "req_id": seq.seq_id,
+                    "prompt_len": seq.num_prompt_tokens,
+                    "live": pool.num_tokens(seq.seq_id),
+                    "allocated": allocated_to(seq.seq_id),
+                    "total_len": final_len[seq.seq_id],
+                    "offset": offset_of(seq.seq_id),
                 }
-                for r in sorted(running, key=lambda r: (r.offset, r.admitted))
+                for seq in sorted(running, key=lambda s: offset_of(s.seq_id))  # stable: admission order
             ]
-        # 4. finished requests free their memory
-        still = []
-        for r in running:
-            if r.generated >= r.req.output_len:
-                finish_step[r.req.req_id] = step
-                release(r)
-            else:
-                still.append(r)
-        running = still
+        # the step runs: each scheduled request produces a (placeholder) token; finished ones free memory
+        scheduler.advance(out)
+        for seq in scheduler.append_tokens({s.seq.seq_id: 0 for s in out.scheduled if s.samples}):
+            finish_step[seq.seq_id] = step
         step += 1
         if step > 10_000_000:  # a bug, not a workload
             raise RuntimeError("simulation did not terminate")

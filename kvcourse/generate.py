@@ -61,6 +61,11 @@ def _params(max_new_tokens, temperature, seed, eos_token_ids, sampling_params) -
                                ("seed", seed, None), ("eos_token_ids", eos_token_ids, None)) if v != d]  # fmt: skip
     if given:
         raise ValueError(f"give either sampling_params or {', '.join(given)}, not both")
+    if sampling_params.n != 1:
+        raise ValueError(
+            f"sampling_params.n = {sampling_params.n}: this loop makes one sample; kvcourse.serving.Engine "
+            "serves n > 1 (parallel sampling)"
+        )
     return sampling_params
 
 

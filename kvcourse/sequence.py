@@ -33,6 +33,9 @@ class SamplingParams:
         seed: seeds this request's sampler, so a sampled run is reproducible; ``None`` means seed 0.
         stop_token_ids: generation stops after any of these; ``None`` means the model's EOS tokens,
             ``()`` means never stop early.
+        n: how many samples of the same prompt to generate (parallel sampling, served by
+            :class:`kvcourse.serving.Engine`: the samples share the prompt's blocks). Sample ``i``
+            draws with seed ``seed + i``.
     """
 
     max_new_tokens: int = 16
@@ -41,6 +44,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -61,6 +65,8 @@ class SamplingParams:
             if not all(_is_int(t) and t >= 0 for t in stops):
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {list(stops)}")
             object.__setattr__(self, "stop_token_ids", stops)
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1 (samples per prompt), got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -68,13 +74,20 @@ class SamplingParams:
 
 
 class Sampler:
-    """Picks one request's tokens from its logits, with its own seeded random generator."""
+    """Picks one request's tokens from its logits, with its own seeded random generator.
 
-    def __init__(self, params: SamplingParams) -> None:
+    ``index`` is the sample's number among the ``params.n`` samples of one prompt: it draws with
+    seed ``params.seed + index`` (``params.seed`` ``None`` counts as 0).
+    """
+
+    def __init__(self, params: SamplingParams, index: int = 0) -> None:
+        if not _is_int(index) or index < 0:
+            raise ValueError(f"index must be an int >= 0, got {index!r}")
         self.params = params
         self.generator = None
         if not params.greedy:
-            self.generator = torch.Generator(device="cpu").manual_seed(0 if params.seed is None else params.seed)
+            seed = (0 if params.seed is None else params.seed) + index
+            self.generator = torch.Generator(device="cpu").manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor) -> int:
         """The next token from one position's logits ``[vocab]``."""
@@ -147,6 +160,20 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.CANCELLED)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens without K/V yet: the rest of the prompt, or the one token generated last step."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def fork(self, seq_id: Hashable) -> Sequence:
+        """A copy under a new id (same tokens, computed count and status): one more sample of the prompt."""
+        child = Sequence(seq_id, self.prompt_token_ids, self.params)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.stop_token_ids = self.stop_token_ids
+        return child
 
     def append_token(self, token: int) -> None:
         """Add a generated token; the sequence finishes on a stop token or at ``max_new_tokens``."""

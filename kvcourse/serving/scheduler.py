@@ -1,0 +1,305 @@
+"""The scheduler: at every step, which sequences run and how many tokens each one feeds.
+
+**Continuous batching** (Orca's iteration-level scheduling): the batch is rebuilt at every step, so a
+request that finishes leaves at once and a waiting one takes its place at the next step, instead of
+the whole batch waiting for its longest member. One step, in vLLM v1's shape:
+
+1. **Running sequences first, oldest first.** Each gets ``min(tokens it has not computed, budget
+   left)`` new tokens: 1 for a decode, a chunk for a prompt admitted earlier and not yet finished.
+   Its slots are reserved now, in the :class:`~kvcourse.paged.BlockManager`, before the forward.
+   If the pool is out of blocks, the **newest** running sequence is **preempted**: its blocks go
+   back to the pool, its K/V are forgotten, and it returns to the head of the queue to be
+   recomputed later (recompute mode). If the sequence that needs the block is itself the newest,
+   it is the one preempted.
+2. **Then waiting sequences, first come first served** (no overtaking), while the token budget
+   (``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and the free blocks last.
+   With **chunked prefill**, a prompt longer than the budget left is admitted with a chunk of it;
+   without, it waits for a step with room for the whole prompt. Admission leaves a **watermark**
+   of free blocks for the running sequences to grow into, and takes nobody in a step that had to
+   preempt (the pool is too tight).
+
+The scheduler only does bookkeeping: the runner turns :class:`SchedulerOutput` into one forward
+pass (chapter 6's :class:`~kvcourse.serving.Engine`), or a trace drives it with no model at all
+(chapter 4's simulator, :func:`kvcourse.fragmentation.simulate`): one policy for both.
+
+**Memory.** The scheduler talks to its pool through a few block-manager calls (``blocks_needed``,
+``num_free_blocks``, ``num_blocks``, ``num_tokens``, ``allocate``, ``blocks_to_append``,
+``append_slots``, ``free``, ``fork``); a :class:`~kvcourse.paged.BlockManager` is the real one.
+After a step, a sequence holds slots for every token it has computed, plus
+``num_lookahead_slots`` for the token it just sampled (0 in the engine, which reserves that slot
+when it feeds the token; 1 in chapter 4, which counts a token's slot from the step that makes it).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+
+from ..paged import CopyOnWrite, NoFreeBlocksError
+from ..sequence import Sequence, SequenceStatus
+
+__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
+
+_NO_LIMIT = sys.maxsize
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's part of a step: ``num_new_tokens`` tokens from position ``num_computed_tokens``.
+
+    ``samples``: the step reaches the end of the sequence's tokens, so its last logits give its next
+    token (a prefill chunk that stops mid-prompt samples nothing). ``kind``: ``"prefill"`` (a whole
+    prompt), ``"chunk"`` (part of one), ``"decode"`` (the token sampled last step) or ``"recompute"``
+    (prompt and earlier outputs again, after a preemption).
+    """
+
+    seq: Sequence
+    num_computed_tokens: int
+    num_new_tokens: int
+    samples: bool
+    kind: str
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step feeds (read before the step's sampled tokens are appended)."""
+        return self.seq.token_ids[self.num_computed_tokens : self.num_computed_tokens + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs, and what the scheduler did to get there."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # in batch order: running, then admitted
+    admitted: list[Sequence] = field(default_factory=list)  # left the queue this step
+    preempted: list[Sequence] = field(default_factory=list)  # lost their blocks this step, newest first
+    copies: list[CopyOnWrite] = field(default_factory=list)  # copy-on-write block copies, before the forward
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def _limit(name: str, value: int | None, minimum: int) -> int:
+    if value is None:
+        return _NO_LIMIT
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum} or None (no limit), got {value!r}")
+    return value
+
+
+class Scheduler:
+    """Continuous batching with a token budget, chunked prefill and preemption by recompute.
+
+    Args:
+        block_manager: the pool (a :class:`~kvcourse.paged.BlockManager`, or anything with its calls).
+        max_num_seqs: most sequences running at once (``None``: no cap). A request with ``n``
+            samples counts ``n`` from admission.
+        max_num_batched_tokens: most new tokens in one step, all sequences together (``None``: no cap).
+        enable_chunked_prefill: split a prompt across steps to fit the budget.
+        watermark: fraction of the pool's blocks that admission leaves free (vLLM's default 0.01).
+        num_lookahead_slots: slots reserved beyond the computed tokens of a sequence that samples.
+    """
+
+    def __init__(
+        self,
+        block_manager,
+        *,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
+        watermark: float = 0.01,
+        num_lookahead_slots: int = 0,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = _limit("max_num_seqs", max_num_seqs, 1)
+        self.max_num_batched_tokens = _limit("max_num_batched_tokens", max_num_batched_tokens, 1)
+        if not isinstance(enable_chunked_prefill, bool):
+            raise TypeError(f"enable_chunked_prefill must be a bool, got {type(enable_chunked_prefill).__name__}")
+        self.enable_chunked_prefill = enable_chunked_prefill
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be a number in [0, 1), got {watermark!r}")
+        self.watermark_blocks = int(watermark * block_manager.num_blocks)
+        if isinstance(num_lookahead_slots, bool) or not isinstance(num_lookahead_slots, int) or num_lookahead_slots < 0:
+            raise ValueError(f"num_lookahead_slots must be an int >= 0, got {num_lookahead_slots!r}")
+        self.num_lookahead_slots = num_lookahead_slots
+        self.waiting: deque[Sequence] = deque()  # head first; preempted sequences go back to the head
+        self.running: list[Sequence] = []  # in admission order: the last one is the newest
+        self._seqs: dict[Hashable, Sequence] = {}
+
+    # ---- requests come and go -------------------------------------------------------------------
+    def max_slots(self, seq: Sequence) -> int:
+        """The most slots ``seq`` can ever hold: prompt + outputs, less the last output (never fed),
+        plus the lookahead."""
+        return seq.num_prompt_tokens + seq.params.max_new_tokens - 1 + self.num_lookahead_slots
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. Refused (``ValueError``) if it could never run, rather than leaving it
+        to wait forever or to preempt itself forever."""
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"seq must be a kvcourse.Sequence, got {type(seq).__name__}")
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"seq_id={seq.seq_id!r} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens:
+            raise ValueError(f"seq must be new (WAITING, nothing computed), got {seq!r}")
+        bm = self.block_manager
+        need = bm.blocks_needed(self.max_slots(seq))
+        if need > bm.num_blocks:
+            raise ValueError(
+                f"sequence {seq.seq_id!r} alone needs {need} blocks ({seq.num_prompt_tokens} prompt + "
+                f"{seq.params.max_new_tokens} max_new_tokens) but the pool has only {bm.num_blocks}: it could never finish"
+            )
+        if seq.params.n > self.max_num_seqs:
+            raise ValueError(f"n={seq.params.n} samples exceed max_num_seqs={self.max_num_seqs}")
+        if not self.enable_chunked_prefill and self.max_slots(seq) - self.num_lookahead_slots > self.max_num_batched_tokens:
+            raise ValueError(
+                f"without chunked prefill a sequence of up to {self.max_slots(seq) - self.num_lookahead_slots} tokens "
+                f"(prompt + max_new_tokens - 1, recomputed after a preemption) must fit max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}"
+            )
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: Hashable) -> Sequence:
+        """Cancel a waiting or running sequence: it leaves its queue and its blocks go back."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise ValueError(f"seq_id={seq_id!r} is not waiting or running (unknown, finished or aborted)")
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        if seq.seq_id in self.block_manager:
+            self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.CANCELLED
+        return seq
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Start ``child`` (``parent.fork(...)``) running on ``parent``'s blocks (copy-on-write later)."""
+        if self.num_lookahead_slots:
+            # A reserved, unwritten slot would be shared, and both would write it.
+            raise ValueError("fork needs num_lookahead_slots=0")
+        if self._seqs.get(parent.seq_id) is not parent or parent.status is not SequenceStatus.RUNNING:
+            raise ValueError(f"parent {parent.seq_id!r} is not running")
+        if child.seq_id in self._seqs:
+            raise ValueError(f"child seq_id={child.seq_id!r} is already scheduled")
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        child.status = SequenceStatus.RUNNING
+        self._seqs[child.seq_id] = child
+        self.running.append(child)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Choose the next step; reserve its slots (preempting if needed). See the module doc."""
+        bm, out = self.block_manager, SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # 1. Running sequences, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._reserve(seq, n, out):
+                break  # seq preempted itself: it was the newest, nobody is left after it
+            budget -= n
+            i += 1
+        # 2. Waiting sequences, first come first served, none in a step that preempted.
+        while self.waiting and budget > 0 and not out.preempted:
+            seq = self.waiting[0]
+            if self._seats_used() + self._seats(seq) > self.max_num_seqs:
+                break
+            n = seq.num_uncomputed_tokens
+            if n > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                n = budget
+            held = n + (self.num_lookahead_slots if n == seq.num_tokens else 0)
+            keep = self.watermark_blocks if self.running else 0  # alone, a sequence may use every block
+            if bm.blocks_needed(held) > bm.num_free_blocks - keep:
+                break
+            try:
+                bm.allocate(seq.seq_id, held)
+            except NoFreeBlocksError:  # free blocks, but not usable (chapter 4's contiguous reservations)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.admitted.append(seq)
+            out.scheduled.append(self._scheduled(seq, n))
+            budget -= n
+        return out
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """After the forward: the scheduled tokens now have K/V in the cache."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+
+    def append_tokens(self, sampled: Mapping[Hashable, int]) -> list[Sequence]:
+        """Append each sequence's sampled token; free and return the sequences that finished."""
+        finished = []
+        for seq_id, token in sampled.items():
+            seq = self._seqs[seq_id]
+            seq.append_token(token)
+            if seq.is_finished:
+                self.block_manager.free(seq_id)
+                self.running.remove(seq)
+                del self._seqs[seq_id]
+                finished.append(seq)
+        return finished
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Reserve the slots of ``seq``'s next ``n`` tokens, preempting the newest sequences while the
+        pool is short. False if ``seq`` itself had to go."""
+        s = self._scheduled(seq, n)
+        # Slots for the new tokens, and the lookahead for the token it will sample; a decode feeds the
+        # token sampled last step, whose lookahead slot is already held.
+        extra = n + (self.num_lookahead_slots if s.samples and s.kind != "decode" else 0)
+        while True:
+            try:
+                cow = self.block_manager.append_slots(seq.seq_id, extra)
+                break
+            except NoFreeBlocksError:  # nothing changed: free the newest sequence's blocks and retry
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    return False
+        if cow is not None:
+            out.copies.append(cow)
+        out.scheduled.append(s)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute mode: free the blocks, forget the K/V, back to the head of the queue."""
+        self.block_manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+
+    @staticmethod
+    def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
+        start, total = seq.num_computed_tokens, seq.num_tokens
+        if start == total - 1 and total > seq.num_prompt_tokens:
+            kind = "decode"
+        elif total > seq.num_prompt_tokens:
+            kind = "recompute"
+        else:
+            kind = "prefill" if start == 0 and n == total else "chunk"
+        return ScheduledSeq(seq, start, n, start + n == total, kind)
+
+    @staticmethod
+    def _seats(seq: Sequence) -> int:
+        # A request with n samples runs as one sequence until its first token, then as n: keep n seats.
+        return seq.params.n if seq.num_tokens == seq.num_prompt_tokens else 1
+
+    def _seats_used(self) -> int:
+        if self.max_num_seqs == _NO_LIMIT:
+            return 0
+        return sum(self._seats(s) for s in self.running)
+
+    def __repr__(self) -> str:
+        return f"Scheduler(waiting={len(self.waiting)}, running={len(self.running)}, {self.block_manager!r})"
