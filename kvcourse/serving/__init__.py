@@ -1,5 +1,30 @@
-"""Serving many requests at once (chapter 6): the model runner; the scheduler and engine build on it."""
+"""Serving many requests at once (chapter 6), one file per job as nano-vllm lays it out.
 
+* :mod:`.scheduler` -- :class:`Scheduler`: continuous batching under a token budget, chunked
+  prefill, admission by free blocks with a watermark, preemption by recompute.
+* :mod:`.model_runner` -- :class:`ModelRunner`: a scheduled step as one ``ForwardBatch`` and one forward.
+* :mod:`.request` -- :class:`Request` (a prompt, its samples, its :class:`RequestMetrics`).
+* :mod:`.engine` -- :class:`Engine`: ``generate``, ``add_request`` / ``step`` / ``abort``, ``stream``, ``stats``.
+* :mod:`.stats` -- the per-step event log and latency percentiles.
+* :mod:`.baselines` -- one-at-a-time and static batching, to compare against.
+* :mod:`.plots` -- the timeline of an event log.
+"""
+
+from .engine import Engine
 from .model_runner import ModelRunner
+from .request import Request, RequestMetrics, TokenOutput
+from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from .stats import StepEvent, latency_summary
 
-__all__ = ["ModelRunner"]
+__all__ = [
+    "Engine",
+    "ModelRunner",
+    "Request",
+    "RequestMetrics",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerOutput",
+    "StepEvent",
+    "TokenOutput",
+    "latency_summary",
+]

@@ -9,7 +9,9 @@ Given the step's work -- for each scheduled sequence, the tokens it feeds this s
 
 It decides nothing: which sequences run and how many tokens each feeds is the scheduler's job
 (chapter 6). A sequence's work may be its whole prompt, the next chunk of a long prompt, or the one
-token it just generated, all mixed in one step.
+token it just generated, all mixed in one step. The engine's scheduler reserves the slots itself
+(it may have to preempt to find them), so the engine calls :meth:`ModelRunner.execute`, which is
+steps 2-3 only.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from ..attention import PAGED_BACKENDS
 from ..batch import ForwardBatch, SeqSlice
-from ..paged import BlockManager, NoFreeBlocksError, PagedKVStore, allocate_slots
+from ..paged import BlockManager, CopyOnWrite, NoFreeBlocksError, PagedKVStore, allocate_slots
 
 __all__ = ["ModelRunner"]
 
@@ -34,6 +37,10 @@ class ModelRunner:
     """
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, backend: str = "paged-torch") -> None:
+        if not hasattr(model, "forward_batch") or not hasattr(model, "config"):
+            raise TypeError(f"model must be a kvcourse.LlamaModel, got {type(model).__name__}")
+        if backend not in PAGED_BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(PAGED_BACKENDS)}, got {backend!r}")
         self.model, self.backend = model, backend
         self.block_manager = BlockManager(num_blocks, block_size)
         self.kv_store = PagedKVStore.for_model(model.config, num_blocks, block_size, model.dtype, model.device)
@@ -61,10 +68,26 @@ class ModelRunner:
         needed = sum(bm.blocks_to_append(seq_id, len(tokens)) for seq_id, tokens in work)
         if needed > bm.num_free_blocks:
             raise NoFreeBlocksError(f"the step needs {needed} free blocks, only {bm.num_free_blocks} are free")
-        slices = []
-        for seq_id, tokens in work:
-            start = allocate_slots(bm, self.kv_store, seq_id, len(tokens))
-            slices.append(SeqSlice(list(tokens), start, bm.block_table(seq_id)))
+        starts = [allocate_slots(bm, self.kv_store, seq_id, len(tokens)) for seq_id, tokens in work]
+        return self.execute([(seq_id, tokens, start) for (seq_id, tokens), start in zip(work, starts)],
+                            all_logits=all_logits)  # fmt: skip
+
+    def execute(
+        self,
+        work: Sequence[tuple[Hashable, Sequence[int], int]],
+        copies: Sequence[CopyOnWrite] = (),
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run one step whose slots are already reserved in :attr:`block_manager`.
+
+        ``work`` lists ``(seq_id, new_token_ids, num_computed_tokens)``: the new tokens sit at
+        positions ``num_computed_tokens ..``. ``copies`` are the step's copy-on-write block copies,
+        done on the K/V data before anything is written. Returns logits as :meth:`step` does.
+        """
+        for cow in copies:
+            self.kv_store.copy_block(cow.src_block, cow.dst_block)
+        bm = self.block_manager
+        slices = [SeqSlice(list(tokens), start, bm.block_table(seq_id)) for seq_id, tokens, start in work]
         batch = ForwardBatch.build(slices, self.block_size, self.kv_store.device)
         return self.model.forward_batch(batch, self.kv_store, self.backend, all_logits=all_logits)
 

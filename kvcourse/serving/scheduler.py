@@ -135,8 +135,15 @@ class Scheduler:
         return seq.num_prompt_tokens + seq.params.max_new_tokens - 1 + self.num_lookahead_slots
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence. Refused (``ValueError``) if it could never run, rather than leaving it
-        to wait forever or to preempt itself forever."""
+        """Queue a new sequence (:meth:`check` first)."""
+        self.check(seq)
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise ``ValueError`` if ``seq`` could never run, rather than let it wait forever or preempt
+        itself forever: it alone must fit the pool, its samples the sequence cap and, without chunked
+        prefill, its longest prefill the token budget."""
         if not isinstance(seq, Sequence):
             raise TypeError(f"seq must be a kvcourse.Sequence, got {type(seq).__name__}")
         if seq.seq_id in self._seqs:
@@ -158,8 +165,6 @@ class Scheduler:
                 f"(prompt + max_new_tokens - 1, recomputed after a preemption) must fit max_num_batched_tokens="
                 f"{self.max_num_batched_tokens}"
             )
-        self._seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
 
     def abort(self, seq_id: Hashable) -> Sequence:
         """Cancel a waiting or running sequence: it leaves its queue and its blocks go back."""

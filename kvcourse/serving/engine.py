@@ -1,0 +1,361 @@
+"""The engine: requests in, tokens out, one batched forward per step.
+
+:meth:`Engine.step` is the whole loop body of a serving engine (vLLM's ``LLMEngine.step``,
+nano-vllm's ``LLMEngine.step``):
+
+1. the :class:`~kvcourse.serving.Scheduler` picks the step's sequences and reserves their slots;
+2. the :class:`~kvcourse.serving.ModelRunner` does the copy-on-write copies and runs one forward
+   over all of them;
+3. every sequence that reached the end of its tokens samples its next one (a request with ``n``
+   samples forks into ``n`` sequences at its first token); finished sequences free their blocks.
+
+:meth:`Engine.generate` runs the loop until a list of prompts is done; :meth:`Engine.add_request`,
+:meth:`Engine.step` and :meth:`Engine.abort` drive it live, and :meth:`Engine.stream` yields tokens
+as they come. :attr:`Engine.stats` counts what happened; :attr:`Engine.events` logs every step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence as SequenceABC
+
+import torch
+from tqdm import tqdm
+
+from ..sequence import SamplingParams, Sequence
+from .model_runner import ModelRunner
+from .request import Request, RequestMetrics, TokenOutput
+from .scheduler import Scheduler
+from .stats import StepEvent, latency_summary
+
+__all__ = ["Engine"]
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class Engine:
+    """A continuous-batching engine on a paged KV pool.
+
+    Args:
+        model: a :class:`~kvcourse.LlamaModel`.
+        num_blocks, block_size: the KV pool (``num_blocks * block_size`` token slots).
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: most new tokens in one step (``None``: no cap); at least one block.
+        enable_chunked_prefill: split long prompts across steps, mixed with other requests' decodes.
+        watermark: fraction of the blocks admission keeps free for running requests to grow into.
+        backend: the paged attention backend (``"paged-torch"``; chapter 5 adds ``"triton"``).
+        clock: seconds, for the latency metrics (``time.perf_counter``).
+    """
+
+    def __init__(
+        self,
+        model,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int | None = 512,
+        *,
+        enable_chunked_prefill: bool = True,
+        watermark: float = 0.01,
+        backend: str = "paged-torch",
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        _positive_int("num_blocks", num_blocks)
+        _positive_int("block_size", block_size)
+        _positive_int("max_num_seqs", max_num_seqs)
+        if max_num_batched_tokens is not None:
+            _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+            if max_num_batched_tokens < block_size:
+                raise ValueError(
+                    f"max_num_batched_tokens must be at least one block (block_size={block_size}), "
+                    f"got {max_num_batched_tokens}"
+                )
+        self.model = model
+        self.runner = ModelRunner(model, num_blocks, block_size, backend)
+        self.scheduler = Scheduler(
+            self.runner.block_manager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            watermark=watermark,
+        )
+        self.clock = clock
+        self.eos_token_ids = tuple(model.config.eos_token_id or ())
+        self.requests: dict[Hashable, Request] = {}  # every request ever added, in order
+        self.events: list[StepEvent] = []
+        self._unfinished: dict[Hashable, Request] = {}
+        self._request_of: dict[Hashable, Request] = {}  # seq_id -> its request
+        self._ids = itertools.count()
+        self._t0 = clock()
+        self._counters = dict.fromkeys(
+            ("steps", "preemptions", "prompt_tokens", "recomputed_tokens", "generated_tokens",
+             "batched_tokens", "finished", "cancelled", "copy_on_write_copies", "max_blocks_saved_by_sharing"),
+            0,
+        )  # fmt: skip
+
+    @property
+    def block_manager(self):
+        return self.runner.block_manager
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: SequenceABC[int] | torch.Tensor,
+        sampling_params: SamplingParams | None = None,
+        request_id: Hashable | None = None,
+    ) -> Hashable:
+        """Queue a prompt (token ids); return its request id (by default the next free int)."""
+        seq = self._new_sequence(prompt, sampling_params, request_id, "prompt")
+        self._enqueue(seq)
+        return seq.seq_id[0]
+
+    def _new_sequence(self, prompt, sampling_params, request_id, name: str) -> Sequence:
+        """A request's first sequence, every argument checked; nothing is queued yet."""
+        prompt = self._check_prompt(prompt, name)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = next(i for i in self._ids if i not in self.requests)
+        elif not isinstance(request_id, Hashable):
+            raise TypeError(f"request_id must be hashable, got {type(request_id).__name__}")
+        elif request_id in self.requests:
+            raise ValueError(f"request_id={request_id!r} is already used")
+        context = self.model.config.max_position_embeddings
+        if len(prompt) + params.max_new_tokens > context:
+            raise ValueError(
+                f"{len(prompt)} prompt tokens + max_new_tokens={params.max_new_tokens} exceed the model's "
+                f"context length ({context})"
+            )
+        seq = Sequence((request_id, 0), prompt, params, eos_token_ids=self.eos_token_ids)
+        bm = self.block_manager
+        need = bm.blocks_needed(self.scheduler.max_slots(seq))
+        if need > bm.num_blocks:
+            raise ValueError(
+                f"request {request_id!r} alone needs {need} blocks of {bm.block_size} ({len(prompt)} prompt + "
+                f"max_new_tokens={params.max_new_tokens} - 1 tokens) but num_blocks={bm.num_blocks}: it could never run"
+            )
+        self.scheduler.check(seq)  # n against max_num_seqs; the budget without chunked prefill
+        return seq
+
+    def _enqueue(self, seq: Sequence) -> None:
+        self.scheduler.add(seq)
+        metrics = RequestMetrics(self.clock() - self._t0, self._counters["steps"], seq.num_prompt_tokens)
+        request = Request(seq.seq_id[0], seq, metrics)
+        self.requests[request.request_id] = self._unfinished[request.request_id] = request
+        self._request_of[seq.seq_id] = request
+
+    def abort(self, request_id: Hashable) -> None:
+        """Cancel an unfinished request: it leaves the queue or the batch; its blocks are freed."""
+        request = self._unfinished.pop(request_id, None)
+        if request is None:
+            raise ValueError(f"request_id={request_id!r} is not an unfinished request")
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.abort(seq.seq_id)
+            self._request_of.pop(seq.seq_id, None)
+        request.cancelled = True
+        request.metrics.finish_time = self.clock() - self._t0
+        request.metrics.finish_step = self._counters["steps"]
+        self._counters["cancelled"] += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished)
+
+    def output(self, request_id: Hashable) -> list[int] | list[list[int]]:
+        """A request's generated tokens (so far): one list, or ``n`` lists when it has ``n > 1`` samples."""
+        if request_id not in self.requests:
+            raise ValueError(f"request_id={request_id!r} is unknown")
+        request = self.requests[request_id]
+        return request.outputs if request.params.n > 1 else request.outputs[0]
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self) -> list[TokenOutput]:
+        """Run one step of every scheduled request; return the tokens it produced."""
+        if not self.scheduler.has_unfinished():
+            return []
+        start = self.clock()
+        out = self.scheduler.schedule()
+        if not out.scheduled:  # add_request guarantees the oldest request fits alone
+            raise RuntimeError("the scheduler found nothing to run although requests are waiting")
+        step = self._counters["steps"]
+        for seq in out.admitted:
+            m = self._request_of[seq.seq_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time, m.first_scheduled_step = start - self._t0, step
+        for seq in out.preempted:
+            self._request_of[seq.seq_id].metrics.num_preemptions += 1
+        work = [(s.seq.seq_id, s.token_ids, s.num_computed_tokens) for s in out.scheduled]
+        logits = self.runner.execute(work, out.copies)
+        self.scheduler.advance(out)
+        sampled = self._sample(out, logits)
+        finished = self.scheduler.append_tokens(sampled)
+        end = self.clock()
+        done = {seq.seq_id for seq in finished}
+        tokens = [TokenOutput(seq_id[0], seq_id[1], token, seq_id in done) for seq_id, token in sampled.items()]
+        self._account(out, sampled, finished, step, start, end)
+        return tokens
+
+    def _sample(self, out, logits: torch.Tensor) -> dict[Hashable, int]:
+        """The next token of every sequence whose step reached the end of its tokens."""
+        greedy = logits.argmax(dim=-1).tolist()  # one call for the whole batch: most requests are greedy
+        sampled: dict[Hashable, int] = {}
+        for row, s in enumerate(out.scheduled):
+            if not s.samples:
+                continue  # a prefill chunk short of the prompt's end: its logits are not needed
+            request = self._request_of[s.seq.seq_id]
+            pick = (lambda i: greedy[row]) if request.params.greedy else (lambda i: request.samplers[i](logits[row]))
+            if request.needs_fork:  # the first token of an n-sample request: fork the other n - 1
+                for child in request.fork():
+                    self.scheduler.fork(s.seq, child)  # shares every prompt block
+                    self._request_of[child.seq_id] = request
+                    sampled[child.seq_id] = pick(child.seq_id[1])
+            sampled[s.seq.seq_id] = pick(s.seq.seq_id[1])
+        return sampled
+
+    def _account(self, out, sampled, finished, step, start, end) -> None:
+        c = self._counters
+        c["steps"] += 1
+        c["preemptions"] += len(out.preempted)
+        c["copy_on_write_copies"] += len(out.copies)
+        c["generated_tokens"] += len(sampled)
+        for s in out.scheduled:
+            c["batched_tokens"] += s.num_new_tokens
+            if s.kind in ("prefill", "chunk"):
+                c["prompt_tokens"] += s.num_new_tokens
+            elif s.kind == "recompute":
+                c["recomputed_tokens"] += s.num_new_tokens
+        for seq_id in sampled:
+            m = self._request_of[seq_id].metrics
+            m.num_output_tokens += 1
+            if m.first_token_time is None:
+                m.first_token_time, m.first_token_step = end - self._t0, step
+        for seq in finished:
+            request = self._request_of.pop(seq.seq_id)
+            request.metrics.max_sample_tokens = max(request.metrics.max_sample_tokens, len(seq.output_token_ids))
+            if request.is_finished and request.request_id in self._unfinished:
+                del self._unfinished[request.request_id]
+                request.metrics.finish_time, request.metrics.finish_step = end - self._t0, step
+                c["finished"] += 1
+        bm = self.block_manager
+        held = sum(len(bm.block_table(seq.seq_id)) for seq in self.scheduler.running)
+        c["max_blocks_saved_by_sharing"] = max(c["max_blocks_saved_by_sharing"], held - bm.num_used_blocks)
+        ids = lambda seqs: tuple(seq.seq_id for seq in seqs)  # noqa: E731  (request_id, sample index)
+        self.events.append(StepEvent(
+            step=step, start=start - self._t0, duration=end - start,
+            scheduled=tuple((s.seq.seq_id[0], s.seq.seq_id[1], s.num_new_tokens, s.kind) for s in out.scheduled),
+            admitted=ids(out.admitted), preempted=ids(out.preempted), finished=ids(finished),
+            num_free_blocks=bm.num_free_blocks, num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running), num_copies=len(out.copies),
+        ))  # fmt: skip
+
+    # ---- whole runs ---------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: SequenceABC[SequenceABC[int]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[list[int]] | list[list[list[int]]]:
+        """Serve ``prompts`` (lists of token ids) to completion; their new tokens, in prompt order.
+
+        ``sampling_params`` is one :class:`~kvcourse.SamplingParams` for all prompts or one per
+        prompt; or give ``max_new_tokens`` alone for greedy decoding (default 16). With ``n > 1``
+        samples, a prompt's entry is the list of its ``n`` samples. ``use_tqdm``: a progress bar of
+        finished requests (by default for 32 prompts or more).
+        """
+        ids = self._add_all(prompts, sampling_params, max_new_tokens)
+        show = len(ids) >= 32 if use_tqdm is None else bool(use_tqdm)
+        with tqdm(total=len(ids), desc="requests", unit="req", disable=not show, file=sys.stderr) as bar:
+            while any(i in self._unfinished for i in ids):
+                before = sum(i not in self._unfinished for i in ids)
+                self.step()
+                bar.update(sum(i not in self._unfinished for i in ids) - before)
+        return [self.output(i) for i in ids]
+
+    def stream(
+        self,
+        prompts: SequenceABC[SequenceABC[int]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        *,
+        max_new_tokens: int | None = None,
+    ) -> Iterator[tuple[int, TokenOutput]]:
+        """Like :meth:`generate`, but yield ``(prompt_position, token_output)`` as each token is made."""
+        ids = self._add_all(prompts, sampling_params, max_new_tokens)
+        position = {rid: i for i, rid in enumerate(ids)}
+        while any(i in self._unfinished for i in ids):
+            for tok in self.step():
+                if tok.request_id in position:
+                    yield position[tok.request_id], tok
+
+    def _add_all(self, prompts, sampling_params, max_new_tokens) -> list[Hashable]:
+        if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, SequenceABC) or not prompts:
+            raise TypeError("prompts must be a non-empty list of prompts, each a list of token ids")
+        if sampling_params is not None and max_new_tokens is not None:
+            raise ValueError("give either sampling_params or max_new_tokens, not both")
+        if sampling_params is None:
+            sampling_params = SamplingParams(max_new_tokens=16 if max_new_tokens is None else max_new_tokens)
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        elif not isinstance(sampling_params, SequenceABC) or len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"sampling_params must be one SamplingParams or a list of {len(prompts)} (one per prompt)"
+            )
+        seqs = []
+        try:  # check them all before queueing any
+            for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
+                seqs.append(self._new_sequence(p, sp, None, f"prompts[{i}]"))
+                self.requests[seqs[-1].seq_id[0]] = None  # hold the id while the others are checked
+        finally:
+            for seq in seqs:
+                del self.requests[seq.seq_id[0]]
+        for seq in seqs:
+            self._enqueue(seq)
+        return [seq.seq_id[0] for seq in seqs]
+
+    def _check_prompt(self, prompt, name: str) -> list[int]:
+        if isinstance(prompt, torch.Tensor):
+            if prompt.ndim != 1:
+                raise ValueError(f"{name} must be a 1-D list of token ids, got a tensor of shape {tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, SequenceABC):
+            raise TypeError(f"{name} must be a list of token ids (use tok.encode(text)), got {type(prompt).__name__}")
+        prompt = list(prompt)
+        if not prompt:
+            raise ValueError(f"{name} is empty: a prompt needs at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        return prompt
+
+    # ---- what happened ------------------------------------------------------------------------
+    @property
+    def stats(self) -> dict:
+        """Counters, latency percentiles of the finished requests, and per-request metrics.
+
+        ``prompt_tokens`` counts prompt tokens prefilled the first time; ``recomputed_tokens`` the
+        tokens fed again after preemptions; ``max_blocks_saved_by_sharing`` the most blocks that
+        parallel samples shared at once (``max_bytes_saved_by_sharing`` the same in bytes).
+        """
+        stats = dict(self._counters)
+        stats["max_bytes_saved_by_sharing"] = stats["max_blocks_saved_by_sharing"] * self.runner.kv_store.block_nbytes
+        stats.update(latency_summary(r.metrics for r in self.requests.values() if not r.cancelled))
+        stats["requests"] = {rid: r.metrics for rid, r in self.requests.items()}
+        return stats
+
+    def __repr__(self) -> str:
+        return (
+            f"Engine(num_blocks={self.block_manager.num_blocks}, block_size={self.block_manager.block_size}, "
+            f"max_num_seqs={self.scheduler.max_num_seqs}, backend={self.runner.backend!r}, "
+            f"unfinished={len(self._unfinished)})"
+        )
