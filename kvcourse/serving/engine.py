@@ -229,15 +229,13 @@ class Engine:
         c["generated_tokens"] += len(sampled)
         for s in out.scheduled:
             c["batched_tokens"] += s.num_new_tokens
-            if s.kind in ("prefill", "chunk"):
-                c["prompt_tokens"] += s.num_new_tokens
-            elif s.kind == "recompute":
-                c["recomputed_tokens"] += s.num_new_tokens
+            c["recomputed_tokens"] += s.num_recomputed_tokens
         for seq_id in sampled:
             m = self._request_of[seq_id].metrics
             m.num_output_tokens += 1
             if m.first_token_time is None:
                 m.first_token_time, m.first_token_step = end - self._t0, step
+                c["prompt_tokens"] += m.num_prompt_tokens
         for seq in finished:
             request = self._request_of.pop(seq.seq_id)
             request.metrics.max_sample_tokens = max(request.metrics.max_sample_tokens, len(seq.output_token_ids))
@@ -343,8 +341,8 @@ class Engine:
     def stats(self) -> dict:
         """Counters, latency percentiles of the finished requests, and per-request metrics.
 
-        ``prompt_tokens`` counts prompt tokens prefilled the first time; ``recomputed_tokens`` the
-        tokens fed again after preemptions; ``max_blocks_saved_by_sharing`` the most blocks that
+        ``prompt_tokens`` counts the prompts prefilled (once per request); ``recomputed_tokens`` the
+        tokens fed again because a preemption threw their K/V away; ``max_blocks_saved_by_sharing`` the most blocks that
         parallel samples shared at once (``max_bytes_saved_by_sharing`` the same in bytes).
         """
         stats = dict(self._counters)

@@ -52,7 +52,7 @@ class ScheduledSeq:
     ``samples``: the step reaches the end of the sequence's tokens, so its last logits give its next
     token (a prefill chunk that stops mid-prompt samples nothing). ``kind``: ``"prefill"`` (a whole
     prompt), ``"chunk"`` (part of one), ``"decode"`` (the token sampled last step) or ``"recompute"``
-    (prompt and earlier outputs again, after a preemption).
+    (tokens whose K/V a preemption threw away; ``num_recomputed_tokens`` of them).
     """
 
     seq: Sequence
@@ -60,6 +60,7 @@ class ScheduledSeq:
     num_new_tokens: int
     samples: bool
     kind: str
+    num_recomputed_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -127,6 +128,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()  # head first; preempted sequences go back to the head
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self._seqs: dict[Hashable, Sequence] = {}
+        self._lost: dict[Hashable, int] = {}  # seq_id -> most tokens it had computed when preempted
 
     # ---- requests come and go -------------------------------------------------------------------
     def max_slots(self, seq: Sequence) -> int:
@@ -177,6 +179,7 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.seq_id in self.block_manager:
             self.block_manager.free(seq.seq_id)
+        self._lost.pop(seq_id, None)
         seq.status = SequenceStatus.CANCELLED
         return seq
 
@@ -252,6 +255,7 @@ class Scheduler:
                 self.block_manager.free(seq_id)
                 self.running.remove(seq)
                 del self._seqs[seq_id]
+                self._lost.pop(seq_id, None)
                 finished.append(seq)
         return finished
 
@@ -280,21 +284,22 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute mode: free the blocks, forget the K/V, back to the head of the queue."""
+        self._lost[seq.seq_id] = max(self._lost.get(seq.seq_id, 0), seq.num_computed_tokens)
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
 
-    @staticmethod
-    def _scheduled(seq: Sequence, n: int) -> ScheduledSeq:
+    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
         start, total = seq.num_computed_tokens, seq.num_tokens
-        if start == total - 1 and total > seq.num_prompt_tokens:
-            kind = "decode"
-        elif total > seq.num_prompt_tokens:
+        again = max(0, min(start + n, self._lost.get(seq.seq_id, 0)) - start)
+        if again:
             kind = "recompute"
+        elif start == total - 1 and total > seq.num_prompt_tokens:
+            kind = "decode"
         else:
             kind = "prefill" if start == 0 and n == total else "chunk"
-        return ScheduledSeq(seq, start, n, start + n == total, kind)
+        return ScheduledSeq(seq, start, n, start + n == total, kind, again)
 
     @staticmethod
     def _seats(seq: Sequence) -> int:
