@@ -80,6 +80,7 @@ notebooks: setup
 
 bench: setup
 	$(PY) benchmarks/bench_decode.py
+	$(PY) benchmarks/bench_serving.py
 
 student: setup
 	$(STUDENT_COPIES) _build/student
