@@ -24,6 +24,11 @@ pool (first fit), because pre-paging kernels want one tensor per request; pass
 ``contiguous=False`` to remove that constraint and see how much of their waste is
 external fragmentation.
 
+Admission, growth and preemption are not written here: the simulator is chapter 6's
+:class:`kvcourse.serving.Scheduler` (the serving engine's) driven by the trace instead
+of a model, with the paged pool a real :class:`~kvcourse.paged.BlockManager` and the
+reservations a :class:`ReservationPool` behind the same calls. One policy for both.
+
 Memory accounting, per step, for a running request holding ``A`` allocated slots,
 ``L`` live tokens and final length ``T``:
 
