@@ -260,3 +260,12 @@ def test_bad_generate_arguments(tiny):
         eng.add_request([1], request_id=7)
     with pytest.raises(ValueError, match="sampling_params.n = 2"):
         kvcourse.generate(tiny, [1, 2], sampling_params=SamplingParams(n=2))
+
+
+def test_progress_bar_counts_finished_requests(tiny, capsys):
+    prompts, params = workload(random.Random(9), 3, max_prompt=10, max_new=3)
+    Engine(tiny, num_blocks=16, block_size=4).generate(prompts, params, use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "requests: 100%" in err and "3/3" in err
+    Engine(tiny, num_blocks=16, block_size=4).generate(prompts, params)  # fewer than 32 prompts: no bar
+    assert capsys.readouterr().err == ""
