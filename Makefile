@@ -52,7 +52,7 @@ bench: setup
 	$(PY) benchmarks/bench_decode.py
 
 student: setup
-	$(PY) -m kvcourse.exercises.student $(NOTEBOOKS) --out _build/student
+	$(PY) -m kvcourse.instructor student book --out _build/student
 
 clean:
 	rm -rf _build .pytest_cache
