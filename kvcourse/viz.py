@@ -170,9 +170,9 @@ def memory_bill_frames(kv_bytes_per_token: int, weight_bytes: int, context_len: 
     for seq_len, batch in shapes:
         cache = seq_len * batch * kv_bytes_per_token
         who = f"{seq_len:,} tokens" if batch == 1 else f"{batch} sequences x {seq_len:,} tokens"
-        verdict = "more than" if cache > weight_bytes else "as much as" if cache == weight_bytes else "less than"
+        verdict = ": it outweighs the model" if cache > weight_bytes else ""
         frames.append(BillFrame(seq_len, batch, cache, weight_bytes,
-                                f"memory bill: {who}, cache {cache / weight_bytes:.2g}x the weights ({verdict})"))
+                                f"memory bill, {who}: the cache is {cache / weight_bytes:.2g}x the weights{verdict}"))
     return frames
 
 

@@ -132,7 +132,7 @@ def test_memory_bill_grows_until_the_cache_outweighs_the_weights(per_token, weig
     for f in frames:
         assert f.cache_bytes == f.seq_len * f.batch_size * per_token and f.seq_len <= context
         assert f.batch_size == 1 or f.seq_len == context  # a batch only of full-context sequences
-        assert ("more than" in f.caption) == (f.cache_bytes > weights)
+        assert ("outweighs the model" in f.caption) == (f.cache_bytes > weights)
 
 
 def test_memory_bill_for_smollm2_needs_two_full_contexts():
