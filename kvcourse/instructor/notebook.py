@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["Exercise", "find_exercises", "cell_source", "is_solution", "CHECK_CALL", "DIRECTIVE"]
+__all__ = ["Exercise", "find_exercises", "cell_source", "checks_called", "is_solution", "CHECK_CALL", "DIRECTIVE"]
 
 # A fenced MyST directive: ```{name} argument ... ``` or :::{name} ... ::: (longer fences nest shorter ones).
 DIRECTIVE = re.compile(
