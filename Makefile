@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.kvcourse-installed
 NOTEBOOKS := $(sort $(wildcard book/*.ipynb))
 CHAPTERS  := $(sort $(wildcard book/[0-9][0-9]_*.ipynb))
 # The student-copy command, in one place: it is given a folder to write solution-free copies into.
-STUDENT_COPIES = $(PY) -m kvcourse.exercises.student $(CHAPTERS) --out
+STUDENT_COPIES = $(PY) -m kvcourse.instructor student book --out
 export PYTHONHASHSEED := 0
 
 .PHONY: setup book published check-book sync-notebooks test unit nbval notebooks bench student clean help
@@ -55,7 +55,7 @@ published: setup
 	rm -rf _build/published _build/student-src
 	$(STUDENT_COPIES) _build/student-src
 	$(PY) -m kvcourse.tools.reader_copies $(CHAPTERS) --out _build/published/book $(PUBLISH_REF_ARG)
-	$(PY) -m kvcourse.tools.reader_copies _build/student-src/*.ipynb --out _build/published/exercises $(PUBLISH_REF_ARG)
+	$(PY) -m kvcourse.tools.reader_copies _build/student-src/*.ipynb --out _build/published/exercises --glue-from book $(PUBLISH_REF_ARG)
 
 # The built book in headless Chromium (Debian's chromium + chromium-driver): console errors, images,
 # the animation, launch links, search, cut-off code lines, offline MathJax; screenshots per chapter.
