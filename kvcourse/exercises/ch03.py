@@ -297,7 +297,8 @@ def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed:
     l38 = {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128}
     ratio = _quantized(l38, 131072, 2, 32, 128) / (2 * 32 * 8 * 128 * 131072 * 2)
     return passed(f"2-bit KIVI (groups of 32, 128 recent tokens in fp16) keeps Llama-3-8B's 128k-token cache at "
-                  f"{ratio:.1%} of its bf16 size: 1/8 for the payload, as much again for scales and zero points.")
+                  f"{ratio:.1%} of its bf16 size: an eighth for the payload, half as much again for the scales and "
+                  "zero points.")
 
 
 # --- Exercise 4: sequences on one GPU -----------------------------------------------------------

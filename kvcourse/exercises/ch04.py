@@ -415,8 +415,8 @@ def check_parallel_sampling_blocks(blocks_with_sharing: Callable[[int, int, int,
         if got != want:
             diagnosis.record(case, args, got, want)
     diagnosis.raise_if_wrong()
-    return passed("the full prompt blocks once, then each sample's own blocks (its copy of the partial prompt block "
-                  "included, but the last owner's).")
+    return passed("the full prompt blocks once, then each sample's own blocks, among them a copy of the partly "
+                  "filled prompt block for every sample but its last owner.")
 
 
 # --- Exercise 4: pick a block size -----------------------------------------------------------------
