@@ -203,3 +203,22 @@ def test_no_reference_answers_are_public():
         obj = getattr(ch03, name)
         if callable(obj) and getattr(obj, "__module__", "") == ch03.__name__ and not name.startswith("_"):
             assert name.startswith("check_"), f"ch03.{name} is public but not a check"
+
+
+def test_student_copy_fails_every_check_with_its_label():
+    """The chapter's student copy: each exercise's stub reaches its check, which fails saying it is not written."""
+    import json
+    from pathlib import Path
+
+    from kvcourse.instructor import find_exercises, student_copy
+    from kvcourse.instructor.notebook import cell_source
+
+    chapter = Path(__file__).resolve().parents[1] / "book" / "03_memory.ipynb"
+    student = student_copy(json.loads(chapter.read_text()))
+    exercises = find_exercises(student)
+    assert len(exercises) >= 4
+    for exercise in exercises:
+        namespace = {"ch03": ch03, "CATALOG": CATALOG, "kv_cache_bytes": kv_cache_bytes}
+        with pytest.raises((ExerciseError, NotImplementedError), match=exercise.label):
+            for i in exercise.code_cells:
+                exec(cell_source(student["cells"][i]), namespace)

@@ -328,3 +328,24 @@ def test_no_reference_answers_are_public():
         obj = getattr(ch04, name)
         if callable(obj) and getattr(obj, "__module__", "") == ch04.__name__ and not name.startswith("_"):
             assert name.startswith("check_"), f"ch04.{name} is public but not a check"
+
+
+def test_student_copy_fails_every_check_with_its_label():
+    """The chapter's student copy: each exercise's stub reaches its check, which fails saying it is not written."""
+    import json
+    from collections import deque
+    from pathlib import Path
+
+    from kvcourse.instructor import find_exercises, student_copy
+    from kvcourse.instructor.notebook import cell_source
+
+    chapter = Path(__file__).resolve().parents[1] / "book" / "04_paged_kv_cache.ipynb"
+    student = student_copy(json.loads(chapter.read_text()))
+    exercises = find_exercises(student)
+    assert len(exercises) >= 4
+    for exercise in exercises:
+        namespace = {"ch04": ch04, "deque": deque, "BlockManager": BlockManager, "make_trace": make_trace,
+                     "block_size_sweep": block_size_sweep}
+        with pytest.raises((ExerciseError, NotImplementedError), match=exercise.label):
+            for i in exercise.code_cells:  # the bug hunt's own code cell runs first, then the stub
+                exec(cell_source(student["cells"][i]), namespace)

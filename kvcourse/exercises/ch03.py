@@ -275,8 +275,8 @@ def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed:
          "AND a zero point, 2 + 2 bytes in fp16. Counting the scale alone halves the overhead (for int4 in groups "
          "of 32, a quarter of the payload, not an eighth).",
          lambda *a: _quantized(*a, mistake="scale_only")),
-        ("The most recent residual_len tokens are not quantized: they stay in fp16 (KIVI keeps them in full "
-         "precision until a whole group can be quantized).", lambda *a: _quantized(*a, mistake="no_window")),
+        ("The most recent residual_len tokens are not quantized: they stay in fp16 (KIVI keeps a window of recent "
+         "tokens in full precision and quantizes it once it fills).", lambda *a: _quantized(*a, mistake="no_window")),
         ("The recent tokens in the fp16 window are not also stored quantized: only the older "
          "seq_len - residual_len tokens are.", lambda *a: _quantized(*a, mistake="window_twice")),
         ("bits counts bits: a value takes bits / 8 bytes.", lambda *a: _quantized(*a, mistake="bits_as_bytes")),
