@@ -21,7 +21,7 @@ import torch
 from ..batch import slot_mapping
 from .reference import causal_attention
 
-__all__ = ["PagedCase", "random_paged_case", "tolerance"]
+__all__ = ["PagedCase", "random_paged_case", "repage", "tolerance"]
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
@@ -145,3 +145,43 @@ def random_paged_case(
                  "slot_mapping", "k", "v"):  # fmt: skip
         setattr(case, name, getattr(case, name).to(device))
     return case
+
+
+def repage(case: PagedCase, block_size: int, seed: int, spare_blocks: int = 2) -> PagedCase:
+    """The same decode problem (same ``q``, K/V values, ``seq_lens``) scattered over a new pool.
+
+    The new pool has ``block_size``-token blocks in a fresh random order (seeded by ``seed``), NaN in
+    every unused slot and one -1 column of table padding. Only the *layout* changes, so a correct
+    paged kernel gives the same output on both. ``case`` must be a decode case (one query per sequence).
+    """
+    lens = case.seq_lens.tolist()
+    if case.q.shape[0] != len(lens):
+        raise ValueError("repage takes a decode case (one query per sequence)")
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    physical = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[physical.pop() for _ in range(nb)] for nb in blocks_per_seq]
+    hkv, d = case.k.shape[1], case.k.shape[3]
+    device = case.k.device
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=case.k.dtype, device=device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for b, n in enumerate(lens):
+        slots = torch.tensor(slot_mapping(tables[b], range(n), block_size), device=device)
+        k_cache.view(-1, hkv, d)[slots] = case.k[b, :, :n].transpose(0, 1)
+        v_cache.view(-1, hkv, d)[slots] = case.v[b, :, :n].transpose(0, 1)
+    width = max(blocks_per_seq) + 1
+    own_slots = [slot_mapping(t, [n - 1], block_size)[0] for t, n in zip(tables, lens)]
+    return PagedCase(
+        q=case.q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        seq_lens=case.seq_lens,
+        query_start_loc=case.query_start_loc,
+        positions=case.positions,
+        slot_mapping=torch.tensor(own_slots, dtype=torch.int64, device=device),
+        k=case.k,
+        v=case.v,
+        scale=case.scale,
+    )
