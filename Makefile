@@ -16,7 +16,7 @@ help:
 	@echo "make book       build the HTML book into _build/html (from committed outputs)"
 	@echo "make test       unit tests + nbval over every notebook"
 	@echo "make notebooks  re-execute every notebook in place"
-	@echo "make bench      CPU benchmarks (ours vs Hugging Face, naive vs cached)"
+	@echo "make bench      CPU benchmarks (ours vs Hugging Face, naive vs cached); GPU kernel benchmark if a GPU is present"
 	@echo "make student    student copies of the notebooks, solutions removed, in _build/student"
 
 setup: $(STAMP)
@@ -50,6 +50,7 @@ notebooks: setup
 
 bench: setup
 	$(PY) benchmarks/bench_decode.py
+	$(PY) -m kvcourse.bench kernels
 
 student: setup
 	$(PY) -m kvcourse.exercises.student $(NOTEBOOKS) --out _build/student

@@ -20,6 +20,7 @@ __all__ = [
     "GpuPeak",
     "decode_attention_bytes",
     "decode_attention_flops",
+    "peak_for",
 ]
 
 
@@ -82,3 +83,17 @@ def decode_attention_bytes(
 def decode_attention_flops(seq_lens: Sequence[int], num_q_heads: int, head_dim: int) -> int:
     """FLOPs of one decode step of attention (one layer): ``q . k`` and ``p v``, 2 FLOPs per multiply-add."""
     return 4 * sum(_check_lens(seq_lens)) * num_q_heads * head_dim
+
+
+def peak_for(device_name: str) -> GpuPeak | None:
+    """The published peaks of a GPU from its CUDA name (``torch.cuda.get_device_name()``), if we list it."""
+    name = device_name.upper()
+    if "T4" in name:
+        return GPU_PEAKS["T4"]
+    if "A100" in name:
+        return GPU_PEAKS["A100-80GB" if "80GB" in name else "A100-40GB"]
+    if "H200" in name:
+        return GPU_PEAKS["H200"]
+    if "H100" in name and "PCIE" not in name and "NVL" not in name:  # SXM: "NVIDIA H100 80GB HBM3"
+        return GPU_PEAKS["H100-SXM"]
+    return None
