@@ -25,12 +25,19 @@ __all__ = ["merge_partials", "online_softmax_attention"]
 
 
 def online_softmax_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tile: int, scale: float = 1.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tile: int,
+    scale: float = 1.0,
+    trace: list[dict] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries ``q [G, D]`` over ``k, v [S, D]``, reading ``tile`` keys at a time.
 
     Returns ``(out [G, D], lse [G])`` in float64, equal to ``softmax(scale q k^T) v`` and
     ``logsumexp(scale q k^T)``. ``S = 0`` gives ``out = 0`` and ``lse = -inf`` (an empty split).
+    ``trace``, a list, receives one dict per tile with the running values of query 0
+    (``start``, ``tile_max``, ``m``, ``alpha``, ``l``).
     """
     if q.ndim != 2 or k.ndim != 2 or v.shape != k.shape or q.shape[1] != k.shape[1]:
         raise ValueError(f"need q [G, D] and k, v [S, D], got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
@@ -48,6 +55,8 @@ def online_softmax_attention(
         l = alpha * l + p.sum(dim=1)
         acc = alpha[:, None] * acc + p @ v[start : start + tile]
         m = m_new
+        if trace is not None:
+            trace.append(dict(start=start, tile_max=float(s[0].max()), m=float(m[0]), alpha=float(alpha[0]), l=float(l[0])))
     if k.shape[0] == 0:
         return acc, m  # nothing seen: 0 and -inf
     return acc / l[:, None], m + torch.log(l)

@@ -26,11 +26,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GpuPeak:
-    """A GPU's vendor-published peaks: memory bandwidth and dense fp16 tensor-core throughput."""
+    """A GPU's vendor-published figures: memory bandwidth, dense fp16 tensor-core throughput, SM count."""
 
     name: str
     bandwidth: float  # bytes/s
     fp16_flops: float  # FLOP/s, dense (no sparsity)
+    sms: int  # streaming multiprocessors
     source: str
 
     @property
@@ -39,13 +40,13 @@ class GpuPeak:
         return self.fp16_flops / self.bandwidth
 
 
-# Vendor figures (NVIDIA datasheets). A100 40 GB PCIe: 1,555 GB/s; A100 80 GB SXM: 2,039 GB/s.
+# Vendor figures (NVIDIA datasheets and architecture whitepapers for the SM counts).
 GPU_PEAKS: dict[str, GpuPeak] = {
-    "T4": GpuPeak("NVIDIA T4", 320e9, 65e12, "NVIDIA T4 datasheet: 320 GB/s GDDR6, 65 TFLOPS fp16"),
-    "A100-40GB": GpuPeak("NVIDIA A100 40GB", 1555e9, 312e12, "NVIDIA A100 datasheet: 1,555 GB/s, 312 TFLOPS fp16"),
-    "A100-80GB": GpuPeak("NVIDIA A100 80GB SXM", 2039e9, 312e12, "NVIDIA A100 datasheet: 2,039 GB/s, 312 TFLOPS fp16"),
-    "H100-SXM": GpuPeak("NVIDIA H100 SXM", 3.35e12, 989e12, "NVIDIA H100 datasheet: 3.35 TB/s, 989 TFLOPS fp16 dense"),
-    "H200": GpuPeak("NVIDIA H200", 4.8e12, 989e12, "NVIDIA H200 datasheet: 4.8 TB/s, 989 TFLOPS fp16 dense"),
+    "T4": GpuPeak("NVIDIA T4", 320e9, 65e12, 40, "NVIDIA T4 datasheet: 320 GB/s GDDR6, 65 TFLOPS fp16"),
+    "A100-40GB": GpuPeak("NVIDIA A100 40GB", 1555e9, 312e12, 108, "NVIDIA A100 datasheet: 1,555 GB/s, 312 TFLOPS fp16"),
+    "A100-80GB": GpuPeak("NVIDIA A100 80GB SXM", 2039e9, 312e12, 108, "NVIDIA A100 datasheet: 2,039 GB/s, 312 TFLOPS fp16"),
+    "H100-SXM": GpuPeak("NVIDIA H100 SXM", 3.35e12, 989e12, 132, "NVIDIA H100 datasheet: 3.35 TB/s, 989 TFLOPS fp16 dense"),
+    "H200": GpuPeak("NVIDIA H200", 4.8e12, 989e12, 132, "NVIDIA H200 datasheet: 4.8 TB/s, 989 TFLOPS fp16 dense"),
 }
 
 
