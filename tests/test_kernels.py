@@ -21,6 +21,7 @@ from kvcourse.kernels import decode_attention, paged_decode_attention, paged_dec
 from kvcourse.kernels.int8 import dequantize_int8, paged_decode_attention_int8_ref, quantize_int8
 from kvcourse.kernels.reference import decode_attention_ref, paged_decode_attention_ref
 from kvcourse.kernels.testing import random_paged_case, repage, tolerance
+from kvcourse.kernels.triton_decode import group_rows, tile_config
 from kvcourse.kernels.triton_paged import MAX_SPLITS, choose_num_splits
 from kvcourse.kernels.triton_runtime import fallbacks, reset_fallbacks
 
@@ -148,6 +149,17 @@ def test_split_kv_in_half_precision(dtype):
     got = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, num_splits=4)
     assert got.dtype == dtype
     torch.testing.assert_close(got, case.expected(), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_gpu_tiles_are_legal_and_fit_a_t4(head_dim, dtype):
+    cfg = tile_config(head_dim, dtype, torch.device("cuda"))  # only reads device.type: no GPU needed
+    n, d = cfg["BLOCK_N"], cfg["BLOCK_D"]
+    assert n >= 16 and d >= 16 and n & (n - 1) == 0 and d & (d - 1) == 0  # tl.dot's minimum, powers of two
+    smem = cfg["num_stages"] * 2 * n * d * torch.finfo(dtype).bits // 8  # K and V tiles, every stage
+    assert smem <= 32 * 1024 or (n == 16 and head_dim == 256 and dtype == torch.float32)
+    assert group_rows(3) == 16 and group_rows(32) == 32  # GQA groups padded to tl.dot's 16 rows
 
 
 def test_choose_num_splits():

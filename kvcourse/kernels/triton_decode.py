@@ -30,21 +30,24 @@ from .triton_runtime import check_kernel_device, dot_precision, launch_or_fallba
 __all__ = ["decode_attention", "tile_config"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
+SMEM_BUDGET = 32 * 1024  # bytes of shared memory the K/V tiles of the default launch may use
 
 
 def tile_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
     """Launch parameters for the decode kernels: tile width, warps, pipeline stages.
 
-    On a GPU a K tile and a V tile of ``BLOCK_N x D`` elements sit in shared memory per pipeline stage;
-    ``BLOCK_N = 32`` at ``D = 128`` in fp16 with 2 stages is 32 KiB, within a T4's 64 KiB. In the
-    interpreter every loop iteration costs Python time, so tiles are as wide as practical.
+    On a GPU a K tile and a V tile of ``BLOCK_N x D`` elements sit in shared memory per pipeline stage.
+    Two stages of both within 32 KiB (half a T4's 64 KiB) gives ``BLOCK_N = 32`` at ``D = 128`` in fp16,
+    64 at ``D = 64``; ``tl.dot`` needs at least 16. In the interpreter every loop iteration costs
+    Python time, so tiles are as wide as practical.
     """
     block_d = triton.next_power_of_2(head_dim)
     if device.type != "cuda":  # the interpreter: fewer, wider iterations
         return dict(BLOCK_N=128, BLOCK_D=block_d, num_warps=4, num_stages=1)
     elem = torch.finfo(dtype).bits // 8
-    block_n = 64 if block_d * elem <= 128 else 32  # 2 stages x (K + V) x BLOCK_N x D x elem <= 32 KiB
-    return dict(BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=2)
+    stages = 2
+    block_n = max(16, min(64, SMEM_BUDGET // (stages * 2 * block_d * elem)))  # 2 = a K tile and a V tile
+    return dict(BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=stages)  # powers of two, all
 
 
 def group_rows(group: int) -> int:
