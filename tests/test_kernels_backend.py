@@ -13,7 +13,8 @@ import torch
 from kvcourse.attention import PagedTorchBackend
 from kvcourse.batch import ForwardBatch, SeqSlice
 from kvcourse.kernels import triton_backend, triton_cache, triton_decode, triton_paged
-from kvcourse.kernels.testing import random_paged_case, tolerance
+from kvcourse.kernels.reference import decode_attention_ref
+from kvcourse.kernels.testing import model_decode_case, paged_from_contiguous, random_paged_case, tolerance
 from kvcourse.kernels.triton_runtime import KernelFallbackWarning, OutOfResources, fallbacks, reset_fallbacks
 from kvcourse.paged import PagedKVStore
 from kvcourse.serving import ModelRunner
@@ -61,6 +62,27 @@ def test_real_model_generates_the_same_tokens_through_triton(model, tok, no_fall
     assert got == want and len(got[0]) == 3 and len(got[1]) == 2
     for g, w in zip(got_logits, want_logits):
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)
+
+
+def test_kernels_reproduce_the_models_attention_on_real_keys_and_values(model, tok, no_fallback):
+    ids = tok.encode("A block table maps each sequence's logical blocks to physical blocks of one shared pool.")
+    case = model_decode_case(model, [ids, ids[:9], ids[:2]], layer=7)
+    assert case.q.shape == (3, 9, 64) and case.k.shape == (3, 3, len(ids), 64) and torch.isnan(case.k[2, :, 2:]).all()
+    # The model's own attention (chapter 2's causal path) is the answer; the references agree with it...
+    torch.testing.assert_close(decode_attention_ref(case.q, case.k, case.v, case.seq_lens), case.out, rtol=1e-5, atol=1e-5)
+    # ...and so do the kernels, contiguous and paged (NaN in every unused slot of both).
+    torch.testing.assert_close(triton_decode.decode_attention(case.q, case.k, case.v, case.seq_lens), case.out,
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    paged = paged_from_contiguous(case.q, case.k, case.v, case.seq_lens.tolist(), block_size=4, seed=3)
+    got = triton_paged.paged_decode_attention(paged.q, paged.k_cache, paged.v_cache, paged.block_tables,
+                                              paged.seq_lens, num_splits=3)  # fmt: skip
+    torch.testing.assert_close(got, case.out, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="layer must lie in"):
+        model_decode_case(model, [ids], layer=30)
+    with pytest.raises(ValueError, match="2 tokens or more"):
+        model_decode_case(model, [ids[:1]], layer=0)
+    with pytest.raises(ValueError, match="one seq_len in"):
+        paged_from_contiguous(case.q, case.k, case.v, [0, 9, 2], block_size=4, seed=0)
 
 
 def _synthetic_step(seed: int, dtype=torch.float32):

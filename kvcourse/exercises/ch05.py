@@ -250,8 +250,8 @@ def check_paged_offsets(kernel) -> bool:
                         "token stride.",
             "row0": "Every sequence reads sequence 0's table: row b of Block_tables starts at b * stride_bt.",
         }  # fmt: skip
-        hint = next((h for name, h in hints.items() if _close(out, variants[name])),
-                    "The address of position n is block * stride_kb + (n % BLOCK_SIZE) * stride_kt + kv_head * stride_kh.")  # fmt: skip
+        fallback = "The address of position n is block * stride_kb + (n % BLOCK_SIZE) * stride_kt + kv_head * stride_kh."
+        hint = next((h for name, h in hints.items() if _close(out, variants[name])), fallback)
         raise ExerciseError(f"paged_decode_kernel gives wrong outputs ({where}). {hint}")
     return passed("position n of sequence b lives at block_tables[b, n // BLOCK_SIZE] * stride_kb + "
                   "(n % BLOCK_SIZE) * stride_kt: the slot mapping, inside the kernel.")  # fmt: skip
