@@ -39,13 +39,6 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources, PTXASError
 from triton.runtime.interpreter import InterpretedFunction
 
-if bool(triton.knobs.runtime.interpret) != isinstance(tl.cdiv, InterpretedFunction):
-    # Triton's own library was decorated under the other mode: kernels would fail at their first call.
-    raise ImportError(
-        "Triton was imported before TRITON_INTERPRET was settled: import kvcourse before anything that "
-        "imports Triton (torch.compile does), or set TRITON_INTERPRET=1 (CPU) or 0 (GPU) in the environment"
-    )
-
 __all__ = [
     "KernelFallbackWarning",
     "check_kernel_device",
@@ -62,7 +55,18 @@ T = TypeVar("T")
 
 def interpreting() -> bool:
     """True when kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return bool(triton.knobs.runtime.interpret)
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; older versions read the variable directly
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+if interpreting() != isinstance(tl.cdiv, InterpretedFunction):
+    # Triton's own library was decorated under the other mode: kernels would fail at their first call.
+    raise ImportError(
+        "Triton was imported before TRITON_INTERPRET was settled: import kvcourse before anything that "
+        "imports Triton (torch.compile does), or set TRITON_INTERPRET=1 (CPU) or 0 (GPU) in the environment"
+    )
 
 
 def upcast(dtype: torch.dtype) -> bool:
