@@ -66,8 +66,7 @@ __all__ = [
     "paged_prefill_attention_ref",
     "repeat_kv",
     "reshape_and_cache_ref",
-    *_TRITON_NAMES,
-]
+]  # the Triton names are left out, so `from kvcourse.kernels import *` works without Triton
 
 
 def __getattr__(name: str):
