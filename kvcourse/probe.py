@@ -5,8 +5,9 @@ recomputes unchanged at every step. :func:`record_forward` runs the model once
 (no cache) and returns, per layer, the queries, keys and values exactly as the
 attention sees them (after RoPE), plus the final hidden states and the logits.
 
-It works with forward pre-hooks on each layer's ``self_attn`` module, so the
-model code stays untouched; the hooks are removed before the function returns.
+It runs the model with a recording attention backend: the layers hand their Q, K and V to
+it exactly as they hand them to any backend, and it copies them before attending as the
+no-cache backend does. Nothing in the model changes.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import LlamaModel, apply_rope
+from .attention import NoCache
+from .model import LlamaModel
 
 __all__ = ["Recording", "record_forward"]
 
@@ -50,30 +52,24 @@ def record_forward(model: LlamaModel, input_ids: torch.Tensor | Sequence[int]) -
         if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             raise ValueError("input_ids must be a non-empty list of ints or an integer tensor [B, T]")
         input_ids = torch.tensor([ids], device=model.device)
-    qs: list[torch.Tensor] = []
-    ks: list[torch.Tensor] = []
-    vs: list[torch.Tensor] = []
-    hidden: list[torch.Tensor] = []
+    model.check_context(input_ids.shape[1])
+    recorder = _Recorder()
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    with torch.inference_mode():
+        hidden = model.hidden_states(input_ids, positions, recorder)
+        logits = model.lm_head(hidden)
+    return Recording(q=recorder.q, k=recorder.k, v=recorder.v, hidden=hidden, logits=logits)
 
-    def on_attention(module, args):
-        x, cos, sin = args[0], args[1], args[2]
-        b, t, _ = x.shape
-        with torch.inference_mode():
-            q = module.q_proj(x).view(b, t, module.n_heads, module.head_dim).transpose(1, 2)
-            k = module.k_proj(x).view(b, t, module.n_kv_heads, module.head_dim).transpose(1, 2)
-            v = module.v_proj(x).view(b, t, module.n_kv_heads, module.head_dim).transpose(1, 2)
-            qs.append(apply_rope(q, cos, sin).clone())
-            ks.append(apply_rope(k, cos, sin).clone())
-            vs.append(v.clone())
 
-    def on_norm(module, args, output):
-        hidden.append(output.clone())
+class _Recorder(NoCache):
+    """The no-cache backend, keeping a copy of every layer's Q, K, V as ``[B, H, T, D]``."""
 
-    handles = [layer.self_attn.register_forward_pre_hook(on_attention) for layer in model.layers]
-    handles.append(model.norm.register_forward_hook(on_norm))
-    try:
-        logits = model(input_ids)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return Recording(q=qs, k=ks, v=vs, hidden=hidden[0], logits=logits)
+    def __init__(self) -> None:
+        self.q: list[torch.Tensor] = []
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        for store, x in ((self.q, q), (self.k, k), (self.v, v)):
+            store.append(x.transpose(1, 2).clone())
+        return super().__call__(layer_idx, q, k, v)

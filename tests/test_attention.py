@@ -1,25 +1,27 @@
-"""Reference attention: GQA semantics, the causal mask, and strict input checks."""
+"""Contiguous reference attention: GQA semantics, the causal mask from positions, scale, dtype, strict checks."""
 
 import math
 
 import pytest
 import torch
 
-from kvcourse.attention import causal_attention, decode_attention_ref, repeat_kv
+from kvcourse.kernels.reference import causal_attention, decode_attention_ref, repeat_kv
 
 
-def _naive_attention(q, k, v, causal):
+def _naive_attention(q, k, v, causal, q_offset=None, scale=None):
     """Loops over heads and positions: slow, obviously right."""
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
+    q_offset = s - t if q_offset is None else q_offset
+    scale = 1 / math.sqrt(d) if scale is None else scale
     out = torch.zeros_like(q)
     for bi in range(b):
         for h in range(hq):
             kh = h // (hq // hkv)
             for i in range(t):
-                pos = s - t + i
+                pos = q_offset + i
                 limit = pos + 1 if causal else s
-                scores = torch.stack([q[bi, h, i] @ k[bi, kh, j] for j in range(limit)]) / math.sqrt(d)
+                scores = torch.stack([q[bi, h, i] @ k[bi, kh, j] for j in range(limit)]) * scale
                 probs = torch.softmax(scores, 0)
                 out[bi, h, i] = sum(probs[j] * v[bi, kh, j] for j in range(limit))
     return out
@@ -33,6 +35,33 @@ def test_causal_attention_matches_loops(hq, hkv, t, s):
     k = torch.randn(2, hkv, s, 8, generator=g, dtype=torch.float64)
     v = torch.randn(2, hkv, s, 8, generator=g, dtype=torch.float64)
     torch.testing.assert_close(causal_attention(q, k, v), _naive_attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("q_offset", [0, 1, 4])
+@pytest.mark.parametrize("scale", [None, 0.05, 1.0])
+def test_causal_attention_q_offset_and_scale(q_offset, scale):
+    # Three queries at positions q_offset .. q_offset + 2 of a 7-key sequence: each sees keys up to its
+    # own position, not "the last three keys", and the scores are multiplied by `scale`.
+    g = torch.Generator().manual_seed(10 * q_offset + (0 if scale is None else int(100 * scale)))
+    q = torch.randn(2, 4, 3, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, 7, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, 7, 8, generator=g, dtype=torch.float64)
+    got = causal_attention(q, k, v, scale=scale, q_offset=q_offset)
+    torch.testing.assert_close(got, _naive_attention(q, k, v, True, q_offset, scale), rtol=1e-12, atol=1e-12)
+    if q_offset != 4:  # 4 is the default: the queries are the last three keys
+        assert not torch.allclose(got, causal_attention(q, k, v, scale=scale))
+
+
+def test_float64_is_computed_in_float64():
+    # A float64 reference must not round through float32 anywhere (it is the ground truth of tests).
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 5, 16, generator=g, dtype=torch.float64) * 30
+    k = torch.randn(1, 2, 5, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, 5, 16, generator=g, dtype=torch.float64)
+    want = _naive_attention(q, k, v, causal=True)
+    torch.testing.assert_close(causal_attention(q, k, v), want, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(decode_attention_ref(q[:, :, -1], k, v), want[:, :, -1], rtol=1e-13, atol=1e-13)
+    assert causal_attention(q, k, v).dtype == torch.float64
 
 
 def test_causal_mask_hides_the_future():
@@ -87,6 +116,12 @@ def test_repeat_kv_maps_query_head_to_its_group():
         (lambda: ([1.0], torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)), TypeError, "q"),
         (lambda: (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 4, 8)), ValueError, "same shape"),
         (lambda: (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)), ValueError, "head_dim"),
+        (lambda: (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None, 3), ValueError,
+         "q_offset=3"),
+        (lambda: (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None, -1), ValueError,
+         "q_offset"),
+        (lambda: (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), 0.0), ValueError,
+         "scale"),
     ],
 )
 def test_causal_attention_rejects_bad_input(make, exc, word):

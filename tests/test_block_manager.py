@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcourse.paged import BlockManager, CopyOnWrite, NoFreeBlocksError
+from kvcourse.paged import BlockManager, CopyOnWrite, NoFreeBlocksError, slot_mapping
 
 
 def snapshot(bm: BlockManager) -> dict:
@@ -26,13 +26,13 @@ def test_allocate_takes_ceil_blocks_and_maps_slots():
     assert bm.allocate("a", 6) == [0, 1]
     assert bm.num_free_blocks == 6 and bm.num_used_blocks == 2
     assert bm.num_tokens("a") == 6
-    assert bm.slot_mapping("a") == [0, 1, 2, 3, 4, 5]
+    assert slot_mapping(bm.block_table("a"), range(6), 4) == [0, 1, 2, 3, 4, 5]
     assert bm.allocate("b", 4) == [2]
     assert bm.allocate("c", 0) == [] and bm.num_free_blocks == 5
     bm.free("a")
     # Freed blocks go to the back of the free list; the next request takes block 3 first.
     assert bm.allocate("d", 5) == [3, 4]
-    assert bm.slot_mapping("d", 3, 5) == [3 * 4 + 3, 4 * 4 + 0]
+    assert slot_mapping(bm.block_table("d"), range(3, 5), 4) == [3 * 4 + 3, 4 * 4 + 0]
 
 
 def test_append_slot_takes_a_new_block_only_when_the_last_is_full():
@@ -142,8 +142,13 @@ def test_argument_validation():
         bm.append_slots(0, 1.5)
     with pytest.raises(ValueError, match="block must be in"):
         bm.ref_count(4)
-    with pytest.raises(ValueError, match="start <= end <= num_tokens"):
-        bm.slot_mapping(0, 2, 6)
+    before = snapshot(bm)
+    for bad in (-6, -10):  # a sequence never shrinks through append: it keeps its 5 tokens and 2 blocks
+        with pytest.raises(ValueError, match=f"num_tokens must be >= 0, got {bad}"):
+            bm.append_slots(0, bad)
+        with pytest.raises(ValueError, match="num_tokens"):
+            bm.can_append(0, bad)
+    assert snapshot(bm) == before
     assert 1 not in bm
 
 
@@ -205,7 +210,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert cow is None and new_table[: len(old_table)] == old_table
         # The slots just appended are private to this sequence, so writing them changes no one else.
         old_n = self.tokens[seq_id] - num_tokens
-        for slot in self.bm.slot_mapping(seq_id, old_n):
+        for slot in slot_mapping(new_table, range(old_n, self.tokens[seq_id]), self.block_size):
             assert self.bm.ref_count(slot // self.block_size) == 1
 
     @precondition(lambda self: self.tokens)
@@ -252,6 +257,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase

@@ -78,3 +78,21 @@ def test_bad_update_arguments():
         cache.update(0, *_kv(1, 0, b=1, h=3))
     with pytest.raises(TypeError, match="dtype"):
         KVCache(1, 1, 1, 4, dtype=torch.int8)
+
+
+def test_capacity_doubles_and_stops_at_max_seq_len():
+    cache = KVCache(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, max_seq_len=20, initial_capacity=3)
+    capacities = []
+    for t in range(20):
+        cache.update(0, *_kv(1, t, b=1, h=1, d=2))
+        capacities.append(cache.allocated_nbytes // (2 * 2 * 4))  # K and V, head_dim 2, fp32: bytes per slot
+    # 3 slots, then doubling as the tokens arrive (6, 12), then capped at max_seq_len = 20 instead of 24.
+    assert capacities == [3] * 3 + [6] * 3 + [12] * 6 + [20] * 8
+    k_all = cache.keys(0)
+    assert torch.equal(k_all[0, 0, 7], _kv(1, 7, b=1, h=1, d=2)[0][0, 0, 0])  # copies kept every token
+
+
+def test_a_chunk_larger_than_double_grows_in_one_step():
+    cache = KVCache(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=2, initial_capacity=2)
+    cache.update(0, *_kv(9, 0, b=1, h=1, d=2))  # 2 -> 4 -> 8 -> 16 in one growth
+    assert cache.allocated_nbytes == 2 * 16 * 2 * 4 and cache.seq_len == 9

@@ -9,7 +9,7 @@ from kvcourse.gguf_file import read_gguf
 
 @pytest.fixture(scope="module")
 def both():
-    gguf = pytest.importorskip("gguf")
+    import gguf
     path = kvcourse.gguf_path()
     return read_gguf(path), gguf.GGUFReader(str(path))
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import kvcourse
+from kvcourse.gguf_file import dequantize, header_digest, read_gguf
 from kvcourse.loader import _unpermute_rope_rows, gguf_path, load_pretrained
 
 
@@ -25,19 +26,39 @@ def test_config_is_smollm2(model):
 
 def test_unpermute_inverts_llama_cpp_permutation():
     # llama.cpp's convert script: reshape(n_head, 2, dim // n_head // 2, ...).swapaxes(1, 2)
-    w = torch.arange(2 * 8 * 3).float().view(16, 3).numpy()
-    permuted = w.reshape(2, 2, 4, 3).swapaxes(1, 2).reshape(16, 3)
-    assert (_unpermute_rope_rows(permuted, 2) == w).all()
+    w = torch.arange(2 * 8 * 3).float().view(16, 3)
+    permuted = w.numpy().reshape(2, 2, 4, 3).swapaxes(1, 2).reshape(16, 3)
+    assert torch.equal(_unpermute_rope_rows(torch.from_numpy(permuted), 2), w)
 
 
-def test_disk_cache_round_trips(tmp_path, monkeypatch):
+def test_our_dequantization_is_bit_exact_with_the_gguf_package():
+    import gguf
+    import numpy as np
+
+    meta, tensors = read_gguf(gguf_path())
+    kinds = {t.tensor_type.name for t in tensors}
+    assert kinds == {"F32", "Q4_1", "Q8_0"}  # every kind this file uses is checked below
+    for t in tensors:
+        ours = dequantize(t)
+        theirs = np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(ours.shape)
+        assert ours.dtype == torch.float32 and torch.equal(ours, torch.from_numpy(theirs)), t.name
+
+
+def test_tokenizer_cache_is_small_shared_and_keyed_by_content(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCOURSE_CACHE", str(tmp_path))
-    fresh, tok = load_pretrained()  # dequantizes the GGUF and writes the cache
-    assert len(list(tmp_path.glob("*.pt"))) == 1
+    legacy = tmp_path / f"{gguf_path().stem}-98362432-1795319371366520840.pt"  # what older versions left
+    legacy.write_bytes(b"x" * 1000)
+    fresh, tok = load_pretrained()  # builds the tokenizer and writes the cache
+    files = list(tmp_path.iterdir())
+    assert [f.name for f in files] == [f"tokenizer-{header_digest(gguf_path())[:32]}.json"]
+    assert files[0].stat().st_size < 5e6  # no weights on disk: they come from the GGUF every time
     cached, tok2 = load_pretrained()  # reads it back
     ids = torch.tensor([tok.encode("Hello")])
     assert torch.equal(fresh(ids), cached(ids))
     assert tok2.encode("Hello world 123") == tok.encode("Hello world 123")
+    files[0].write_text("{ not json")  # a damaged cache file is rebuilt, not trusted
+    _, tok3 = load_pretrained()
+    assert tok3.encode("Hello world 123") == tok.encode("Hello world 123")
 
 
 def test_hf_folder_path_loads_the_same_model(tmp_path, model, tok, hf_model):

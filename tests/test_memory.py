@@ -16,7 +16,6 @@ from kvcourse.memory import (
     GiB,
     catalog_names,
     format_bytes,
-    generate_with_cache,
     kv_bytes_per_token,
     kv_cache_bytes,
     kv_layout,
@@ -354,6 +353,15 @@ def test_format_bytes_shows_both_units():
 
 
 # ---- the CLI -----------------------------------------------------------------------------------
+def test_cli_accepts_every_dtype_spelling_the_api_accepts_and_warns_past_the_context(capsys):
+    assert cli_main(["--model", "llama-3-8b", "--seq-len", "1000", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr()
+    assert "dtype                bf16" in out.out and out.err == ""
+    assert cli_main(["--model", "llama-3-8b", "--seq-len", "100000", "--dtype", "torch.float16"]) == 0
+    out = capsys.readouterr()
+    assert "beyond the model's context length (8,192 positions" in out.err
+
+
 def test_cli_catalog_model(capsys):
     assert cli_main(["--model", "llama-3-8b", "--seq-len", "8192", "--batch-size", "64", "--dtype", "bf16",
                      "--tp-size", "1"]) == 0
@@ -395,18 +403,21 @@ NEW_TOKENS = 6
 @pytest.fixture(scope="module")
 def our_run(model, tok):
     ids = tok.encode(PROMPT)
-    new, cache = generate_with_cache(model, ids, NEW_TOKENS)
+    cache = kvcourse.KVCache.for_model(model.config)
+    new = kvcourse.generate(model, ids, NEW_TOKENS, cache=cache)
     return ids, new, cache
 
 
 def test_formula_equals_our_running_cache(model, our_run):
     ids, new, cache = our_run
-    assert new == kvcourse.generate(model, ids, NEW_TOKENS)
-    assert cache.seq_len == len(ids) + NEW_TOKENS - 1
-    measured = sum(cache.keys(i).nbytes + cache.values(i).nbytes for i in range(model.config.num_hidden_layers))
-    assert cache.nbytes == measured
-    assert kv_cache_bytes(model.config.to_dict(), cache.seq_len, dtype="fp32") == measured
-    assert kv_cache_bytes("smollm2-135m", cache.seq_len, dtype="fp32") == measured
+    assert len(ids) == 5 and len(new) == NEW_TOKENS
+    # The last generated token is never fed back: 5 + 6 - 1 = 10 cached positions. By hand:
+    # 10 tokens x 30 layers x (K and V) x 3 KV heads x 64 values x 4 bytes (fp32) = 460,800 bytes.
+    assert cache.seq_len == 10
+    assert cache.nbytes == 460_800
+    assert sum(cache.keys(i).numel() + cache.values(i).numel() for i in range(30)) * 4 == 460_800
+    assert kv_cache_bytes(model.config.to_dict(), cache.seq_len, dtype="fp32") == 460_800
+    assert kv_cache_bytes("smollm2-135m", cache.seq_len, dtype="fp32") == 460_800
 
 
 def test_formula_equals_our_batched_bf16_cache(model):

@@ -1,10 +1,13 @@
 """Our decoder against an implementation nobody here wrote: Hugging Face's LlamaForCausalLM on the same GGUF."""
 
+import math
+
 import pytest
 import torch
 
 import kvcourse
 from kvcourse import KVCache
+from kvcourse.paged import PagedKVCache
 
 from .conftest import PROMPTS
 
@@ -25,11 +28,15 @@ def test_logits_match_hugging_face(model, tok, hf_model, prompt):
 
 
 def test_batched_logits_match_hugging_face(model, tok, hf_model):
-    ids = torch.tensor([tok.encode("Hello there, my friend"), tok.encode("One two three four five")])
-    assert ids.shape[0] == 2
+    rows = [tok.encode("Hello there, my friend"), tok.encode("One two three four five")]
+    ids = torch.tensor(rows)
     with torch.no_grad():
         theirs = hf_model(ids).logits
-    assert (model(ids) - theirs).abs().max().item() < 1e-4
+    ours = model(ids)
+    assert (ours - theirs).abs().max().item() < 1e-4
+    # Row b of a batch is what that sequence gives alone: the batch dimension mixes nothing.
+    for b, row in enumerate(rows):
+        assert (ours[b] - model(torch.tensor([row]))[0]).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("prompt", PROMPTS + ["The history of the printing press"])
@@ -95,8 +102,13 @@ def test_streaming_and_timings(model, tok):
     streamed = list(kvcourse.stream_generate(model, ids, 8, eos_token_ids=()))
     timed = kvcourse.timed_generate(model, ids, 8, eos_token_ids=())
     assert streamed == timed.tokens == kvcourse.generate(model, ids, 8, eos_token_ids=())
-    assert len(timed.step_times) == 8 and timed.ttft > 0 and timed.tpot > 0
-    assert timed.total == pytest.approx(sum(timed.step_times))
+    assert len(timed.step_times) == 8 and all(t > 0 for t in timed.step_times)
+
+
+def test_generation_result_summaries():
+    r = kvcourse.GenerationResult([5, 6, 7], [0.5, 0.1, 0.3])
+    assert r.ttft == 0.5 and r.tpot == pytest.approx(0.2) and r.total == pytest.approx(0.9)
+    assert math.isnan(kvcourse.GenerationResult([5], [0.4]).tpot)
 
 
 @pytest.mark.parametrize(
@@ -106,6 +118,12 @@ def test_streaming_and_timings(model, tok):
         (dict(ids="hello"), TypeError, "ids"),
         (dict(ids=[1, 99999]), ValueError, "ids"),
         (dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens must be an int >= 1"),
+        (dict(sampling_params=kvcourse.SamplingParams(4), temperature=0.5), ValueError, "either sampling_params or"),
+        (dict(max_new_tokens=None, sampling_params={"max_new_tokens": 4}), TypeError, "SamplingParams"),
+        (dict(use_cache=False, cache=kvcourse.KVCache(1, 1, 1, 1)), ValueError, "use_cache=False"),
+        (dict(cache=kvcourse.KVCache(1, 2, 1, 1)), ValueError, "batch_size=2"),
+        (dict(cache="paged"), TypeError, "cache must be a KVCache, a PagedKVCache or None"),
         (dict(temperature=-0.5), ValueError, "temperature"),
         (dict(max_new_tokens=9000), ValueError, "context length"),
     ],
@@ -114,6 +132,40 @@ def test_generate_rejects_bad_input(model, kwargs, exc, word):
     args = dict(ids=[1, 2, 3], max_new_tokens=2) | kwargs
     with pytest.raises(exc, match=word):
         kvcourse.generate(model, **args)
+
+
+def test_generate_continues_a_cache_it_is_given(model, tok):
+    ids = tok.encode("Once upon a time, in a small village,")
+    cache = kvcourse.KVCache.for_model(model.config)
+    first = kvcourse.generate(model, ids, 5, eos_token_ids=(), cache=cache)
+    assert cache.seq_len == len(ids) + 4  # the last token is not fed back
+    more = kvcourse.generate(model, first[-1:], 5, eos_token_ids=(), cache=cache)  # carry on from it
+    assert first + more == kvcourse.generate(model, ids, 10, eos_token_ids=())
+
+
+def test_sampling_params_top_k_one_is_greedy_and_runs_are_reproducible(model, tok):
+    ids = tok.encode("My favourite animal is")
+    greedy = kvcourse.generate(model, ids, 8, eos_token_ids=())
+    top1 = kvcourse.SamplingParams(max_new_tokens=8, temperature=1.5, top_k=1, seed=9, stop_token_ids=())
+    assert kvcourse.generate(model, ids, sampling_params=top1) == greedy
+    nucleus = kvcourse.SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=5, stop_token_ids=())
+    runs = [kvcourse.generate(model, ids, sampling_params=nucleus) for _ in range(2)]
+    paged = kvcourse.generate(model, ids, sampling_params=nucleus, cache=PagedKVCache.for_model(model.config, 4))
+    assert runs[0] == runs[1] == paged
+
+
+def test_a_cache_returning_the_wrong_history_is_caught(model):
+    class Forgetful(kvcourse.KVCache):
+        """Stores, but reports no tokens: the model would put new tokens at position 0 again."""
+
+        @property
+        def seq_len(self):
+            return 0
+
+    cache = Forgetful.for_model(model.config)
+    model(torch.tensor([[1, 2, 3]]), cache=cache)
+    with pytest.raises(ValueError, match=r"returned 4 keys, but the cache held seq_len=0"):
+        model(torch.tensor([[4]]), cache=cache)
 
 
 def test_model_rejects_bad_input(model):

@@ -1,0 +1,91 @@
+"""A Sphinx extension for the book (``_config.yml``: ``sphinx.extra_extensions``).
+
+* Exercises are numbered per chapter, "Exercise 4.1", "Exercise 4.2", ..., taken from the
+  ``NN_`` prefix of the chapter's file name. sphinx-exercise numbers them across the whole book
+  otherwise (chapter 4 would start at Exercise 12). The reader copies number them the same way.
+* MathJax is served from the site itself (``_static/mathjax``, copied from the
+  ``django-static-mathjax`` package, which holds MathJax 3's files and nothing of Django), so
+  equations render without a CDN.
+* Inline scripts registered twice (sphinx-thebe's, by Jupyter Book) are written once, and the theme
+  gets a default colour mode: both otherwise put errors in a new reader's browser console.
+* The font-awesome 4 stylesheet that matplotlib's animation HTML links from a CDN is dropped: the
+  theme's own Font Awesome draws the animation's buttons (``fa fa-play`` ...).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from docutils import nodes
+
+MATHJAX_DIR = "mathjax"  # under _static
+_FA4_CDN = re.compile(r'<link[^>]*href="https://maxcdn\.bootstrapcdn\.com/font-awesome/[^"]*"[^>]*>\s*')
+
+
+def _mathjax_source() -> Path:
+    import mathjax  # the django-static-mathjax package
+
+    es5 = Path(mathjax.__file__).parent / "static" / "mathjax" / "es5"
+    if not (es5 / "tex-chtml.js").is_file():
+        raise FileNotFoundError(f"MathJax 3 not found at {es5}: pip install django-static-mathjax")
+    return es5
+
+
+def _config_inited(app, config) -> None:
+    _mathjax_source()  # fail early, before a build that would link a missing file
+    config.mathjax_path = f"{MATHJAX_DIR}/tex-chtml.js"  # relative to _static
+    # Without a default the theme logs "Got invalid theme mode" to the console of every new reader.
+    config.html_context.setdefault("default_mode", "auto")
+
+
+def _dedupe_scripts(app, pagename, templatename, context, doctree) -> None:
+    """Jupyter Book registers sphinx-thebe's inline script twice; the second `const` is a SyntaxError."""
+    seen, unique = set(), []
+    for script in context.get("script_files", []):
+        attributes = getattr(script, "attributes", {})
+        key = (str(getattr(script, "filename", script) or ""), tuple(sorted((k, str(v)) for k, v in attributes.items())))
+        if key not in seen:
+            seen.add(key)
+            unique.append(script)
+    context["script_files"] = unique
+
+
+def _copy_mathjax(app, exception) -> None:
+    if exception is None and app.builder.format == "html":
+        shutil.copytree(_mathjax_source(), Path(app.outdir) / "_static" / MATHJAX_DIR, dirs_exist_ok=True)
+
+
+def _number_exercises_per_chapter(app, env) -> list[str]:
+    """Runs after Sphinx numbered every exercise across the book; renumbers them (chapter, k)."""
+    changed = []
+    for docname, by_type in env.toc_fignumbers.items():
+        numbers = by_type.get("exercise")
+        if not numbers:
+            continue
+        m = re.match(r"(\d\d)_", Path(docname).name)
+        prefix = (int(m[1]),) if m else ()
+        ordered = sorted(numbers, key=lambda label: numbers[label])
+        new = {label: prefix + (k,) for k, label in enumerate(ordered, start=1)}
+        if new != numbers:
+            by_type["exercise"] = new
+            changed.append(docname)
+    return changed
+
+
+def _drop_cdn_stylesheet(app, doctree, docname) -> None:
+    for node in doctree.findall(nodes.raw):
+        if "html" in node.get("format", "") and "maxcdn.bootstrapcdn.com" in node.astext():
+            text = _FA4_CDN.sub("", node.astext())
+            node.replace_self(nodes.raw(text, text, format=node["format"]))
+
+
+def setup(app):
+    app.connect("config-inited", _config_inited)
+    # After sphinx's own TocTreeCollector (priority 500) has assigned the book-wide numbers.
+    app.connect("env-get-updated", _number_exercises_per_chapter, priority=900)
+    app.connect("doctree-resolved", _drop_cdn_stylesheet)
+    app.connect("html-page-context", _dedupe_scripts)
+    app.connect("build-finished", _copy_mathjax)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -1,0 +1,288 @@
+"""The built book in a real browser: headless Chromium opens every page as a reader would.
+
+Run with ``make check-book`` (it builds the book, then sets ``KVCOURSE_BOOK_HTML``). Needs Debian's
+``chromium`` and ``chromium-driver`` (``/usr/bin/chromium``, ``/usr/bin/chromedriver``; other paths via
+``KVCOURSE_CHROMIUM`` / ``KVCOURSE_CHROMEDRIVER``) and selenium; nothing is downloaded at test time.
+Without them the tests skip and say why, unless ``KVCOURSE_REQUIRE_BROWSER=1`` (CI), where that fails.
+Screenshots go to ``_build/screenshots/``.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import shutil
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvcourse.tools.book_config import load
+
+ROOT = Path(__file__).resolve().parents[1]
+HTML = os.environ.get("KVCOURSE_BOOK_HTML")
+CHROMIUM = os.environ.get("KVCOURSE_CHROMIUM", "/usr/bin/chromium")
+CHROMEDRIVER = os.environ.get("KVCOURSE_CHROMEDRIVER", "/usr/bin/chromedriver")
+REQUIRED = os.environ.get("KVCOURSE_REQUIRE_BROWSER") == "1"
+# Flags for a machine without outside network: no component updates, sync or QUIC probes.
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-dev-shm-usage", "--window-size=1366,900", "--hide-scrollbars",
+]
+
+
+def _unavailable() -> str | None:
+    if not HTML:
+        return "the book is not built for this run: use `make check-book` (builds it and sets KVCOURSE_BOOK_HTML)"
+    if not (Path(HTML) / "index.html").is_file():
+        return f"no built book at KVCOURSE_BOOK_HTML={HTML}"
+    for path, package in ((CHROMIUM, "chromium"), (CHROMEDRIVER, "chromium-driver")):
+        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+            return f"{path} not found: install Debian's {package} (apt-get install chromium chromium-driver)"
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed (pip install -e '.[dev]')"
+    return None
+
+
+_reason = _unavailable()
+if _reason is not None:
+    if REQUIRED and HTML:
+        raise RuntimeError(f"KVCOURSE_REQUIRE_BROWSER=1 but the browser test cannot run: {_reason}")
+    pytest.skip(_reason, allow_module_level=True)
+
+from selenium import webdriver  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+CFG = load(ROOT)
+SCREENSHOTS = Path(HTML).parent / "screenshots"
+
+
+def _toc_pages() -> list[str]:
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+
+    def walk(entries):
+        for e in entries or []:
+            if "file" in e:
+                files.append(e["file"])
+            walk(e.get("sections"))
+            walk(e.get("chapters"))
+
+    walk(toc.get("chapters"))
+    for part in toc.get("parts", []):
+        walk(part.get("chapters"))
+    return [f"{f}.html" for f in files]
+
+
+PAGES = _toc_pages() + ["genindex.html"]
+CHAPTER_PAGES = [p for p in PAGES if Path(p).name[:2].isdigit()]
+
+
+@pytest.fixture(scope="module")
+def site():
+    handler = functools.partial(_QuietHandler, directory=HTML)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def browser():
+    profile = tempfile.mkdtemp(prefix="kvcourse-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in CHROMIUM_FLAGS + [f"--user-data-dir={profile}"]:
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+    driver.set_page_load_timeout(60)
+    driver.set_script_timeout(30)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def _open(browser, url: str) -> list[dict]:
+    """Load a page, let images and MathJax finish; return the console messages it logged."""
+    browser.get_log("browser")  # drop what earlier pages logged
+    browser.get(url)
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")
+    # Lazy images load only near the viewport: walk down the page, then wait for every image.
+    height = browser.execute_script("return document.body.scrollHeight")
+    for y in range(0, height + 900, 900):
+        browser.execute_script(f"window.scrollTo(0, {y})")
+    browser.execute_script("window.scrollTo(0, 0)")
+    WebDriverWait(browser, 30).until(lambda d: d.execute_script("return [...document.images].every(i => i.complete)"))
+    browser.execute_async_script(
+        "const done = arguments[arguments.length - 1];"
+        "if (window.MathJax && MathJax.startup && MathJax.startup.promise)"
+        "  MathJax.startup.promise.then(() => done(true), () => done(false));"
+        "else done(null);"
+    )
+    time.sleep(0.2)
+    return browser.get_log("browser")
+
+
+@pytest.fixture(scope="module")
+def opened(browser, site):
+    """Open every page once; the tests below read what each page showed."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for page in PAGES:
+        logs = _open(browser, f"{site}/{page}")
+        data = browser.execute_script(_PAGE_PROBE)
+        if page != "genindex.html":  # one per chapter, and the intro, glossary and references
+            browser.save_screenshot(str(SCREENSHOTS / f"{Path(page).stem}.png"))
+        results[page] = {"logs": logs, **data}
+    return results
+
+
+_PAGE_PROBE = """
+const origin = location.origin;
+const visible = el => el.offsetParent !== null;
+return {
+  broken_images: [...document.images].filter(i => !i.complete || i.naturalWidth === 0 || i.naturalHeight === 0)
+                                     .map(i => i.src.slice(0, 120)),
+  image_count: document.images.length,
+  outside: performance.getEntriesByType('resource').map(e => e.name)
+                      .filter(n => !n.startsWith(origin) && !n.startsWith('data:')),
+  overflowing: [...document.querySelectorAll('div.highlight pre, div.cell_output pre, div.output pre')]
+      .filter(p => visible(p) && p.scrollWidth > p.clientWidth + 1)
+      .map(p => p.innerText.split('\\n').reduce((a, b) => a.length >= b.length ? a : b).slice(0, 100)),
+  math: document.querySelectorAll('span.math, div.math').length,
+  math_rendered: document.querySelectorAll('mjx-container').length,
+  math_errors: document.querySelectorAll('mjx-merror, .MathJax_Error').length,
+  launch: [...document.querySelectorAll('.dropdown-launch-buttons a')].map(a => a.href),
+  links: [...document.querySelectorAll('article a')].map(a => [a.innerText.trim(), a.href]),
+  download: [...document.querySelectorAll('a[href$=".ipynb"]')].map(a => a.href)
+                .filter(h => h.startsWith(origin)),
+  mathjax_scripts: [...document.scripts].map(s => s.src).filter(s => s.includes('mathjax')),
+};
+"""
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_console_errors(opened, page):
+    errors = [e["message"] for e in opened[page]["logs"] if e["level"] == "SEVERE"]
+    assert not errors, f"{page}: console errors:\n" + "\n".join(errors)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_image_loads_and_nothing_comes_from_outside(opened, page):
+    result = opened[page]
+    assert not result["broken_images"], f"{page}: images that did not load: {result['broken_images']}"
+    assert not result["outside"], f"{page}: resources fetched from outside the site: {result['outside']}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_code_or_output_line_is_cut_off(opened, page):
+    lines = opened[page]["overflowing"]
+    assert not lines, f"{page}: {len(lines)} code/output blocks overflow their column, e.g. {lines[:3]}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_math_renders_offline(opened, page, site):
+    result = opened[page]
+    assert result["mathjax_scripts"] or not result["math"], f"{page}: has equations but MathJax is not loaded"
+    assert all(s.startswith(site) for s in result["mathjax_scripts"]), f"{page}: MathJax from {result['mathjax_scripts']}"
+    assert result["math_errors"] == 0, f"{page}: MathJax reported {result['math_errors']} errors"
+    assert result["math_rendered"] >= result["math"], (
+        f"{page}: {result['math']} equations, {result['math_rendered']} rendered by MathJax"
+    )
+
+
+def test_some_page_has_math_and_images(opened):
+    # The checks above pass vacuously on a page without math or images; the book as a whole has both.
+    assert sum(r["math"] for r in opened.values()) > 0
+    assert sum(r["image_count"] for p, r in opened.items() if p in CHAPTER_PAGES) >= len(CHAPTER_PAGES)
+
+
+@pytest.mark.parametrize("page", CHAPTER_PAGES)
+def test_launch_buttons_open_this_chapter(opened, page, site):
+    name = f"{Path(page).stem}.ipynb"
+    result = opened[page]
+    colab = CFG.colab_url(f"book/{name}")
+    binder = f"https://mybinder.org/v2/gh/{CFG.owner_repo}/{CFG.published_branch}?urlpath=tree/book/{name}"
+    assert colab in result["launch"], f"{page}: the Colab button opens {result['launch']}, not {colab}"
+    assert binder in result["launch"], f"{page}: the Binder button opens {result['launch']}, not {binder}"
+    links = dict(result["links"])
+    assert links.get("this chapter on Colab") == colab
+    assert links.get("the exercises on Colab") == CFG.colab_url(f"exercises/{name}")
+    # The .ipynb download is the reader copy: it reads cleanly outside the book.
+    downloads = [h for h in result["download"] if h.endswith(f"/{name}")]
+    assert downloads, f"{page}: no .ipynb download link"
+    text = urllib.request.urlopen(downloads[0]).read().decode()
+    assert "{glue" not in text and "{exercise}" not in text
+
+
+def test_cache_grid_animation_plays(browser, site):
+    page = next(p for p in CHAPTER_PAGES if Path(p).name.startswith("02_"))
+    _open(browser, f"{site}/{page}")
+    anim = browser.find_element(By.CSS_SELECTOR, "div.animation")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", anim)
+    img = anim.find_element(By.TAG_NAME, "img")
+    slider = anim.find_element(By.CSS_SELECTOR, "input.anim-slider")
+    WebDriverWait(browser, 10).until(lambda d: d.execute_script("return arguments[0].naturalWidth > 0", img))
+    assert img.size["width"] > 100 and img.size["height"] > 100, f"animation frame is {img.size}"
+    frames = int(slider.get_attribute("max")) + 1
+    assert frames > 4, f"the animation has {frames} frames"
+    # Icons come from the theme's Font Awesome (the CDN stylesheet is dropped): the buttons are drawn.
+    assert all(b.size["width"] > 0 for b in anim.find_elements(By.CSS_SELECTOR, ".anim-buttons button"))
+    first_src, first_frame = img.get_attribute("src"), int(slider.get_attribute("value"))
+    anim.find_element(By.CSS_SELECTOR, "button[title='Play']").click()
+    WebDriverWait(browser, 10).until(lambda d: int(slider.get_attribute("value")) >= first_frame + 2)
+    assert img.get_attribute("src") != first_src, "the frame counter moved but the picture did not change"
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(SCREENSHOTS / f"{Path(page).stem}-animation.png"))
+    anim.find_element(By.CSS_SELECTOR, "button[title='Pause']").click()
+
+
+def test_search_finds_block_table(browser, site):
+    _open(browser, f"{site}/search.html?q=block+table")
+    WebDriverWait(browser, 30).until(
+        lambda d: d.execute_script("return document.querySelectorAll('#search-results ul.search li').length > 0")
+    )
+    hits = browser.execute_script(
+        "return [...document.querySelectorAll('#search-results ul.search li a')].map(a => a.getAttribute('href'))"
+    )
+    assert any("04_paged_kv_cache" in h for h in hits), f"search for 'block table' found {hits}"
+    errors = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+def test_published_notebooks_read_cleanly():
+    """What `make book` wrote for the published branch: a reader and a student copy of every chapter."""
+    import json
+    import re
+
+    published = Path(HTML).parent / "published"
+    chapters = sorted(p.name for p in (ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
+    raw_myst = re.compile(r"\{[a-z][a-z0-9:_-]*\}`|^\s*(`{3,}|:{3,})\{", re.M)
+    for folder in ("book", "exercises"):
+        assert sorted(p.name for p in (published / folder).glob("*.ipynb")) == chapters, folder
+        for name in chapters:
+            nb = json.loads((published / folder / name).read_text())
+            markdown = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+            assert not raw_myst.search(markdown), f"{folder}/{name}: {raw_myst.search(markdown)[0]!r}"
+            setup = "".join(next(c for c in nb["cells"] if c["cell_type"] == "code")["source"])
+            assert f"git+{CFG.repository_url}@" in setup and "--no-deps" in setup
+            has_solutions = any("solution" in c.get("metadata", {}).get("tags", []) for c in nb["cells"])
+            assert has_solutions == (folder == "book"), f"{folder}/{name}: solutions {'missing' if folder == 'book' else 'left in'}"
