@@ -95,7 +95,7 @@ def test_masked_decode_accepts_right_kernel():
         (mask_loads_only, "set the scores of masked positions to -inf"),
         (mask_scores_only, "Mask the loads of K and V"),
         (mask_off_by_one, "One slot too many"),
-        (lambda *a: None, "@triton.jit kernel itself"),
+        (lambda *a: None, "@triton.jit kernel masked_decode_kernel itself"),
     ],
     ids=["no-mask", "loads-only", "scores-only", "off-by-one", "not-a-kernel"],
 )
@@ -245,12 +245,20 @@ def test_kv_bytes_accepts_right_answer():
     [
         (lambda lens, hkv, d, nb: sum(lens) * hkv * d * nb, "Both K and V"),
         (lambda lens, hkv, d, nb: 2 * len(lens) * max(lens) * hkv * d * nb, "sum the lengths"),
-        (lambda lens, hkv, d, nb: 16 * sum(lens) * hkv * d * nb, "already in bytes"),
-        (lambda lens, hkv, d, nb: "many", "number of bytes"),
-        (lambda lens, hkv, d, nb: 2 * sum(lens) * d * nb, "tokens x KV heads"),
+        (lambda lens, hkv, d, nb: 16 * sum(lens) * hkv * d * nb, "multiply by 8 bits"),
+        (lambda lens, hkv, d, nb: "many", "a number of bytes"),
+        (lambda lens, hkv, d, nb: 2 * sum(lens) * d * nb, "multiply by num_kv_heads"),
+        (lambda lens, hkv, d, nb: 2 * sum(lens) * hkv * d, "tokens x KV heads x head_dim x bytes"),
     ],
-    ids=["k-only", "max-len", "bits", "not-a-number", "no-heads"],
+    ids=["k-only", "max-len", "bits", "not-a-number", "no-heads", "no-bytes"],
 )
 def test_kv_bytes_rejects_wrong_answers(wrong, hint):
     with pytest.raises(ExerciseError, match=hint):
         ch05.check_kv_bytes(wrong)
+
+
+def test_other_seeds_draw_other_cases_and_still_accept_right_answers():
+    assert ch05.check_kv_bytes(lambda lens, hkv, d, nb: 2 * sum(lens) * hkv * d * nb, seed=7)
+    assert ch05.check_masked_decode(mask_right, seed=3)
+    with pytest.raises(ExerciseError, match="One slot too many"):
+        ch05.check_masked_decode(mask_off_by_one, seed=3)
