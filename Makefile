@@ -19,7 +19,7 @@ help:
 	@echo "make book       build the HTML book into _build/html (from committed outputs)"
 	@echo "make test       unit tests + nbval over every notebook"
 	@echo "make notebooks  re-execute every notebook in place"
-	@echo "make bench      CPU benchmarks (ours vs Hugging Face, naive vs cached)"
+	@echo "make bench      benchmarks: CPU decode (ours vs Hugging Face, naive vs cached), batched decode; GPU kernels if a GPU is present"
 	@echo "make student    student copies of the notebooks, solutions removed, in _build/student"
 	@echo "make check-book build the book and open every page in headless Chromium (screenshots in _build/screenshots)"
 	@echo "make published  reader and student copies for Colab in _build/published (make book runs it)"
@@ -78,8 +78,11 @@ notebooks: setup
 	# The chapter headers quote each notebook's measured time to run.
 	$(PY) -m kvcourse.tools.sync_notebooks
 
+# Results land in benchmarks/results/, named by what was measured, the device and the date.
 bench: setup
-	$(PY) benchmarks/bench_decode.py
+	$(PY) benchmarks/bench_decode.py --json benchmarks/results/cpu-decode-$$(date +%F).json
+	$(PY) benchmarks/bench_batch.py --json benchmarks/results/cpu-batch-$$(date +%F).json
+	$(PY) -m kvcourse.bench kernels
 
 student: setup
 	$(STUDENT_COPIES) _build/student
