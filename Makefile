@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.kvcourse-installed
 NOTEBOOKS := $(sort $(wildcard book/*.ipynb))
 CHAPTERS  := $(sort $(wildcard book/[0-9][0-9]_*.ipynb))
 # The student-copy command, in one place: it is given a folder to write solution-free copies into.
-STUDENT_COPIES = $(PY) -m kvcourse.exercises.student $(CHAPTERS) --out
+STUDENT_COPIES = $(PY) -m kvcourse.instructor student book --out
 export PYTHONHASHSEED := 0
 
 .PHONY: setup book published check-book sync-notebooks test unit nbval notebooks bench student clean help
@@ -19,7 +19,7 @@ help:
 	@echo "make book       build the HTML book into _build/html (from committed outputs)"
 	@echo "make test       unit tests + nbval over every notebook"
 	@echo "make notebooks  re-execute every notebook in place"
-	@echo "make bench      CPU benchmarks (ours vs Hugging Face, naive vs cached)"
+	@echo "make bench      benchmarks: CPU decode (ours vs Hugging Face, naive vs cached), batched decode; GPU kernels if a GPU is present"
 	@echo "make student    student copies of the notebooks, solutions removed, in _build/student"
 	@echo "make check-book build the book and open every page in headless Chromium (screenshots in _build/screenshots)"
 	@echo "make published  reader and student copies for Colab in _build/published (make book runs it)"
@@ -55,7 +55,7 @@ published: setup
 	rm -rf _build/published _build/student-src
 	$(STUDENT_COPIES) _build/student-src
 	$(PY) -m kvcourse.tools.reader_copies $(CHAPTERS) --out _build/published/book $(PUBLISH_REF_ARG)
-	$(PY) -m kvcourse.tools.reader_copies _build/student-src/*.ipynb --out _build/published/exercises $(PUBLISH_REF_ARG)
+	$(PY) -m kvcourse.tools.reader_copies _build/student-src/*.ipynb --out _build/published/exercises --glue-from book $(PUBLISH_REF_ARG)
 
 # The built book in headless Chromium (Debian's chromium + chromium-driver): console errors, images,
 # the animation, launch links, search, cut-off code lines, offline MathJax; screenshots per chapter.
@@ -78,9 +78,12 @@ notebooks: setup
 	# The chapter headers quote each notebook's measured time to run.
 	$(PY) -m kvcourse.tools.sync_notebooks
 
+# Results land in benchmarks/results/, named by what was measured, the device and the date.
 bench: setup
-	$(PY) benchmarks/bench_decode.py
-	$(PY) benchmarks/bench_serving.py
+	$(PY) benchmarks/bench_decode.py --json benchmarks/results/cpu-decode-$$(date +%F).json
+	$(PY) benchmarks/bench_batch.py --json benchmarks/results/cpu-batch-$$(date +%F).json
+	$(PY) benchmarks/bench_serving.py --json benchmarks/results/cpu-serving-$$(date +%F).json
+	$(PY) -m kvcourse.bench kernels
 
 student: setup
 	$(STUDENT_COPIES) _build/student

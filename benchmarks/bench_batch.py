@@ -16,9 +16,7 @@ backend's overhead at batch 1 is one ratio. The targets in the course's issue: t
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import time
 
@@ -26,6 +24,7 @@ import torch
 
 import kvcourse
 from kvcourse.serving import ModelRunner
+from machine import machine_info
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -33,16 +32,6 @@ TEXT = (
     "were running in more than two hundred cities across Europe, and the price of books fell so far that "
     "ordinary merchants could own them. "
 )
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def prompts(tok, batch: int, prompt_len: int) -> list[list[int]]:
@@ -90,11 +79,7 @@ def main(argv=None) -> dict:
 
     result = {
         "benchmark": "batched decode, paged-torch backend, real model",
-        "machine": platform.machine(),
-        "cpu": cpu_name(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(),
+        **machine_info(),
         "prompt_len": args.prompt_len,
         "steps": args.steps,
         "repeats": args.repeats,

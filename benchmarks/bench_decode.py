@@ -26,16 +26,7 @@ import warnings
 import torch
 
 import kvcourse
-
-
-def _cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from machine import cpu_name
 
 
 def _median(xs):
@@ -117,7 +108,7 @@ def main(argv=None) -> dict:
 
     res = {
         "machine": platform.machine(),
-        "processor": _cpu_name(),
+        "processor": cpu_name(),
         "transformers": __import__("transformers").__version__,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

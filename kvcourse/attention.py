@@ -150,6 +150,10 @@ PAGED_BACKENDS: dict[str, type] = {"paged-torch": PagedTorchBackend}
 
 def paged_backend(name: str, kv_pool, batch: ForwardBatch) -> AttentionBackend:
     """The paged backend called ``name`` for one step of ``batch`` on ``kv_pool``."""
+    if name == "triton" and name not in PAGED_BACKENDS:  # chapter 5: import Triton only when asked for
+        from .kernels.triton_backend import TritonBackend
+
+        PAGED_BACKENDS[name] = TritonBackend
     if name not in PAGED_BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(PAGED_BACKENDS)}, got {name!r}")
+        raise ValueError(f"backend must be one of {sorted({*PAGED_BACKENDS, 'triton'})}, got {name!r}")
     return PAGED_BACKENDS[name](kv_pool, batch)

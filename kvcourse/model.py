@@ -186,10 +186,11 @@ class LlamaModel(nn.Module):
         """
         if not isinstance(batch, ForwardBatch):
             raise TypeError(f"batch must be a kvcourse.batch.ForwardBatch, got {type(batch).__name__}")
-        if batch.block_size != kv_pool.block_size or batch.max_block_host >= kv_pool.num_blocks:
+        if batch.block_size != kv_pool.block_size:
+            raise ValueError(f"batch.block_size ({batch.block_size}) must equal kv_pool.block_size ({kv_pool.block_size})")
+        if batch.max_block_host >= kv_pool.num_blocks:
             raise ValueError(
-                f"batch does not fit kv_pool: block_size {batch.block_size} vs {kv_pool.block_size}, "
-                f"largest block {batch.max_block_host} vs a pool of {kv_pool.num_blocks} blocks"
+                f"batch.block_tables name block {batch.max_block_host}, but kv_pool has {kv_pool.num_blocks} blocks"
             )
         self.check_context(batch.max_seq_len)
         batch = batch.to(self.device)

@@ -10,15 +10,20 @@ layer. At every generation step a cell is in one of four states:
 
 :func:`cache_grid_frames` is the pure logic (which cells are lit at each frame,
 following :func:`kvcourse.costs.tokens_fed` exactly, so the lit cells add up to
-:func:`kvcourse.costs.kv_projections_total`). :func:`cache_grid_animation` draws
-it with matplotlib. Four scenes (``mode``):
+:func:`kvcourse.costs.kv_projections_total`). Four scenes (``mode``):
 
 * ``"naive"``   -- every step recomputes the whole sequence: the grid relights;
 * ``"cached"``  -- one prefill pass, then one new column per step;
 * ``"prefill"`` -- the prompt's columns are filled in a single parallel pass;
-* ``"decode"``  -- with the prompt cached, each step appends one column and
-  reads all the others (compute is constant, memory traffic grows);
+* ``"decode"``  -- with the prompt cached, each step computes one new column and
+  reads all the others (the K/V work per step stays one column; the reads grow
+  with the context);
 * ``"all"``     -- the four scenes above, one after the other.
+
+:func:`memory_bill_frames` adds the last scene: the bytes the cache holds, for a
+growing context and then a growing batch, until they outgrow the model's weights.
+:func:`cache_grid_animation` draws the scenes with matplotlib, with a bar chart of
+cache bytes against weight bytes under the grid when the byte sizes are given.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ __all__ = [
     "COMPUTED",
     "MODES",
     "GridFrame",
+    "BillFrame",
     "cache_grid_frames",
+    "memory_bill_frames",
     "cache_grid_animation",
 ]
 
@@ -58,6 +65,24 @@ class GridFrame:
     def computed(self) -> int:
         """Cells whose K/V this frame computes (K/V projections, counted per layer)."""
         return int((self.state == COMPUTED).sum())
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose K/V the cache holds after this step (none in the naive loop, which keeps nothing)."""
+        if self.scene == "naive":
+            return 0
+        return int((self.state[0] != EMPTY).sum())
+
+
+@dataclass(frozen=True)
+class BillFrame:
+    """One frame of the memory bill: ``batch_size`` sequences of ``seq_len`` tokens each."""
+
+    seq_len: int
+    batch_size: int
+    cache_bytes: int
+    weight_bytes: int
+    caption: str
 
 
 def _check(num_layers: int, prompt_len: int, new_tokens: int, mode: str) -> None:
@@ -121,63 +146,125 @@ def cache_grid_frames(num_layers: int, prompt_len: int, new_tokens: int, mode: s
     return frames
 
 
+def memory_bill_frames(kv_bytes_per_token: int, weight_bytes: int, context_len: int,
+                       start_tokens: int = 1024, until: float = 2.0) -> list[BillFrame]:
+    """The memory bill scene: cache bytes as one sequence grows to ``context_len`` tokens (doubling from
+    ``start_tokens``), then as the batch of full-context sequences doubles, until the cache holds at
+    least ``until`` times the weight bytes."""
+    for name, value in (("kv_bytes_per_token", kv_bytes_per_token), ("weight_bytes", weight_bytes),
+                        ("context_len", context_len), ("start_tokens", start_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not until > 0:
+        raise ValueError(f"until must be > 0, got {until!r}")
+    shapes, seq_len, batch = [], min(start_tokens, context_len), 1
+    while True:
+        shapes.append((seq_len, batch))
+        if seq_len * batch * kv_bytes_per_token >= until * weight_bytes:
+            break
+        if seq_len < context_len:
+            seq_len = min(2 * seq_len, context_len)
+        else:
+            batch *= 2
+    frames = []
+    for seq_len, batch in shapes:
+        cache = seq_len * batch * kv_bytes_per_token
+        who = f"{seq_len:,} tokens" if batch == 1 else f"{batch} sequences x {seq_len:,} tokens"
+        verdict = ": it outweighs the model" if cache > weight_bytes else ""
+        frames.append(BillFrame(seq_len, batch, cache, weight_bytes,
+                                f"memory bill, {who}: the cache is {cache / weight_bytes:.2g}x the weights{verdict}"))
+    return frames
+
+
 def cache_grid_animation(
     num_layers: int = 8,
     prompt_len: int = 6,
     new_tokens: int = 8,
     mode: str = "all",
-    interval_ms: int = 600,
-    dpi: int = 60,
+    interval_ms: int = 700,
+    dpi: int = 80,
+    kv_bytes_per_token: int | None = None,
+    weight_bytes: int | None = None,
+    context_len: int | None = None,
 ):
     """A :class:`matplotlib.animation.FuncAnimation` of :func:`cache_grid_frames`.
 
-    Show it in a notebook with ``IPython.display.HTML(anim.to_jshtml())``. The
-    figure is closed so that no static copy is displayed as well.
+    With ``kv_bytes_per_token``, ``weight_bytes`` and ``context_len`` (of the whole model, not only the
+    ``num_layers`` drawn), a bar chart under the grid compares the bytes the cache holds with the weights
+    at every frame, and the animation ends with :func:`memory_bill_frames`. Show it in a notebook with
+    ``IPython.display.HTML(anim.to_jshtml())``; the figure is closed so no static copy is displayed.
     """
     import matplotlib.pyplot as plt
     from matplotlib import animation
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
+    sizes = (kv_bytes_per_token, weight_bytes, context_len)
+    if any(s is not None for s in sizes) and any(s is None for s in sizes):
+        raise ValueError("give all of kv_bytes_per_token, weight_bytes and context_len, or none of them")
     frames = cache_grid_frames(num_layers, prompt_len, new_tokens, mode)
+    bill = memory_bill_frames(kv_bytes_per_token, weight_bytes, context_len) if weight_bytes else []
     width = frames[0].state.shape[1]
-    fig, ax = plt.subplots(figsize=(6.4, 0.9 + 0.28 * num_layers), dpi=dpi)
-    image = ax.imshow(
-        frames[0].state,
-        cmap=ListedColormap(_COLORS),
-        vmin=EMPTY,
-        vmax=COMPUTED,
-        aspect="auto",
-        origin="lower",
-        interpolation="nearest",
-    )
+    if bill:
+        fig, (ax, bars_ax) = plt.subplots(2, 1, figsize=(10, 6.6), dpi=dpi, height_ratios=[3.2, 1])
+        fig.subplots_adjust(left=0.1, right=0.97, top=0.83, bottom=0.09, hspace=0.42)
+    else:
+        fig, ax = plt.subplots(figsize=(10, 4.8), dpi=dpi)
+        fig.subplots_adjust(left=0.1, right=0.97, top=0.78, bottom=0.14)
+    image = ax.imshow(frames[0].state, cmap=ListedColormap(_COLORS), vmin=EMPTY, vmax=COMPUTED, aspect="auto",
+                      origin="lower", interpolation="nearest")
     ax.set_xticks(np.arange(-0.5, width, 1), minor=True)
     ax.set_yticks(np.arange(-0.5, num_layers, 1), minor=True)
-    ax.grid(which="minor", color="white", linewidth=1.0)
+    ax.grid(which="minor", color="white", linewidth=1.5)
     ax.tick_params(which="minor", length=0)
     ax.set_xticks(range(width))
-    ax.set_xticklabels([("p" if t < prompt_len else "g") + str(t) for t in range(width)], fontsize=7)
+    ax.set_xticklabels([("p" if t < prompt_len else "g") + str(t) for t in range(width)], fontsize=11)
     ax.set_yticks(range(num_layers))
-    ax.set_xlabel("token position (p = prompt, g = generated)")
-    ax.set_ylabel("layer")
-    ax.axvline(prompt_len - 0.5, color="black", linewidth=1.0)
-    ax.legend(
-        handles=[Patch(color=c, label=lab) for c, lab in zip(_COLORS, _LABELS)],
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.32),
-        ncol=4,
-        fontsize=7,
-        frameon=False,
-    )
-    title = ax.set_title(frames[0].caption, fontsize=10)
-    fig.tight_layout()
+    ax.tick_params(axis="y", labelsize=11)
+    token_label = "token position (p = prompt, g = generated)"
+    xlabel = ax.set_xlabel(token_label, fontsize=12)
+    ax.set_ylabel("layer", fontsize=12)
+    ax.axvline(prompt_len - 0.5, color="black", linewidth=1.5)
+    ax.legend(handles=[Patch(color=c, label=lab) for c, lab in zip(_COLORS, _LABELS)], loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), ncol=4, fontsize=11, frameon=False)
+    title = fig.suptitle(frames[0].caption, fontsize=13, x=0.535, y=0.975)
+    artists = [image, title, xlabel]
+    if bill:
+        total = bill[-1].cache_bytes
+        bars = bars_ax.barh([1, 0], [weight_bytes, 0], color=["#7f7f7f", "#3182bd"], height=0.6)
+        bars_ax.set_yticks([1, 0], ["weights", "KV cache"], fontsize=11)
+        bars_ax.set_xlim(0, total * 1.02)
+        bars_ax.set_xlabel("memory (MB, 10^6 bytes)", fontsize=12)
+        bars_ax.xaxis.set_major_formatter(plt.FuncFormatter(lambda x, _: f"{x / 1e6:,.0f}"))
+        bars_ax.tick_params(axis="x", labelsize=11)
+        value = bars_ax.text(0, 0, "", va="center", fontsize=11)
+        bars_ax.text(weight_bytes, 1, f"  {weight_bytes / 1e6:,.0f} MB", va="center", fontsize=11)
+        artists += [bars[1], value]
 
     def draw(index: int):
-        frame = frames[index]
-        image.set_data(frame.state)
-        title.set_text(f"{frame.caption}   [{frame.computed} K/V computed]")
-        return image, title
+        if index < len(frames):
+            frame = frames[index]
+            image.set_data(frame.state)
+            title.set_text(f"{frame.caption}   [{frame.computed} K/V computed]")
+            xlabel.set_text(token_label)
+            cache = frame.cached_tokens * (kv_bytes_per_token or 0)
+        else:
+            frame = bill[index - len(frames)]
+            image.set_data(np.full_like(frames[0].state, CACHED))
+            title.set_text(frame.caption)
+            per_column = frame.seq_len * frame.batch_size / width
+            xlabel.set_text(f"not to scale any more: each column now stands for {per_column:,.0f} tokens")
+            cache = frame.cache_bytes
+        if bill:
+            bars[1].set_width(cache)
+            text = f"{cache / 1e6:,.2f} MB" if cache < 1e7 else f"{cache / 1e6:,.0f} MB"
+            inside = cache > 0.8 * bars_ax.get_xlim()[1]  # a long bar carries its label inside
+            value.set_x(cache * 0.99 if inside else cache)
+            value.set_text(text + "  " if inside else "  " + text)
+            value.set_ha("right" if inside else "left")
+            value.set_color("white" if inside else "black")
+        return artists
 
-    anim = animation.FuncAnimation(fig, draw, frames=len(frames), interval=interval_ms, blit=False)
+    anim = animation.FuncAnimation(fig, draw, frames=len(frames) + len(bill), interval=interval_ms, blit=False)
     plt.close(fig)
     return anim

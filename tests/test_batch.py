@@ -99,9 +99,9 @@ def test_build_rejects_bad_sequences():
 def test_forward_batch_refuses_a_batch_for_another_pool(model):
     runner = ModelRunner(model, num_blocks=4, block_size=16)
     batch = ForwardBatch.build([SeqSlice([1, 2], 0, [7])], block_size=16)
-    with pytest.raises(ValueError, match="largest block 7 vs a pool of 4 blocks"):
+    with pytest.raises(ValueError, match="name block 7, but kv_pool has 4 blocks"):
         model.forward_batch(batch, runner.kv_store)
-    with pytest.raises(ValueError, match="block_size 8 vs 16"):
+    with pytest.raises(ValueError, match=r"batch.block_size \(8\) must equal kv_pool.block_size \(16\)"):
         model.forward_batch(ForwardBatch.build([SeqSlice([1], 0, [0])], block_size=8), runner.kv_store)
     with pytest.raises(ValueError, match="backend must be one of"):
         model.forward_batch(ForwardBatch.build([SeqSlice([1], 0, [0])], block_size=16), runner.kv_store, "cuda")

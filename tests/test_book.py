@@ -1,6 +1,7 @@
 """The book's structure: the TOC points at real files, and every chapter follows the notebook conventions."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,41 @@ def test_toc_lists_every_chapter_and_only_existing_files():
     files = [toc["root"]] + [c["file"] for c in toc["chapters"]]
     for f in files:
         assert any((ROOT / f).with_suffix(s).exists() for s in (".md", ".ipynb")), f"_toc.yml names missing {f}"
-    # Every chapter notebook is in the TOC; the other pages (glossary, references) are not chapters.
-    assert sorted(f"book/{p.stem}" for p in CHAPTERS) == sorted(f for f in files[1:] if Path(f).name[:2].isdigit())
+    notebooks = [f for f in files[1:] if (ROOT / f).with_suffix(".ipynb").exists()]
+    assert sorted(f"book/{p.stem}" for p in CHAPTERS) == sorted(notebooks)
+    assert "book/instructors" in files
+
+
+def test_instructor_page_lists_every_exercise():
+    page = (ROOT / "book" / "instructors.md").read_text()
+    for path in CHAPTERS:
+        nb = json.loads(path.read_text())
+        md = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+        for label in re.findall(r"\{exercise\}[^\n]*\n:label:\s*(\S+)", md):
+            assert f"`{label}`" in page, f"book/instructors.md does not list exercise {label} of {path.name}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_plumbing_cells_are_hidden(path):
+    """A code cell that only glues numbers into the text or asserts is tagged so the book hides it."""
+    nb = json.loads(path.read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        lines = [l.strip() for l in "".join(cell["source"]).splitlines()]
+        lines = [l for l in lines if l and not l.startswith("#")]
+        plumbing = lines and all(l.startswith(("glue(", "assert ")) for l in lines)
+        if plumbing:
+            tags = cell.get("metadata", {}).get("tags", [])
+            assert {"remove-cell", "hide-input", "hide-cell", "remove-input"} & set(tags), (
+                f"plumbing cell in {path.name} is not hidden: {lines[0][:60]}")
+
+
+def test_sources_are_cited_by_title_not_by_file():
+    for path in [*CHAPTERS, *(ROOT / "book").glob("*.md")]:
+        text = path.read_text()
+        assert not re.search(r"\b00[0-4]_[0-9a-f]{6,}", text), f"{path.name} cites a source by its file name"
+        assert not re.search(r"\bseed (file )?[0-4]\b", text, re.I), f"{path.name} cites a source by number"
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)

@@ -1,48 +1,198 @@
-"""Chapter 1's checks accept right answers and reject wrong ones with a useful hint."""
+"""Chapter 1's checks accept right answers and reject each typical wrong answer with its own hint.
+
+Every wrong answer here is written independently of the check's internals, the way a learner would
+write it, so a test fails if the check stops recognising that mistake.
+"""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
+import kvcourse
 from kvcourse.exercises import ExerciseError, ch01
 
 
-# --- exercise 1 ---------------------------------------------------------------------------------
-def right_count(p, n, layers):
-    return (n * p + n * (n - 1) // 2) * layers
+# --- exercise 1: the causal mask -----------------------------------------------------------------
+def right_mask(t, s):
+    rows = torch.arange(t)[:, None] + (s - t)  # the position of each query
+    return torch.arange(s)[None, :] <= rows
 
 
-def test_projections_accept_right_answer(capsys):
-    assert ch01.check_naive_kv_projections(right_count)
+def test_mask_accepts_right_answers(capsys):
+    assert ch01.check_causal_mask(right_mask)
+    assert ch01.check_causal_mask(lambda t, s: torch.ones(t, s, dtype=torch.bool).tril(s - t))
     assert "Correct" in capsys.readouterr().out
 
 
-def test_projections_accept_integral_floats():
-    assert ch01.check_naive_kv_projections(lambda p, n, layers: float(right_count(p, n, layers)))
+def test_mask_cases_depend_on_the_seed_only():
+    seen = []
+    ch01.check_causal_mask(lambda t, s: seen.append((t, s)) or right_mask(t, s), seed=3)
+    again = []
+    ch01.check_causal_mask(lambda t, s: again.append((t, s)) or right_mask(t, s), seed=3)
+    other = []
+    ch01.check_causal_mask(lambda t, s: other.append((t, s)) or right_mask(t, s), seed=4)
+    assert seen == again and seen != other
 
 
 @pytest.mark.parametrize(
     ("wrong", "hint"),
     [
-        (lambda p, n, layers: (p + n - 1) * layers if n else 0, "with a cache"),
-        (lambda p, n, layers: (n * p + n * (n + 1) // 2) * layers, "Off by one"),
-        (lambda p, n, layers: n * p + n * (n - 1) // 2, "every one of num_layers"),
-        (lambda p, n, layers: (n * p + n * (n - 1) // 2) * layers if n else p * layers, "no step runs"),
-        (lambda p, n, layers: n * p * layers, "prompt_len \\+ i"),
+        (lambda t, s: ~right_mask(t, s), "inverted"),
+        (lambda t, s: torch.arange(s)[None, :] <= torch.arange(t)[:, None] + (s - t) + 1, "one key from its future"),
+        (lambda t, s: torch.ones(t, s, dtype=torch.bool), "its future included"),
+        (lambda t, s: torch.arange(s)[None, :] < torch.arange(t)[:, None] + (s - t), "diagonal is missing"),
+        (lambda t, s: torch.ones(t, s, dtype=torch.bool).tril(), "LAST num_queries"),
+        (lambda t, s: right_mask(t, s).T if t == s else right_mask(t, s), "transposed"),
+        (lambda t, s: right_mask(t, s).int(), "torch.bool"),
+        (lambda t, s: right_mask(t, s).tolist(), "torch.Tensor"),
+        (lambda t, s: right_mask(s, s), "shape"),
     ],
 )
-def test_projections_reject_wrong_answers(wrong, hint):
+def test_mask_rejects_wrong_answers_with_their_hint(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint) as info:
+        ch01.check_causal_mask(wrong)
+    message = str(info.value)
+    if "shape" not in hint and "torch" not in hint:
+        assert "expected:" in message and "got:" in message and "Hint:" in message
+
+
+def test_mask_reports_a_crash_and_a_stub():
+    with pytest.raises(ExerciseError, match="ZeroDivisionError"):
+        ch01.check_causal_mask(lambda t, s: 1 / 0)
+    def stub(t, s):
+        raise NotImplementedError("write causal_mask")
+    with pytest.raises(ExerciseError, match="not written yet"):
+        ch01.check_causal_mask(stub)
+    with pytest.raises(ExerciseError, match="pass your function"):
+        ch01.check_causal_mask(42)
+
+
+# --- exercise 2: causal attention ----------------------------------------------------------------
+def right_attention(q, k, v):
+    t, s, d = q.shape[2], k.shape[2], q.shape[-1]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    future = torch.arange(s)[None, :] > torch.arange(t)[:, None] + (s - t)
+    return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v
+
+
+def attention_with(q, k, v, *, scale=True, shift=0, anchored=False, interleave=False, dim=-1, mask=True):
+    t, s, d = q.shape[2], k.shape[2], q.shape[-1]
+    hq, hkv = q.shape[1], k.shape[1]
+    if interleave:
+        k, v = k.repeat(1, hq // hkv, 1, 1), v.repeat(1, hq // hkv, 1, 1)  # head h gets KV head h % Hkv
+    else:
+        k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    scores = q @ k.transpose(-1, -2)
+    if scale:
+        scores = scores / math.sqrt(d)
+    if mask:
+        pos = torch.arange(t)[:, None] + (0 if anchored else s - t) + shift
+        scores = scores.masked_fill(torch.arange(s)[None, :] > pos, float("-inf"))
+    return torch.nan_to_num(torch.softmax(scores, dim=dim)) @ v
+
+
+def sdpa_is_causal(q, k, v):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def sdpa_right(q, k, v):
+    t, s = q.shape[2], k.shape[2]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_attention_accepts_right_answers():
+    assert ch01.check_attention(right_attention)
+    assert ch01.check_attention(sdpa_right)
+    assert ch01.check_attention(right_attention, seed=1)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "hint"),
+    [
+        (lambda q, k, v: attention_with(q, k, v, scale=False), "sqrt\\(head_dim\\)"),
+        (lambda q, k, v: attention_with(q, k, v, mask=False), "No causal mask"),
+        (lambda q, k, v: attention_with(q, k, v, shift=1), "one key from its future"),
+        (lambda q, k, v: attention_with(q, k, v, anchored=True), "last T of the S positions"),
+        (sdpa_is_causal, "is_causal=True"),
+        (lambda q, k, v: attention_with(q, k, v, shift=-1), "hides the diagonal"),
+        (lambda q, k, v: attention_with(q, k, v, interleave=True), "h // \\(Hq // Hkv\\)"),
+        (lambda q, k, v: attention_with(q, k, v, dim=-2), "softmax runs over the queries"),
+        (lambda q, k, v: q, "Scores q . k / sqrt\\(D\\)"),
+        (lambda q, k, v: q[:, :, -1], "shape"),
+    ],
+)
+def test_attention_rejects_wrong_answers_with_their_hint(wrong, hint):
     with pytest.raises(ExerciseError, match=hint):
-        ch01.check_naive_kv_projections(wrong)
+        ch01.check_attention(wrong)
 
 
-def test_projections_reject_non_function():
-    with pytest.raises(ExerciseError, match="function"):
-        ch01.check_naive_kv_projections(42)
+def test_attention_refuses_the_package_reference():
+    with pytest.raises(ExerciseError, match="kvcourse's own causal_attention"):
+        ch01.check_attention(kvcourse.causal_attention)
+
+    def wrapper(q, k, v):
+        return kvcourse.causal_attention(q, k, v)
+
+    with pytest.raises(ExerciseError, match="calls kvcourse's causal_attention"):
+        ch01.check_attention(wrapper)
 
 
-# --- exercise 2 ---------------------------------------------------------------------------------
+# --- exercise 3: the naive loop's attention pairs -------------------------------------------------
+def right_pairs(p, n):
+    return sum((p + i) * (p + i + 1) // 2 for i in range(n))
+
+
+def test_pairs_accept_right_answers():
+    assert ch01.check_naive_attention_pairs(right_pairs)
+    assert ch01.check_naive_attention_pairs(lambda p, n: float(right_pairs(p, n)))
+    # a closed form works as well as the loop
+    def closed(p, n):
+        t0, t1 = p, p + n - 1
+        squares = (t1 * (t1 + 1) * (2 * t1 + 1) - (t0 - 1) * t0 * (2 * t0 - 1)) // 6
+        return (squares + (t1 * (t1 + 1) - (t0 - 1) * t0) // 2) // 2 if n else 0
+    assert ch01.check_naive_attention_pairs(closed)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "hint"),
+    [
+        (lambda p, n: sum((p + i) ** 2 for i in range(n)), "all T x T pairs"),
+        (lambda p, n: sum((p + i) * (p + i - 1) // 2 for i in range(n)), "attends to itself"),
+        (lambda p, n: sum((p + i) * (p + i + 1) // 2 for i in range(1, n + 1)), "Off by one step"),
+        (lambda p, n: p * (p + 1) // 2 + sum(p + i for i in range(1, n)) if n else 0, "cached loop scores"),
+        (lambda p, n: (p + n - 1) * (p + n) // 2, "last step alone"),
+        (lambda p, n: n * p, "T = prompt_len \\+ i"),
+        (lambda p, n: "many", "should return an int"),
+    ],
+)
+def test_pairs_reject_wrong_answers_with_their_hint(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch01.check_naive_attention_pairs(wrong)
+
+
+def test_pairs_agree_with_the_flop_count(model):
+    """The check's count is the attention term of kvcourse.costs: per pair, 4 x Hq x D FLOPs in every layer."""
+    from kvcourse import costs
+
+    cfg = model.config
+    per_pair = 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+    p, n = 5, 40
+    linear = sum(costs.forward_flops(cfg, p + i) - per_pair * (p + i) * (p + i + 1) // 2 for i in range(n))
+    assert linear == sum((p + i) * (costs.forward_flops(cfg, 1) - per_pair) for i in range(n))
+    assert costs.generation_flops(cfg, p, n, use_cache=False) - linear == per_pair * right_pairs(p, n)
+
+
+# --- exercise 4: frozen tensors ------------------------------------------------------------------
 RIGHT_FROZEN = {"past_k", "past_v", "past_q", "past_attn_out"}
 
 
@@ -71,50 +221,8 @@ def test_frozen_choices_are_documented():
     assert RIGHT_FROZEN < set(ch01.FROZEN_CHOICES)
 
 
-# --- exercise 3 ---------------------------------------------------------------------------------
-def right_mask(tq, s):
-    rows = torch.arange(tq)[:, None] + (s - tq)
-    return torch.arange(s)[None, :] <= rows
-
-
-def test_mask_accepts_right_answer():
-    assert ch01.check_causal_mask(right_mask)
-
-
-def test_mask_accepts_tril_with_diagonal_offset():
-    assert ch01.check_causal_mask(lambda tq, s: torch.ones(tq, s, dtype=torch.bool).tril(s - tq))
-
-
-@pytest.mark.parametrize(
-    ("wrong", "hint"),
-    [
-        (lambda tq, s: ~right_mask(tq, s), "inverted"),
-        (lambda tq, s: right_mask(tq, s).T if tq == s else right_mask(tq, s), "transposed"),
-        (lambda tq, s: torch.ones(tq, s, dtype=torch.bool).tril(s - tq - 1), "diagonal"),
-        (lambda tq, s: torch.ones(tq, s, dtype=torch.bool).tril(), "LAST num_queries"),
-        (lambda tq, s: right_mask(tq, s).int(), "bool"),
-        (lambda tq, s: right_mask(tq, s).tolist(), "torch.Tensor"),
-        (lambda tq, s: right_mask(s, s), "shape"),
-    ],
-)
-def test_mask_rejects_wrong_answers(wrong, hint):
-    with pytest.raises(ExerciseError, match=hint):
-        ch01.check_causal_mask(wrong)
-
-
-# --- exercise 4 ---------------------------------------------------------------------------------
-def test_ratio_accepts_right_answer():
-    naive = 1000 * 5 + 1000 * 999 // 2
-    cached = 5 + 999
-    assert ch01.check_projection_ratio(naive / cached)
-    assert ch01.check_projection_ratio(round(naive / cached, 1))
-
-
-def test_ratio_other_lengths():
-    assert ch01.check_projection_ratio((10 * 1 + 45) / 10, prompt_len=1, new_tokens=10)
-
-
-@pytest.mark.parametrize("wrong", [500.0, 1000.0, (5000 + 499500) / 1005, "502"])
-def test_ratio_rejects_wrong_answers(wrong):
-    with pytest.raises(ExerciseError, match="ratio"):
-        ch01.check_projection_ratio(wrong)
+def test_no_reference_answers_are_public():
+    for name in dir(ch01):
+        obj = getattr(ch01, name)
+        if callable(obj) and getattr(obj, "__module__", "") == ch01.__name__ and not name.startswith("_"):
+            assert name.startswith("check_"), f"ch01.{name} is public but not a check"

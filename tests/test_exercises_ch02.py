@@ -1,4 +1,7 @@
-"""Chapter 2's exercise checks accept right answers and reject wrong ones with a useful hint."""
+"""Chapter 2's checks accept right answers and reject each typical wrong answer with its own hint.
+
+The wrong answers are written the way a learner would write them, independently of the checks.
+"""
 
 from __future__ import annotations
 
@@ -10,105 +13,353 @@ import torch
 import kvcourse
 from kvcourse.exercises import ExerciseError, ch02
 
-# ---- 1. cache bytes ----------------------------------------------------------
+
+# ---- 1. positions of new tokens ----------------------------------------------------------------
+def test_positions_accept_right_answers():
+    assert ch02.check_new_positions(lambda lens, n: lens[:, None] + torch.arange(n))
+    assert ch02.check_new_positions(lambda lens, n: torch.stack([torch.arange(s, s + n) for s in lens.tolist()]))
 
 
-def test_cache_bytes_accepts_the_formula_and_matches_a_real_cache(model):
-    assert ch02.check_cache_bytes(lambda n, b: 2 * 30 * 3 * 64 * n * b)
+@pytest.mark.parametrize(
+    ("wrong", "hint"),
+    [
+        (lambda lens, n: torch.arange(n).repeat(len(lens), 1), "No RoPE offset"),
+        (lambda lens, n: lens[:, None] + torch.arange(1, n + 1), "not s \\+ 1"),
+        (lambda lens, n: lens[:, None] + torch.arange(n) - 1, "not s - 1"),
+        (lambda lens, n: lens.max() + torch.arange(n).repeat(len(lens), 1), "its own length"),
+        (lambda lens, n: (lens[:, None] + torch.arange(n)).float(), "integers"),
+        (lambda lens, n: (lens[:, None] + torch.arange(n)).T, "shape"),
+        (lambda lens, n: lens[:, None] * torch.arange(n), "seq_lens\\[b\\] \\+ j"),
+    ],
+)
+def test_positions_reject_wrong_answers_with_their_hint(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch02.check_new_positions(wrong)
+
+
+# ---- 2. update for a preallocated cache ---------------------------------------------------------
+class RightCache:
+    def __init__(self, num_layers, batch_size, num_kv_heads, head_dim, max_seq_len):
+        shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
+        self.k = [torch.zeros(shape) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape) for _ in range(num_layers)]
+        self.lengths = [0] * num_layers
+
+    @property
+    def seq_len(self):
+        return self.lengths[0]
+
+    def update(self, layer_idx, k, v):
+        start = self.lengths[layer_idx]
+        end = start + k.shape[2]
+        if end > self.k[layer_idx].shape[2]:
+            raise ValueError("cache full")
+        self.k[layer_idx][:, :, start:end] = k
+        self.v[layer_idx][:, :, start:end] = v
+        self.lengths[layer_idx] = end
+        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+
+class NoOffset(RightCache):
+    def update(self, layer_idx, k, v):
+        end = self.lengths[layer_idx] + k.shape[2]
+        self.k[layer_idx][:, :, : k.shape[2]] = k  # always at the start
+        self.v[layer_idx][:, :, : k.shape[2]] = v
+        self.lengths[layer_idx] = end
+        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+
+class OnlyNew(RightCache):
+    def update(self, layer_idx, k, v):
+        super().update(layer_idx, k, v)
+        return k, v
+
+
+class WholeBuffer(RightCache):
+    def update(self, layer_idx, k, v):
+        super().update(layer_idx, k, v)
+        return self.k[layer_idx], self.v[layer_idx]
+
+
+class OffByOne(RightCache):
+    def update(self, layer_idx, k, v):
+        keys, values = super().update(layer_idx, k, v)
+        end = keys.shape[2]
+        return self.k[layer_idx][:, :, : end + 1], self.v[layer_idx][:, :, : end + 1]
+
+
+class OneCounter(RightCache):
+    """seq_len advanced by every layer's update."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.count = 0
+
+    @property
+    def seq_len(self):
+        return self.count
+
+    def update(self, layer_idx, k, v):
+        out = super().update(layer_idx, k, v)
+        self.count += k.shape[2]
+        return out
+
+
+class SharedBuffer(RightCache):
+    """One buffer for all layers."""
+
+    def __init__(self, num_layers, batch_size, num_kv_heads, head_dim, max_seq_len):
+        super().__init__(num_layers, batch_size, num_kv_heads, head_dim, max_seq_len * num_layers)
+        self.k = [self.k[0]] * num_layers
+        self.v = [self.v[0]] * num_layers
+        self.max_seq_len = max_seq_len
+
+    def update(self, layer_idx, k, v):
+        if self.lengths[layer_idx] + k.shape[2] > self.max_seq_len:
+            raise ValueError("full")
+        return super().update(layer_idx, k, v)
+
+
+class Concat:
+    def __init__(self, num_layers, batch_size, num_kv_heads, head_dim, max_seq_len):
+        self.k, self.v, self.max_seq_len = [None] * num_layers, [None] * num_layers, max_seq_len
+
+    @property
+    def seq_len(self):
+        return 0 if self.k[0] is None else self.k[0].shape[2]
+
+    def update(self, layer_idx, k, v):
+        if self.k[layer_idx] is not None and self.k[layer_idx].shape[2] + k.shape[2] > self.max_seq_len:
+            raise ValueError("full")
+        self.k[layer_idx] = k if self.k[layer_idx] is None else torch.cat([self.k[layer_idx], k], dim=2)
+        self.v[layer_idx] = v if self.v[layer_idx] is None else torch.cat([self.v[layer_idx], v], dim=2)
+        return self.k[layer_idx], self.v[layer_idx]
+
+
+class NoOverflowCheck(RightCache):
+    def update(self, layer_idx, k, v):
+        start = self.lengths[layer_idx]
+        end = start + k.shape[2]
+        self.k[layer_idx][:, :, start:end] = k  # past the end the slice is empty and k broadcasts into it
+        self.v[layer_idx][:, :, start:end] = v
+        self.lengths[layer_idx] = end
+        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+
+class WrongError(RightCache):
+    def update(self, layer_idx, k, v):
+        if self.lengths[layer_idx] + k.shape[2] > self.k[layer_idx].shape[2]:
+            raise IndexError("no room")
+        return super().update(layer_idx, k, v)
+
+
+class SilentlyDrops(RightCache):
+    def update(self, layer_idx, k, v):
+        if self.lengths[layer_idx] + k.shape[2] > self.k[layer_idx].shape[2]:
+            return self.k[layer_idx], self.v[layer_idx]
+        return super().update(layer_idx, k, v)
+
+
+class Swapped(RightCache):
+    def update(self, layer_idx, k, v):
+        keys, values = super().update(layer_idx, k, v)
+        return values, keys
+
+
+class SeqLenMethod(RightCache):
+    def seq_len(self):  # forgot @property
+        return self.lengths[0]
+
+
+def test_update_accepts_a_right_cache(capsys):
+    assert ch02.check_cache_update(RightCache)
+    assert ch02.check_cache_update(RightCache, seed=5)
+
+
+def test_update_runs_the_real_model(model):
+    assert ch02.check_cache_update(RightCache, model)
+
+
+@pytest.mark.parametrize(
+    ("cls", "hint"),
+    [
+        (NoOffset, "written at position 0"),
+        (OnlyNew, "Only the new tokens came back"),
+        (WholeBuffer, "whole buffer"),
+        (OffByOne, "Off by one"),
+        (OneCounter, "once per layer call"),
+        (SharedBuffer, "another layer's tokens"),
+        (Concat, "preallocated buffer"),
+        (NoOverflowCheck, "refuse a write past the end"),
+        (WrongError, "raise a ValueError"),
+        (SilentlyDrops, "refuse a write past the end"),
+        (Swapped, "swapped"),
+        (SeqLenMethod, "@property"),
+    ],
+)
+def test_update_rejects_wrong_caches_with_their_hint(cls, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch02.check_cache_update(cls)
+
+
+def test_update_refuses_the_package_cache():
+    class Mine(kvcourse.KVCache):
+        pass
+
+    with pytest.raises(ExerciseError, match="inherits from kvcourse.KVCache"):
+        ch02.check_cache_update(Mine)
+    with pytest.raises(ExerciseError, match="class itself"):
+        ch02.check_cache_update(RightCache(1, 1, 1, 2, 4))
+
+
+# ---- 3. chunked prefill (the bug hunt) ----------------------------------------------------------
+def right_prefill(model, ids, chunk_size):
     cache = kvcourse.KVCache.for_model(model.config)
-    model(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), cache=cache)
-    assert cache.nbytes == ch02.smollm2_cache_bytes(7, bytes_per_value=4)
+    for start in range(0, len(ids), chunk_size):
+        logits = model(torch.tensor([ids[start : start + chunk_size]]), cache=cache)
+    return logits[0, -1], cache
+
+
+def buggy_prefill(model, ids, chunk_size):  # the chapter's bug: the range stops one token early
+    cache = kvcourse.KVCache.for_model(model.config)
+    for start in range(0, len(ids) - 1, chunk_size):
+        logits = model(torch.tensor([ids[start : start + chunk_size]]), cache=cache)
+    return logits[0, -1], cache
+
+
+def fresh_cache_per_chunk(model, ids, chunk_size):
+    for start in range(0, len(ids), chunk_size):
+        cache = kvcourse.KVCache.for_model(model.config)
+        logits = model(torch.tensor([ids[start : start + chunk_size]]), cache=cache)
+    return logits[0, -1], cache
+
+
+def overlapping_chunks(model, ids, chunk_size):
+    cache = kvcourse.KVCache.for_model(model.config)
+    for start in range(0, len(ids), chunk_size):
+        logits = model(torch.tensor([ids[max(start - 1, 0) : start + chunk_size]]), cache=cache)
+    return logits[0, -1], cache
+
+
+def first_logits_of_last_chunk(model, ids, chunk_size):
+    cache = kvcourse.KVCache.for_model(model.config)
+    for start in range(0, len(ids), chunk_size):
+        logits = model(torch.tensor([ids[start : start + chunk_size]]), cache=cache)
+    return logits[0, 0], cache
+
+
+def test_chunked_prefill_accepts_the_fix(model):
+    assert ch02.check_chunked_prefill(right_prefill, model)
 
 
 @pytest.mark.parametrize(
-    "wrong, hint",
+    ("fn", "hint"),
     [
-        (lambda n, b: 30 * 3 * 64 * n * b, "K \\*and\\* V"),  # forgot V
-        (lambda n, b: 2 * 30 * 9 * 64 * n * b, "3 KV heads"),  # query heads
-        (lambda n, b: 3 * 30 * 3 * 64 * n * b, "Q is never cached"),  # Q, K and V
-        (lambda n, b: 2 * 30 * 3 * 64 * n * 4, "bytes per value"),  # ignores the dtype
-        (lambda n, b: None, "Return a number"),
-        (lambda n, b: 1 / 0, "ZeroDivisionError"),
+        (buggy_prefill, "never reached the model"),
+        (fresh_cache_per_chunk, "only the last chunk"),
+        (overlapping_chunks, "fed twice"),
+        (first_logits_of_last_chunk, "LAST prompt token"),
+        (lambda model, ids, chunk_size: None, "tuple \\(logits, cache\\)"),
     ],
 )
-def test_cache_bytes_rejects_wrong_answers(wrong, hint):
+def test_chunked_prefill_rejects_wrong_answers_with_their_hint(model, fn, hint):
     with pytest.raises(ExerciseError, match=hint):
-        ch02.check_cache_bytes(wrong)
+        ch02.check_chunked_prefill(fn, model)
 
 
-def test_cache_bytes_rejects_a_non_function():
-    with pytest.raises(ExerciseError, match="pass a function"):
-        ch02.check_cache_bytes(46080)
+# ---- 4. decode attention over a padded batch ----------------------------------------------------
+def attend_with(q, k, v, seq_lens, *, scale=True, lens_shift=0, interleave=False, softmax=True, mask=True):
+    hq, hkv, s = q.shape[1], k.shape[1], k.shape[2]
+    if interleave:
+        k, v = k.repeat(1, hq // hkv, 1, 1), v.repeat(1, hq // hkv, 1, 1)
+    else:
+        k, v = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("bhd,bhsd->bhs", q, k)
+    if scale:
+        scores = scores / math.sqrt(q.shape[-1])
+    lens = (seq_lens + lens_shift).clamp(1, s)
+    valid = torch.arange(s)[None, :] < lens[:, None]
+    if not mask:
+        valid = torch.ones_like(valid)
+    if softmax:
+        weights = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")), dim=-1)
+    else:
+        weights = scores * valid[:, None]
+    return torch.einsum("bhs,bhsd->bhd", weights, v)
 
 
-# ---- 2. request latency ------------------------------------------------------
-
-
-def test_latency_accepts_ttft_plus_n_minus_one_tpot():
-    assert ch02.check_request_latency(lambda ttft, tpot, n: ttft + (n - 1) * tpot)
-
-
-@pytest.mark.parametrize(
-    "wrong, hint",
-    [
-        (lambda ttft, tpot, n: ttft + n * tpot, "each of the other tokens"),  # off by one
-        (lambda ttft, tpot, n: n * tpot, "Which phase"),  # forgot prefill
-        (lambda ttft, tpot, n: n * ttft, "Which phase"),  # every step a prefill
-        (lambda ttft, tpot, n: "soon", "should be a number"),
-    ],
-)
-def test_latency_rejects_wrong_answers(wrong, hint):
-    with pytest.raises(ExerciseError, match=hint):
-        ch02.check_request_latency(wrong)
-
-
-# ---- 3. decode attention -----------------------------------------------------
-
-
-def _right(q, k, v):
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("bhd,bhsd->bhs", q, k) / math.sqrt(q.shape[-1])
-    return torch.einsum("bhs,bhsd->bhd", torch.softmax(scores, dim=-1), v)
-
-
-def _interleaved(q, k, v):  # query head h reads KV head h % Hkv
-    idx = torch.arange(q.shape[1]) % k.shape[1]
-    scores = torch.einsum("bhd,bhsd->bhs", q, k[:, idx]) / math.sqrt(q.shape[-1])
-    return torch.einsum("bhs,bhsd->bhd", torch.softmax(scores, dim=-1), v[:, idx])
-
-
-def _unscaled(q, k, v):
-    return _right(q * math.sqrt(q.shape[-1]), k, v)
-
-
-def _no_softmax(q, k, v):
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return torch.einsum("bhs,bhsd->bhd", torch.einsum("bhd,bhsd->bhs", q, k) / math.sqrt(q.shape[-1]), v)
-
-
-def _last_value_only(q, k, v):
-    return v[:, :, -1].repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-
-
-def test_decode_attention_accepts_a_correct_step_and_the_reference():
-    assert ch02.check_decode_attention(_right)
-    assert ch02.check_decode_attention(kvcourse.decode_attention_ref)
+def test_decode_attention_accepts_right_answers():
+    assert ch02.check_decode_attention(attend_with)
+    assert ch02.check_decode_attention(attend_with, seed=2)
 
 
 @pytest.mark.parametrize(
-    "wrong, hint",
+    ("wrong", "hint"),
     [
-        (_interleaved, "h // 3"),
-        (_unscaled, "1/sqrt\\(head_dim\\)"),
-        (_no_softmax, "need a softmax"),
-        (_last_value_only, "differs from the reference"),
-        (lambda q, k, v: q, "differs from the reference"),  # right shape, wrong values
-        (lambda q, k, v: q[:, :, None], "expected \\[B, Hq, D\\]"),
-        (lambda q, k, v: q.tolist(), "torch.Tensor"),
+        (lambda q, k, v, lens: attend_with(q, k, v, lens, scale=False), "sqrt\\(head_dim\\)"),
+        (lambda q, k, v, lens: attend_with(q, k, v, lens, mask=False), "padding is not masked"),
+        (lambda q, k, v, lens: attend_with(q, k, v, lens, lens_shift=-1), "dropped the last one"),
+        (lambda q, k, v, lens: attend_with(q, k, v, lens, lens_shift=1), "one slot of padding"),
+        (lambda q, k, v, lens: attend_with(q, k, v, lens, interleave=True), "not h % Hkv"),
+        (lambda q, k, v, lens: attend_with(q, k, v, lens, softmax=False), "need a softmax"),
+        (lambda q, k, v, lens: q, "set padded keys to -inf"),
+        (lambda q, k, v, lens: q[:, :1], "shape"),
     ],
 )
-def test_decode_attention_rejects_wrong_answers(wrong, hint):
+def test_decode_attention_rejects_wrong_answers_with_their_hint(wrong, hint):
     with pytest.raises(ExerciseError, match=hint):
         ch02.check_decode_attention(wrong)
+
+
+def test_decode_attention_refuses_the_reference():
+    with pytest.raises(ExerciseError, match="kvcourse's own decode_attention_ref"):
+        ch02.check_decode_attention(kvcourse.decode_attention_ref)
+
+
+# ---- 5. when the cache outweighs the weights ----------------------------------------------------
+def right_tokens(cfg, batch):
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * batch
+    return math.ceil(cfg["num_parameters"] / per_token)
+
+
+def test_outweigh_accepts_right_answers(model):
+    assert ch02.check_tokens_to_outweigh(right_tokens)
+    # the formula against a real cache: at that many tokens, a real KVCache holds >= the fp32 weights
+    cfg = model.config
+    smol = dict(num_parameters=model.num_parameters(), num_hidden_layers=cfg.num_hidden_layers,
+                num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                head_dim=cfg.head_dim)
+    n = right_tokens(smol, 1)
+    cache = kvcourse.KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim)
+    for layer in range(cfg.num_hidden_layers):
+        cache.update(layer, torch.zeros(1, cfg.num_key_value_heads, n - 1, cfg.head_dim),
+                     torch.zeros(1, cfg.num_key_value_heads, n - 1, cfg.head_dim))
+    assert cache.nbytes < model.num_parameters() * 4 <= cache.nbytes + cache.nbytes // (n - 1)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "hint"),
+    [
+        (lambda c, b: math.ceil(c["num_parameters"] / (c["num_hidden_layers"] * c["num_key_value_heads"]
+                                                        * c["head_dim"] * b)), "factor 2"),
+        (lambda c, b: math.ceil(c["num_parameters"] / (2 * c["num_hidden_layers"] * c["num_attention_heads"]
+                                                        * c["head_dim"] * b)), "query heads are not"),
+        (lambda c, b: right_tokens(c, 1), "its own cache"),
+        (lambda c, b: c["num_parameters"] // (2 * c["num_hidden_layers"] * c["num_key_value_heads"]
+                                              * c["head_dim"] * b), "round up"),
+        (lambda c, b: c["num_parameters"] // (2 * c["num_hidden_layers"] * c["num_key_value_heads"]
+                                              * c["head_dim"] * b) + 1, "divide exactly"),
+        (lambda c, b: str(right_tokens(c, b)), "should return an int"),
+        (lambda c, b: right_tokens(c, b) * 4, "Divide the parameters"),
+    ],
+)
+def test_outweigh_rejects_wrong_answers_with_their_hint(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch02.check_tokens_to_outweigh(wrong)
+
+
+def test_no_reference_answers_are_public():
+    for name in dir(ch02):
+        obj = getattr(ch02, name)
+        if callable(obj) and getattr(obj, "__module__", "") == ch02.__name__ and not name.startswith("_"):
+            assert name.startswith("check_"), f"ch02.{name} is public but not a check"

@@ -191,8 +191,9 @@ def test_unknown_dtype_is_named():
 
 
 def test_quantization_scales_counted_per_group():
-    # int4, one fp16 scale per 32 values: a 128-value head vector is 64 B payload + 4 x 2 B scales.
-    assert kv_bytes_per_token("llama-3-8b", "int4", quant_group_size=32) == 32 * 2 * 8 * (64 + 8)
+    # int4, an fp16 scale and an fp16 zero point per 32 values: a 128-value head vector is 64 B of payload
+    # + 4 groups x 4 B, a quarter more.
+    assert kv_bytes_per_token("llama-3-8b", "int4", quant_group_size=32) == 32 * 2 * 8 * (64 + 16)
     assert kv_bytes_per_token("llama-3-8b", "int4") == 32 * 2 * 8 * 64
     with pytest.raises(ValueError, match="quant_group_size"):
         kv_bytes_per_token("llama-3-8b", "bf16", quant_group_size=32)
@@ -295,7 +296,7 @@ def test_windowed_cache_never_shrinks_and_is_bounded(seq, extra):
 # ---- the catalog -------------------------------------------------------------------------------
 def test_catalog_names_are_exact():
     assert catalog_names() == ["smollm2-135m", "llama-2-7b", "llama-2-70b", "llama-3-8b", "llama-3-70b",
-                               "mistral-7b", "qwen2.5-7b", "gemma-2-9b", "falcon-7b", "deepseek-v3"]
+                               "llama-3.1-70b", "mistral-7b", "qwen2.5-7b", "gemma-2-9b", "falcon-7b", "deepseek-v3"]
     for entry in CATALOG.values():
         assert "/" in entry.hf_repo and entry.parameters_source and entry.num_parameters > 10**8
 

@@ -10,7 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcourse.costs import kv_projections_total
-from kvcourse.viz import CACHED, COMPUTED, EMPTY, MODES, READ, cache_grid_animation, cache_grid_frames
+from kvcourse.viz import (
+    CACHED,
+    COMPUTED,
+    EMPTY,
+    MODES,
+    READ,
+    cache_grid_animation,
+    cache_grid_frames,
+    memory_bill_frames,
+)
 
 sizes = st.tuples(st.integers(1, 6), st.integers(1, 12), st.integers(2, 12))
 
@@ -93,12 +102,58 @@ def test_bad_arguments_are_named(args, match):
 
 def test_animation_has_one_frame_per_grid_frame_and_renders_deterministically():
     pytest.importorskip("matplotlib")
-    anim = cache_grid_animation(num_layers=3, prompt_len=2, new_tokens=3, mode="all", dpi=30)
+    anim = cache_grid_animation(num_layers=3, prompt_len=2, new_tokens=3, mode="all", dpi=20)
     html = anim.to_jshtml()
     assert html.count("data:image/png") == len(cache_grid_frames(3, 2, 3, "all"))
-    again = cache_grid_animation(num_layers=3, prompt_len=2, new_tokens=3, mode="all", dpi=30).to_jshtml()
+    again = cache_grid_animation(num_layers=3, prompt_len=2, new_tokens=3, mode="all", dpi=20).to_jshtml()
 
     def strip_ids(s: str) -> str:  # the same patterns as book/nbval-sanitize.cfg
         return re.sub(r"anim[0-9a-f]{32}", "animID", re.sub(r"_anim_[0-9a-zA-Z_]+", "_anim_ID", s))
 
     assert strip_ids(html) == strip_ids(again)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes)
+def test_cached_tokens_are_the_columns_the_cache_holds(size):
+    layers, prompt, new = size
+    assert all(f.cached_tokens == 0 for f in cache_grid_frames(layers, prompt, new, "naive"))
+    for i, frame in enumerate(cache_grid_frames(layers, prompt, new, "cached")):
+        assert frame.cached_tokens == prompt + i  # the prompt, then one more column per step
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 10**6), st.integers(1, 10**10), st.integers(1, 2**17))
+def test_memory_bill_grows_until_the_cache_outweighs_the_weights(per_token, weights, context):
+    frames = memory_bill_frames(per_token, weights, context, until=2.0)
+    caches = [f.cache_bytes for f in frames]
+    assert caches == sorted(caches) and len(set(caches)) == len(caches)  # strictly growing
+    assert caches[-1] >= 2 * weights and (len(caches) == 1 or caches[-2] < 2 * weights)
+    for f in frames:
+        assert f.cache_bytes == f.seq_len * f.batch_size * per_token and f.seq_len <= context
+        assert f.batch_size == 1 or f.seq_len == context  # a batch only of full-context sequences
+        assert ("outweighs the model" in f.caption) == (f.cache_bytes > weights)
+
+
+def test_memory_bill_for_smollm2_needs_two_full_contexts():
+    frames = memory_bill_frames(46_080, 4 * 134_515_008, 8192)
+    first_over = next(f for f in frames if f.cache_bytes >= f.weight_bytes)
+    assert (first_over.seq_len, first_over.batch_size) == (8192, 2)
+    with pytest.raises(ValueError, match="kv_bytes_per_token"):
+        memory_bill_frames(0, 10, 10)
+
+
+def test_animation_is_readable_and_ends_with_the_bill():
+    pytest.importorskip("matplotlib")
+    anim = cache_grid_animation(num_layers=4, prompt_len=3, new_tokens=3, kv_bytes_per_token=46_080,
+                                weight_bytes=4 * 134_515_008, context_len=8192)
+    fig = anim._fig
+    width, height = fig.get_size_inches() * fig.dpi
+    assert width >= 780 and height >= 450  # pixels
+    texts = [t for t in fig.findobj(lambda a: hasattr(a, "get_fontsize") and hasattr(a, "get_text"))
+             if t.get_text().strip()]
+    assert texts and min(t.get_fontsize() for t in texts) >= 11
+    frames = len(cache_grid_frames(4, 3, 3, "all")) + len(memory_bill_frames(46_080, 4 * 134_515_008, 8192))
+    assert anim.to_jshtml().count("data:image/png") == frames
+    with pytest.raises(ValueError, match="or none of them"):
+        cache_grid_animation(kv_bytes_per_token=10)

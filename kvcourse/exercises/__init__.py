@@ -8,8 +8,10 @@ notebook and in an instructor's grading script::
     from kvcourse.exercises import ch01
     ch01.check_total_kv_projections(my_function)
 
-Instructors: ``python -m kvcourse.exercises.student book/*.ipynb --out student/``
-writes copies of the notebooks with the solutions removed.
+Instructors: ``python -m kvcourse.instructor student book --out student/`` writes
+copies of the chapters with every solution replaced by a stub, and
+``python -m kvcourse.instructor grade DIR --out grades.csv`` runs the students'
+notebooks and records each check's verdict (see :mod:`kvcourse.instructor`).
 """
 
 from ._core import ExerciseError, passed

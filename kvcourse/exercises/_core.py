@@ -1,17 +1,177 @@
-"""What every chapter's checks share: one error type and one success message."""
+"""What every chapter's checks share: the error type, hidden random cases, and how a failure is reported.
+
+A check runs the learner's code on cases the learner has not seen, compares the
+result with the right answer, and on a mismatch raises :class:`ExerciseError`
+whose message has three parts: the case, what was expected and what came back,
+and a hint. The hint names the mistake when the wrong results match a typical
+wrong answer in every failing case (:class:`Diagnosis`), so each common slip gets
+its own advice.
+
+Hidden cases are drawn from a generator seeded by the check's own name and
+``seed`` argument (:func:`case_rng`, :func:`case_generator`), never from global
+random state: a check gives the same cases on every machine and in every order.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import math
+import random
+import types
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+__all__ = [
+    "ExerciseError",
+    "passed",
+    "fail",
+    "describe",
+    "tensor_diff",
+    "Diagnosis",
+    "case_rng",
+    "case_generator",
+    "call_learner",
+    "expect_close",
+    "expect_equal",
+    "expect_tensor",
+    "refuse_references",
+]
 
 
 class ExerciseError(AssertionError):
-    """A wrong answer. The message says what was expected and gives a hint, never the answer itself."""
+    """A wrong answer: the message says what was expected, what came back, and gives a hint.
+
+    ``case``, ``expected``, ``got`` and ``hint`` are kept as attributes, so a grading script can
+    report them separately.
+    """
+
+    def __init__(self, message: str, *, case: str = "", expected: str = "", got: str = "", hint: str = "") -> None:
+        super().__init__(message)
+        self.case, self.expected, self.got, self.hint = case, expected, got, hint
 
 
 def passed(message: str) -> bool:
     print(f"Correct: {message}")
     return True
+
+
+def describe(value: Any, limit: int = 12) -> str:
+    """A short, readable rendering of ``value`` for a failure message.
+
+    Small tensors are printed in full (bool masks as rows of 0/1); large ones as shape, dtype and
+    a few entries, so a message never floods the notebook.
+    """
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch = None
+    if torch is not None and isinstance(value, torch.Tensor):
+        head = f"tensor {list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+        if value.dtype == torch.bool and value.ndim == 2 and max(value.shape, default=0) <= limit:
+            rows = ["".join("1" if x else "." for x in row.tolist()) for row in value]
+            return head + " (1 = True)\n    " + "\n    ".join(rows)
+        if value.numel() <= limit:
+            flat = value.detach().flatten().tolist()
+            shown = [f"{x:.4g}" if isinstance(x, float) else str(x) for x in flat]
+            return f"{head}: [{', '.join(shown)}]"
+        flat = value.detach().flatten()[:4].tolist()
+        shown = [f"{x:.4g}" if isinstance(x, float) else str(x) for x in flat]
+        return f"{head}, starting [{', '.join(shown)}, ...]"
+    if isinstance(value, float):
+        return f"{value:.10g}"
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def tensor_diff(got, want) -> str:
+    """Where two same-shaped tensors differ most, e.g. ``largest difference at [0, 3, 2, 17]: 0.51 vs 1.2``."""
+    diff = (got.float() - want.float()).abs()
+    flat = int(diff.argmax())
+    index = []
+    for size in reversed(want.shape):
+        index.append(flat % size)
+        flat //= size
+    index = tuple(reversed(index))
+    return (f"largest difference at {list(index)}: expected {want[index].item():.4g}, "
+            f"got {got[index].item():.4g}")
+
+
+def fail(case: str, *, expected: Any, got: Any, hint: str) -> NoReturn:
+    """Raise :class:`ExerciseError` for ``case`` with the expected and returned values and a hint."""
+    expected_text = expected if isinstance(expected, str) else describe(expected)
+    got_text = got if isinstance(got, str) else describe(got)
+    message = f"{case} is not right.\n  expected: {expected_text}\n  got:      {got_text}\nHint: {hint}"
+    raise ExerciseError(message, case=case, expected=expected_text, got=got_text, hint=hint)
+
+
+class Diagnosis:
+    """Collects a learner's wrong results over all cases, then names the mistake that explains them all.
+
+    ``mistakes`` pairs a hint with a function computing what that typical wrong answer returns for a
+    case's inputs. A hint is given only if its mistake reproduces the learner's result in *every*
+    failing case, so two mistakes that agree on one case are told apart by the others. The first
+    failing case is the one reported.
+    """
+
+    def __init__(self, mistakes: list[tuple[str, Callable[..., Any]]], default: str,
+                 same: Callable[[Any, Any], bool]) -> None:
+        self.mistakes, self.default, self.same = mistakes, default, same
+        self.consistent = [True] * len(mistakes)
+        self.failures: list[tuple[str, Any, Any]] = []
+
+    def record(self, case: str, args: tuple, got: Any, want: Any, extra: str = "") -> None:
+        """Note that ``got`` (for inputs ``args``) differs from ``want``."""
+        self.failures.append((case, want, describe(got) + extra if extra else got))
+        for i, (_, compute) in enumerate(self.mistakes):
+            if not self.consistent[i]:
+                continue
+            try:
+                wrong = compute(*args)
+                self.consistent[i] = wrong is not None and bool(self.same(got, wrong))
+            except Exception:  # the mistake cannot be computed for this case: it does not explain it
+                self.consistent[i] = False
+
+    def raise_if_wrong(self) -> None:
+        """Raise :class:`ExerciseError` for the first failing case, with the best hint, if any case failed."""
+        if not self.failures:
+            return
+        hint = next((h for (h, _), ok in zip(self.mistakes, self.consistent) if ok), self.default)
+        case, want, got = self.failures[0]
+        others = len(self.failures) - 1
+        fail(case + (f" (and {others} more case{'s' if others > 1 else ''})" if others else ""),
+             expected=want, got=got, hint=hint)
+
+
+def _seed_from(*key: object) -> int:
+    digest = hashlib.sha256(repr(key).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def case_rng(*key: object) -> random.Random:
+    """A :class:`random.Random` seeded from ``key`` (the check's name and its ``seed`` argument)."""
+    return random.Random(_seed_from(*key))
+
+
+def case_generator(*key: object):
+    """A CPU :class:`torch.Generator` seeded from ``key``; independent of torch's global generator."""
+    import torch
+
+    return torch.Generator().manual_seed(_seed_from(*key))
+
+
+def call_learner(name: str, fn, *args, **kwargs):
+    """Call the learner's function; turn a crash into an :class:`ExerciseError` that says where."""
+    if not callable(fn):
+        raise ExerciseError(f"pass a function to check, got {type(fn).__name__}")
+    try:
+        return fn(*args, **kwargs)
+    except ExerciseError:
+        raise
+    except NotImplementedError as exc:
+        raise ExerciseError(f"{name} is not written yet (it raised NotImplementedError: {exc})") from exc
+    except Exception as exc:  # the learner's code failed: say where, not the answer
+        shown = ", ".join([describe(a, limit=4) for a in args] + [f"{k}={describe(v, limit=4)}" for k, v in kwargs.items()])
+        raise ExerciseError(f"{name}({shown}) raised {type(exc).__name__}: {exc}") from exc
 
 
 def expect_close(name: str, got: object, want: float, rel: float = 1e-6, hint: str = "") -> None:
@@ -28,13 +188,46 @@ def expect_equal(name: str, got: object, want: object, hint: str = "") -> None:
         raise ExerciseError(f"{name} = {got!r} is not right. {hint}".strip())
 
 
-def call_learner(name: str, fn, *args):
-    """Call the learner's function; turn a crash into an :class:`ExerciseError` that says where."""
-    if not callable(fn):
-        raise ExerciseError(f"pass a function to check, got {type(fn).__name__}")
-    try:
-        return fn(*args)
-    except ExerciseError:
-        raise
-    except Exception as exc:  # the learner's code failed: say where, not the answer
-        raise ExerciseError(f"{name}{args} raised {type(exc).__name__}: {exc}") from exc
+def expect_tensor(case: str, got: Any, shape: tuple[int, ...], dtype=None, what: str = "") -> None:
+    """Raise :class:`ExerciseError` unless ``got`` is a tensor of ``shape`` (and ``dtype``, if given)."""
+    import torch
+
+    if not isinstance(got, torch.Tensor):
+        raise ExerciseError(f"{case} should return a torch.Tensor{' ' + what if what else ''}, got {type(got).__name__}.",
+                            case=case)
+    if tuple(got.shape) != tuple(shape):
+        fail(case, expected=f"shape {list(shape)} {what}".strip(), got=f"shape {list(got.shape)}",
+             hint="Check which axis is which: the docstring gives the order of the dimensions.")
+    if dtype is not None and got.dtype != dtype:
+        fail(case, expected=f"dtype {dtype}", got=f"dtype {got.dtype}", hint=f"Return a {dtype} tensor.")
+
+
+def _names_used(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_used(const)
+    return names
+
+
+def refuse_references(fn: Any, references: dict[str, Any], task: str) -> None:
+    """Raise :class:`ExerciseError` if ``fn`` is, or calls by name, one of ``references``.
+
+    The exercise is to write the thing; handing the check the package's own version (or a thin
+    wrapper around it) would pass without teaching anything.
+    """
+    for name, ref in references.items():
+        if fn is ref:
+            raise ExerciseError(f"that is kvcourse's own {name}; {task}")
+    funcs = []
+    if isinstance(fn, type):
+        funcs = [v for v in vars(fn).values() if isinstance(v, (types.FunctionType, property))]
+        funcs = [f.fget if isinstance(f, property) else f for f in funcs]
+    elif isinstance(fn, types.FunctionType):
+        funcs = [fn]
+    for func in funcs:
+        if func is None or not hasattr(func, "__code__"):
+            continue
+        used = _names_used(func.__code__) & references.keys()
+        if used:
+            raise ExerciseError(f"your code calls kvcourse's {sorted(used)[0]}; {task}")

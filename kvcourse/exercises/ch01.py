@@ -1,56 +1,216 @@
 """Checks for chapter 1, *Naive generation and the work that repeats*.
 
-Each check prints a confirmation on a right answer and raises
-:class:`~kvcourse.exercises.ExerciseError` with a hint on a wrong one.
+1. :func:`check_causal_mask` -- the causal mask for queries that are the last of the keys.
+2. :func:`check_attention` -- causal attention with grouped-query heads, in plain torch.
+3. :func:`check_naive_attention_pairs` -- (query, key) pairs the naive loop scores in total.
+4. :func:`check_frozen_tensors` -- which tensors stay the same from one naive step to the next.
+
+Each check runs the learner's code on hidden random cases (seeded from the check's
+``seed`` argument), prints a confirmation when every case is right, and raises
+:class:`~kvcourse.exercises.ExerciseError` with the case, the expected and returned
+values and a hint on the first wrong one.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
-from ..costs import kv_projections_total
-from ._core import ExerciseError, expect_close, expect_equal, passed
+import kvcourse
+
+from ._core import (
+    Diagnosis,
+    ExerciseError,
+    call_learner,
+    case_generator,
+    case_rng,
+    describe,
+    expect_tensor,
+    passed,
+    refuse_references,
+    tensor_diff,
+)
 
 __all__ = [
     "FROZEN_CHOICES",
-    "check_naive_kv_projections",
-    "check_frozen_tensors",
     "check_causal_mask",
-    "check_projection_ratio",
+    "check_attention",
+    "check_naive_attention_pairs",
+    "check_frozen_tensors",
 ]
 
-# --- Exercise 1: the closed form for naive K/V projections ---------------------------------------
 
-_PROJECTION_CASES = [(1, 0, 1), (1, 1, 1), (5, 1, 30), (5, 2, 1), (5, 20, 30), (1, 1000, 1), (42, 300, 30), (7, 13, 2)]
+# --- Exercise 1: the causal mask -----------------------------------------------------------------
+
+def _mask(num_queries: int, num_keys: int, offset: int) -> torch.Tensor:
+    """``tril(offset)`` of a ``[num_queries, num_keys]`` block: query i may read keys 0 .. i + offset."""
+    return torch.ones(num_queries, num_keys, dtype=torch.bool).tril(offset)
 
 
-def check_naive_kv_projections(fn: Callable[[int, int, int], int]) -> bool:
-    """``fn(prompt_len, new_tokens, num_layers)`` -> K/V vectors (per KV head) the naive loop computes in total."""
+_MASK_MISTAKES = [
+    (lambda t, s: ~_mask(t, s, s - t), "It is inverted: True must mark the keys a query MAY read (its own position "
+                                       "and the earlier ones), False the ones it must not."),
+    (lambda t, s: _mask(t, s, s - t + 1), "Each query sees one key from its future. Query i sits at position "
+                                          "num_keys - num_queries + i and may read keys up to that position, never after it."),
+    (lambda t, s: torch.ones(t, s, dtype=torch.bool), "Every query sees every key, its future included. Only a single "
+                                                      "query at the end (a decode step) may read all keys."),
+    (lambda t, s: _mask(t, s, s - t - 1), "The diagonal is missing: each query may attend to its own position too."),
+    (lambda t, s: _mask(t, s, 0), "The queries are the LAST num_queries positions: query i sits at position "
+                                  "num_keys - num_queries + i, not at i. (torch's scaled_dot_product_attention with "
+                                  "is_causal=True makes the same top-left alignment.)"),
+    (lambda t, s: _mask(t, s, 0).T if t == s else None, "It is transposed: rows are queries, columns keys, and a "
+                                                             "query looks back (columns <= its own position), not ahead."),
+]
+
+
+def check_causal_mask(fn: Callable[[int, int], torch.Tensor], seed: int = 0) -> bool:
+    """``fn(num_queries, num_keys)`` -> bool ``[num_queries, num_keys]``, True where the query may attend.
+
+    The queries are the *last* ``num_queries`` of the ``num_keys`` positions (a whole sequence when
+    they are equal, a chunk appended to a cache otherwise).
+    """
     if not callable(fn):
-        raise ExerciseError(f"pass a function fn(prompt_len, new_tokens, num_layers), got {type(fn).__name__}")
-    for p, n, layers in _PROJECTION_CASES:
-        want = kv_projections_total(p, n, use_cache=False, num_layers=layers)
-        got = fn(p, n, layers)
+        raise ExerciseError(f"pass your function fn(num_queries, num_keys), got {type(fn).__name__}")
+    rng = case_rng("ch01.check_causal_mask", seed)
+    cases = [(4, 4), (1, 6), (3, 7), (1, 1)]
+    for _ in range(12):
+        s = rng.randint(1, 10)
+        cases.append((rng.randint(1, s), s))
+    diagnosis = Diagnosis(
+        [(h, lambda t, s, m=m: m(t, s)) for m, h in _MASK_MISTAKES],
+        "Query i sits at position num_keys - num_queries + i and may attend to keys 0 up to and including that "
+        "position.", _same_mask)
+    for t, s in cases:
+        case = f"causal_mask({t}, {s})"
+        got = call_learner("causal_mask", fn, t, s)
+        expect_tensor(case, got, (t, s), torch.bool, "(num_queries, num_keys), True = may attend")
+        want = _mask(t, s, s - t)
+        if not torch.equal(got, want):
+            diagnosis.record(case, (t, s), got, want)
+    diagnosis.raise_if_wrong()
+    return passed("a query at position p reads keys 0..p; for a chunk at the end of a cache that is "
+                  "tril(num_keys - num_queries), and a single decode query reads everything.")
+
+
+def _same_mask(got: torch.Tensor, wrong: torch.Tensor | None) -> bool:
+    return wrong is not None and got.shape == wrong.shape and torch.equal(got, wrong)
+
+
+# --- Exercise 2: causal attention with GQA -------------------------------------------------------
+
+def _attention(q, k, v, *, scale=None, offset_shift=0, anchored=False, heads="grouped", softmax_dim=-1, mask=True):
+    """Causal GQA attention with switches that reproduce the usual mistakes (the defaults are right)."""
+    t, s, d = q.shape[2], k.shape[2], q.shape[-1]
+    hq, hkv = q.shape[1], k.shape[1]
+    index = torch.arange(hq) // (hq // hkv) if heads == "grouped" else torch.arange(hq) % hkv
+    k, v = k[:, index], v[:, index]
+    scores = q @ k.transpose(-1, -2) * (1 / math.sqrt(d) if scale is None else scale)
+    if mask:
+        allowed = _mask(t, s, (0 if anchored else s - t) + offset_shift)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=softmax_dim).nan_to_num(0.0) @ v
+
+
+_ATTENTION_MISTAKES = [
+    (dict(scale=1.0), "The scores are not scaled: divide q . k by sqrt(head_dim) before the softmax, or the softmax "
+                      "saturates on one key as head_dim grows."),
+    (dict(mask=False), "No causal mask: each query also reads keys from its future. Set the scores of keys after the "
+                       "query's position to -inf before the softmax."),
+    (dict(offset_shift=1), "The mask lets each query see one key from its future: query i may read keys up to "
+                           "position S - T + i, not S - T + i + 1."),
+    (dict(anchored=True), "The queries are the last T of the S positions: query i sits at position S - T + i. Your mask "
+                          "puts it at position i (scaled_dot_product_attention's is_causal=True does the same)."),
+    (dict(offset_shift=-1), "The mask hides the diagonal: a query may attend to its own position."),
+    (dict(heads="interleaved"), "Query head h reads KV head h // (Hq // Hkv): consecutive query heads share a KV "
+                                "head. Yours pairs them as h % Hkv."),
+    (dict(softmax_dim=-2), "The softmax runs over the queries. Each query's weights must sum to 1 over the keys "
+                           "(the last axis of the scores)."),
+]
+
+
+def check_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], seed: int = 0) -> bool:
+    """``fn(q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, D])`` -> ``[B, Hq, T, D]``.
+
+    Causal softmax attention where the ``T`` queries are the last ``T`` of the ``S`` positions, and
+    query head ``h`` reads KV head ``h // (Hq // Hkv)`` (grouped-query attention). Compared with
+    :func:`kvcourse.causal_attention` on hidden random inputs.
+    """
+    refuse_references(fn, {"causal_attention": kvcourse.causal_attention,
+                           "decode_attention_ref": kvcourse.decode_attention_ref},
+                      "write the attention yourself in plain torch (matmul, masked_fill, softmax).")
+    if not callable(fn):
+        raise ExerciseError(f"pass your function fn(q, k, v), got {type(fn).__name__}")
+    rng = case_rng("ch01.check_attention", seed)
+    gen = case_generator("ch01.check_attention", seed)
+    shapes = [(1, 9, 3, 6, 6, 64), (1, 4, 4, 3, 7, 8), (2, 6, 2, 1, 5, 16)]  # (B, Hq, Hkv, T, S, D)
+    for _ in range(8):
+        hkv, group, s = rng.randint(1, 3), rng.randint(1, 3), rng.randint(2, 9)
+        shapes.append((rng.randint(1, 2), hkv * group, hkv, rng.randint(2, s), s, rng.choice([8, 16, 32])))
+    diagnosis = Diagnosis(
+        [(h, lambda q, k, v, kw=kw: _attention(q, k, v, **kw)) for kw, h in _ATTENTION_MISTAKES],
+        "Scores q . k / sqrt(D) for every key, -inf where the key is after the query's position (S - T + i), "
+        "softmax over the keys, then the weighted sum of the values.",
+        lambda a, w: torch.allclose(a.float(), w, atol=1e-5, rtol=1e-4))
+    for b, hq, hkv, t, s, d in shapes:
+        q = torch.randn(b, hq, t, d, generator=gen)
+        k = torch.randn(b, hkv, s, d, generator=gen) * 2.0  # large enough that a missing scale shows
+        v = torch.randn(b, hkv, s, d, generator=gen)
+        case = f"attention(q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)})"
+        got = call_learner("attention", fn, q.clone(), k.clone(), v.clone())
+        expect_tensor(case, got, (b, hq, t, d), what="[B, Hq, T, D]")
+        want = kvcourse.causal_attention(q, k, v)
+        if not torch.allclose(got.float(), want, atol=1e-5, rtol=1e-4):
+            diagnosis.record(case, (q, k, v), got, want, extra=f"\n            ({tensor_diff(got, want)})")
+    diagnosis.raise_if_wrong()
+    return passed("scores, scale, causal mask, softmax over the keys, weighted values: with queries at the end of "
+                  "the keys, the same code serves a whole sequence, a prefill chunk and a decode step.")
+
+
+# --- Exercise 3: the naive loop's attention work -------------------------------------------------
+
+def _pairs(prompt_len: int, new_tokens: int, per_step: Callable[[int], int], first: int = 0) -> int:
+    return sum(per_step(prompt_len + i) for i in range(first, new_tokens + first))
+
+
+def check_naive_attention_pairs(fn: Callable[[int, int], int], seed: int = 0) -> bool:
+    """``fn(prompt_len, new_tokens)`` -> the (query, key) pairs the causal mask allows, summed over
+    every step of the naive loop (for one head in one layer)."""
+    if not callable(fn):
+        raise ExerciseError(f"pass your function fn(prompt_len, new_tokens), got {type(fn).__name__}")
+    rng = case_rng("ch01.check_naive_attention_pairs", seed)
+    cases = [(1, 1), (5, 1), (5, 2), (1, 0), (5, 1000)]
+    cases += [(rng.randint(1, 60), rng.randint(1, 80)) for _ in range(10)]
+    diagnosis = Diagnosis([
+        ("You counted all T x T pairs of a step. The causal mask allows only T(T+1)/2 of them: query i reads keys "
+         "0..i. (A kernel that fills the whole square and then masks does T x T multiply-adds; the course counts the "
+         "pairs the mask allows.)", lambda p, n: _pairs(p, n, lambda t: t * t)),
+        ("Off by one: each token also attends to itself, so a step over T tokens has T(T+1)/2 pairs, diagonal "
+         "included.", lambda p, n: _pairs(p, n, lambda t: t * (t - 1) // 2)),
+        ("Off by one step: step 0 feeds the prompt alone (prompt_len tokens) and the last step feeds "
+         "prompt_len + new_tokens - 1.", lambda p, n: _pairs(p, n, lambda t: t * (t + 1) // 2, first=1)),
+        ("That is one triangle over the final sequence: the naive loop's last step alone, or everything the "
+         "cached loop scores (each pair once). The naive loop redoes the triangle at every one of the new_tokens "
+         "steps.", lambda p, n: (p + n - 1) * (p + n) // 2 if n else 0),
+    ], "Step i (i = 0 .. new_tokens-1) feeds T = prompt_len + i tokens, and the causal mask allows T(T+1)/2 "
+       "(query, key) pairs in it.", lambda a, w: a == w)
+    for p, n in cases:
+        case = f"naive_attention_pairs({p}, {n})"
+        got = call_learner("naive_attention_pairs", fn, p, n)
         if isinstance(got, float) and got.is_integer():
             got = int(got)
-        if got == want:
-            continue
-        hint = "Step i feeds prompt_len + i tokens (i = 0 .. new_tokens-1), through every layer."
-        if got == kv_projections_total(p, n, use_cache=True, num_layers=layers):
-            hint = "That is the count with a cache (each token once); the naive loop re-feeds the whole sequence."
-        elif n and got == (n * p + n * (n + 1) // 2) * layers:
-            hint = "Off by one step's worth: step 0 feeds only the prompt, so the extra tokens are 0 + 1 + ... + (n-1)."
-        elif n and got == (n * p + n * (n - 1) // 2):
-            hint = "Right per layer; every one of num_layers layers computes its own K and V."
-        elif n == 0:
-            hint = "With new_tokens = 0 no step runs, so nothing is computed."
-        raise ExerciseError(f"fn({p}, {n}, {layers}) = {got!r} is not right. {hint}")
-    return passed("the naive loop computes n*P + n(n-1)/2 K/V vectors per layer: quadratic in n.")
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise ExerciseError(f"{case} should return an int, got {type(got).__name__}", case=case)
+        want = _pairs(p, n, lambda t: t * (t + 1) // 2)
+        if got != want:
+            diagnosis.record(case, (p, n), got, want)
+    diagnosis.raise_if_wrong()
+    return passed("the naive loop scores sum over steps of T(T+1)/2 pairs, about n^3/6 for a long reply; "
+                  "a cache needs about n^2/2.")
 
 
-# --- Exercise 2: which tensors stay identical across naive steps ---------------------------------
+# --- Exercise 4: which tensors stay identical across naive steps ---------------------------------
 
 FROZEN_CHOICES = {
     "past_k": "K of positions 0..P-1",
@@ -87,68 +247,6 @@ def check_frozen_tensors(answer: set[str] | list[str] | tuple[str, ...]) -> bool
     if missing or extra:
         problems = [f"'{m}' is frozen too: {_FROZEN_HINTS[m]}" for m in missing]
         problems += [f"'{e}' changes: {_FROZEN_HINTS[e]}" for e in extra]
-        raise ExerciseError("Not quite. " + " ".join(problems[:1]) + f" ({len(problems)} choice(s) wrong.)")
+        raise ExerciseError(f"Not quite ({len(problems)} choice(s) wrong).\nHint: {problems[0]}",
+                            got=describe(sorted(answer)), hint=problems[0])
     return passed("every past position's Q, K, V and attention output is frozen; only K and V are ever read again.")
-
-
-# --- Exercise 3: predict the causal mask ---------------------------------------------------------
-
-_MASK_CASES = [(4, 4), (1, 6), (3, 7), (6, 6), (1, 1)]
-
-
-def _reference_mask(num_queries: int, num_keys: int) -> torch.Tensor:
-    q_pos = torch.arange(num_queries)[:, None] + (num_keys - num_queries)
-    return torch.arange(num_keys)[None, :] <= q_pos
-
-
-def _diagonal(num_queries: int, num_keys: int) -> torch.Tensor:
-    q_pos = torch.arange(num_queries)[:, None] + (num_keys - num_queries)
-    return torch.arange(num_keys)[None, :] == q_pos
-
-
-def check_causal_mask(fn: Callable[[int, int], torch.Tensor]) -> bool:
-    """``fn(num_queries, num_keys)`` -> bool ``[num_queries, num_keys]``, True where the query may attend.
-
-    The queries are the *last* ``num_queries`` of the ``num_keys`` positions.
-    """
-    if not callable(fn):
-        raise ExerciseError(f"pass a function fn(num_queries, num_keys), got {type(fn).__name__}")
-    for tq, s in _MASK_CASES:
-        got = fn(tq, s)
-        want = _reference_mask(tq, s)
-        if not isinstance(got, torch.Tensor):
-            raise ExerciseError(f"fn({tq}, {s}) should return a torch.Tensor, got {type(got).__name__}")
-        expect_equal(f"fn({tq}, {s}).shape", tuple(got.shape), tuple(want.shape), "Rows are queries, columns keys.")
-        if got.dtype != torch.bool:
-            raise ExerciseError(f"fn({tq}, {s}) should be a bool tensor (True = may attend), got {got.dtype}")
-        if torch.equal(got, want):
-            continue
-        if torch.equal(got, want & ~_diagonal(tq, s)):
-            hint = "Each query may attend to its own position too (the diagonal)."
-        elif torch.equal(got, ~want):
-            hint = "It is inverted: True should mark the keys a query MAY attend to."
-        elif tq == s and torch.equal(got, want.T):
-            hint = "It is transposed: a query may look back (columns <= its row), never ahead."
-        elif tq != s and torch.equal(got, torch.ones(tq, s, dtype=torch.bool).tril()):
-            hint = "The queries are the LAST num_queries positions: query i sits at position num_keys - num_queries + i."
-        else:
-            hint = "Query i at position p may attend to keys 0..p."
-        raise ExerciseError(f"fn({tq}, {s}) is not the causal mask. {hint}")
-    return passed("a query at position p sees keys 0..p; with queries at the end, that is the cache's mask too.")
-
-
-# --- Exercise 4: test the "500x" claim -----------------------------------------------------------
-
-
-def check_projection_ratio(ratio: float, prompt_len: int = 5, new_tokens: int = 1000) -> bool:
-    """``ratio``: naive K/V projections divided by cached ones, for ``prompt_len`` and ``new_tokens``."""
-    want = kv_projections_total(prompt_len, new_tokens, False) / kv_projections_total(prompt_len, new_tokens, True)
-    expect_close(
-        "ratio",
-        ratio,
-        want,
-        rel=1e-4,
-        hint="Naive: n*P + n(n-1)/2 per layer. Cached: P + n - 1 per layer (the last token is never fed back). "
-        "Layers cancel.",
-    )
-    return passed(f"{want:.1f}x more K/V projections naively: about n/2 once n >> P.")

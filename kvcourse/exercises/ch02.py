@@ -1,114 +1,409 @@
 """Checks for chapter 2, *The KV cache: prefill and decode*.
 
-1. :func:`check_cache_bytes` -- bytes of SmolLM2-135M's KV cache after ``num_tokens`` tokens.
-2. :func:`check_request_latency` -- end-to-end latency of a request from TTFT and TPOT.
-3. :func:`check_decode_attention` -- one decode step of attention against the cache, with GQA.
+1. :func:`check_new_positions` -- the RoPE positions of new tokens in a batch with different cache lengths.
+2. :func:`check_cache_update` -- ``update`` for a cache that preallocates its memory (optionally on the real model).
+3. :func:`check_chunked_prefill` -- the bug hunt: prefill a prompt a chunk at a time, on the real model.
+4. :func:`check_decode_attention` -- one decode step of attention over a padded batch of caches, with GQA.
+5. :func:`check_tokens_to_outweigh` -- when the cache of a batch holds more bytes than the model's weights.
+
+Each check runs the learner's code on hidden random cases (seeded from the check's
+``seed`` argument) and raises :class:`~kvcourse.exercises.ExerciseError` with the case,
+the expected and returned values and a hint on the first wrong one.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from ..kernels.reference import decode_attention_ref
-from ._core import ExerciseError, expect_close, passed, call_learner
+import kvcourse
 
-__all__ = ["check_cache_bytes", "check_request_latency", "check_decode_attention", "smollm2_cache_bytes"]
+from ._core import (
+    Diagnosis,
+    ExerciseError,
+    call_learner,
+    case_generator,
+    case_rng,
+    describe,
+    expect_tensor,
+    fail,
+    passed,
+    refuse_references,
+    tensor_diff,
+)
 
-# SmolLM2-135M: 30 layers, 3 KV heads of dimension 64 (9 query heads, which the cache never stores).
-_LAYERS, _KV_HEADS, _HEAD_DIM, _Q_HEADS = 30, 3, 64, 9
-
-
-def smollm2_cache_bytes(num_tokens: int, bytes_per_value: int = 4, batch_size: int = 1) -> int:
-    """The reference answer: 2 (K and V) x layers x KV heads x head_dim x tokens x batch x bytes."""
-    return 2 * _LAYERS * _KV_HEADS * _HEAD_DIM * num_tokens * batch_size * bytes_per_value
-
-
-_call = call_learner
-
-
-def check_cache_bytes(cache_bytes: Callable[[int, int], int]) -> bool:
-    """``cache_bytes(num_tokens, bytes_per_value)`` must give SmolLM2-135M's cache size in bytes (batch 1)."""
-    cases = [(1, 4), (1, 2), (100, 2), (1000, 4), (8192, 2), (8192, 1)]
-    for num_tokens, nbytes in cases:
-        got = _call("cache_bytes", cache_bytes, num_tokens, nbytes)
-        want = smollm2_cache_bytes(num_tokens, nbytes)
-        if isinstance(got, (int, float)) and not isinstance(got, bool) and got:
-            ratio = want / got
-            if math.isclose(ratio, 2.0):
-                hint = "Is something stored twice per token and layer? Count K *and* V."
-            elif math.isclose(ratio, 1 / 3):
-                hint = "Which heads does the cache hold: the 9 query heads or the 3 KV heads (GQA)?"
-            elif math.isclose(ratio, 1 / 1.5) or math.isclose(ratio, 0.4):
-                hint = "Q is never cached: only K and V."
-            else:
-                hint = "Multiply: 2 (K and V) x layers x KV heads x head_dim x tokens x bytes per value."
-        else:
-            hint = "Return a number of bytes."
-        expect_close(f"cache_bytes({num_tokens}, {nbytes})", got, want, rel=1e-9, hint=hint)
-    return passed(
-        f"SmolLM2-135M caches {smollm2_cache_bytes(1, 2):,} bytes per token in fp16/bf16 "
-        f"({smollm2_cache_bytes(8192, 2) / 2**20:.0f} MiB at its 8192-token context)."
-    )
+__all__ = [
+    "check_new_positions",
+    "check_cache_update",
+    "check_chunked_prefill",
+    "check_decode_attention",
+    "check_tokens_to_outweigh",
+]
 
 
-def check_request_latency(latency: Callable[[float, float, int], float]) -> bool:
-    """``latency(ttft_s, tpot_s, new_tokens)`` must give the seconds until the last of ``new_tokens`` arrives."""
-    cases = [(0.5, 0.02, 1), (0.5, 0.02, 2), (0.12, 0.03, 100), (2.0, 0.01, 500), (0.0, 0.05, 10)]
-    for ttft, tpot, n in cases:
-        got = _call("latency", latency, ttft, tpot, n)
-        want = ttft + (n - 1) * tpot
-        hint = (
-            "The first token arrives after TTFT (prefill + first pick); each of the other tokens costs one TPOT."
-            if isinstance(got, (int, float)) and math.isclose(float(got), ttft + n * tpot)
-            else "Which phase produces the first token, and how many decode steps follow it?"
-        )
-        expect_close(f"latency({ttft}, {tpot}, {n})", got, want, rel=1e-9, hint=hint)
-    return passed("latency = TTFT + (new_tokens - 1) x TPOT: prefill once, then one decode step per extra token.")
+# --- Exercise 1: positions of the new tokens -----------------------------------------------------
 
+def check_new_positions(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int = 0) -> bool:
+    """``fn(seq_lens [B], num_new)`` -> integer ``[B, num_new]``: the positions RoPE gives the new tokens.
 
-def check_decode_attention(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
-    """``attend(q [B, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D]) -> [B, Hq, D]``: one decode step.
-
-    Compared with :func:`kvcourse.decode_attention_ref` on random inputs with SmolLM2's
-    GQA shape (9 query heads, 3 KV heads), plain multi-head attention, and a one-token cache.
+    Sequence ``b`` already has ``seq_lens[b]`` tokens in its cache (positions ``0 .. seq_lens[b]-1``).
     """
-    gen = torch.Generator().manual_seed(2)
-    shapes = [(1, _Q_HEADS, _KV_HEADS, 17, _HEAD_DIM), (2, 4, 4, 5, 8), (3, 6, 2, 1, 16), (2, 8, 1, 33, 32)]
+    if not callable(fn):
+        raise ExerciseError(f"pass your function fn(seq_lens, num_new), got {type(fn).__name__}")
+    rng = case_rng("ch02.check_new_positions", seed)
+    cases = [([5], 1), ([0], 4), ([3, 7], 1), ([6, 2, 9], 3)]
+    for _ in range(10):
+        cases.append(([rng.randint(0, 40) for _ in range(rng.randint(1, 4))], rng.randint(1, 6)))
+    diagnosis = Diagnosis([
+        ("No RoPE offset: every sequence's new tokens start at position 0, as if nothing were cached. They continue "
+         "after the cached ones, at seq_lens[b].", lambda lens, n: torch.arange(n).expand(len(lens), n)),
+        ("Off by one: with s tokens cached (positions 0 .. s-1), the next token is at position s, not s + 1.",
+         lambda lens, n: torch.tensor(lens)[:, None] + torch.arange(n) + 1),
+        ("Off by one: with s tokens cached (positions 0 .. s-1), the next token is at position s, not s - 1.",
+         lambda lens, n: torch.tensor(lens)[:, None] + torch.arange(n) - 1),
+        ("Each sequence continues from its own length. The longest one's length is where the padded tensor ends, "
+         "not where a shorter sequence does.", lambda lens, n: max(lens) + torch.arange(n).expand(len(lens), n)),
+    ], "New token j of sequence b sits at position seq_lens[b] + j.",
+        lambda a, w: torch.equal(a.long(), w.long()))
+    for lens, n in cases:
+        seq_lens = torch.tensor(lens)
+        case = f"positions(seq_lens={lens}, num_new={n})"
+        got = call_learner("positions", fn, seq_lens.clone(), n)
+        expect_tensor(case, got, (len(lens), n), what="[B, num_new]")
+        if got.is_floating_point() or got.dtype == torch.bool:
+            fail(case, expected="an integer tensor", got=f"dtype {got.dtype}", hint="Positions are integers (int64).")
+        want = seq_lens[:, None] + torch.arange(n)
+        if not torch.equal(got.long(), want):
+            diagnosis.record(case, (lens, n), got, want)
+    diagnosis.raise_if_wrong()
+    return passed("new token j of sequence b is at position seq_lens[b] + j: RoPE and the causal mask both use it.")
+
+
+# --- Exercise 2: update for a preallocated cache -------------------------------------------------
+
+def _history_hint(got: torch.Tensor, want: torch.Tensor, new: torch.Tensor, start: int, others: list[torch.Tensor],
+                  other_name: str, want_other: torch.Tensor) -> str:
+    t = new.shape[2]
+    if start and torch.equal(got[:, :, :t], new):
+        return ("The new tokens were written at position 0. Write them after the cached ones, at positions "
+                "seq_len .. seq_len + T - 1 of this layer (keep one offset per layer, or one for all layers).")
+    if torch.equal(got, want_other):
+        return f"This is the {other_name} history: K and V are swapped."
+    if start and any(o.shape[2] >= start and torch.equal(got[:, :, :start], o[:, :, :start]) for o in others):
+        return "The earlier positions hold another layer's tokens: each layer needs its own K and V buffers."
+    if torch.equal(got[:, :, start:], new):
+        return "The new tokens are right but the earlier ones are not: never overwrite positions 0 .. seq_len - 1."
+    return "Positions 0 .. seq_len-1 must hold the earlier tokens unchanged and seq_len .. seq_len+T-1 the new ones."
+
+
+def _read_seq_len(cache: Any) -> Any:
+    value = getattr(cache, "seq_len", None)
+    if callable(value):
+        raise ExerciseError("cache.seq_len is a method; make it a property (@property) or an attribute: the model "
+                            "reads cache.seq_len, it does not call it.")
+    return value
+
+
+def check_cache_update(cache_cls: type, model=None, seed: int = 0) -> bool:
+    """``cache_cls(num_layers, batch_size, num_kv_heads, head_dim, max_seq_len)``: a cache that allocates
+    ``max_seq_len`` positions per layer up front and writes into them.
+
+    ``seq_len`` is the number of tokens cached; ``update(layer_idx, k, v)`` with ``k, v [B, H_kv, T, D]``
+    stores them after that layer's earlier tokens and returns the layer's whole history
+    ``[B, H_kv, seq_len + T, D]`` as views of the buffers (no copy); writing past ``max_seq_len`` raises
+    ``ValueError``. With ``model`` the cache also runs a greedy generation on the real model.
+    """
+    if not isinstance(cache_cls, type):
+        raise ExerciseError(f"pass your cache class itself (not an instance), got {type(cache_cls).__name__}")
+    if issubclass(cache_cls, kvcourse.KVCache):
+        raise ExerciseError("your class inherits from kvcourse.KVCache; write update yourself.")
+    refuse_references(cache_cls, {"KVCache": kvcourse.KVCache}, "write update yourself.")
+    rng = case_rng("ch02.check_cache_update", seed)
+    gen = case_generator("ch02.check_cache_update", seed)
+    for trial in range(4):
+        layers, batch, heads, dim = rng.randint(1, 3), rng.randint(1, 2), rng.randint(1, 3), rng.choice([2, 4, 8])
+        max_len = rng.randint(8, 20)
+        shape = dict(num_layers=layers, batch_size=batch, num_kv_heads=heads, head_dim=dim, max_seq_len=max_len)
+        made = "YourCache(" + ", ".join(f"{k}={v}" for k, v in shape.items()) + ")"
+        cache = call_learner("YourCache", cache_cls, **shape)
+        chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]
+        first_storage: dict[int, torch.Tensor] = {}
+        cached = 0
+        steps = [rng.randint(2, max_len // 2)] + [1, 1] + [rng.randint(2, 3)]
+        steps.append(max_len - sum(steps))  # the last pass fills the cache exactly
+        for step, t in enumerate(steps):
+            seq_len = _read_seq_len(cache)
+            if seq_len != cached:
+                hint = ("seq_len moved once per layer call: it counts tokens, so it must grow by T once per forward "
+                        "pass (keep a length per layer and report layer 0's, for example)."
+                        if cached and seq_len == cached * layers else
+                        "seq_len must be the number of tokens cached before this forward pass.")
+                fail(f"{made}.seq_len before forward pass {step}", expected=cached, got=seq_len, hint=hint)
+            start, end = cached, cached + t
+            for layer in range(layers):
+                k = torch.randn(batch, heads, t, dim, generator=gen)
+                v = torch.randn(batch, heads, t, dim, generator=gen)
+                chunks[layer].append((k, v))
+                case = f"{made}: update({layer}, k, v) with T={t} new tokens after seq_len={start}"
+                if not callable(getattr(cache, "update", None)):
+                    raise ExerciseError(f"{made} has no update method.")
+                result = call_learner(f"update({layer}, k, v)", cache.update, layer, k.clone(), v.clone())
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    fail(case, expected="a tuple (keys, values)", got=describe(result),
+                         hint="update returns the layer's keys and values so far, as two tensors.")
+                want_k = torch.cat([c[0] for c in chunks[layer]], dim=2)
+                want_v = torch.cat([c[1] for c in chunks[layer]], dim=2)
+                others_k = [torch.cat([c[0] for c in chunks[o]], dim=2) for o in range(layers) if o != layer and chunks[o]]
+                others_v = [torch.cat([c[1] for c in chunks[o]], dim=2) for o in range(layers) if o != layer and chunks[o]]
+                for name, got, want, new, others, other_name, want_other in (
+                    ("keys", result[0], want_k, k, others_k, "values", want_v),
+                    ("values", result[1], want_v, v, others_v, "keys", want_k),
+                ):
+                    if not isinstance(got, torch.Tensor):
+                        fail(case, expected=f"{name} as a torch.Tensor", got=describe(got),
+                             hint="Return views of your buffers, e.g. buffer[:, :, :seq_len + T].")
+                    if got.ndim == 4 and got.shape[2] != end and got.shape[:2] == want.shape[:2]:
+                        n = got.shape[2]
+                        hint = ("Only the new tokens came back; the model attends over the whole history, so return "
+                                "positions 0 .. seq_len + T - 1." if n == t and start else
+                                "That is the whole buffer, empty slots included: return the first seq_len + T "
+                                "positions only." if n == max_len else
+                                f"Off by one: after this update the layer holds seq_len + T = {end} tokens."
+                                if abs(n - end) == 1 else "Return positions 0 .. seq_len + T - 1 of this layer.")
+                        fail(case, expected=f"{name} of shape {list(want.shape)}", got=f"shape {list(got.shape)}",
+                             hint=hint)
+                    expect_tensor(case, got, tuple(want.shape), what=f"{name} [B, H_kv, seq_len + T, D]")
+                    if not torch.equal(got, want):
+                        fail(case + f" ({name})", expected=want, got=got,
+                             hint=_history_hint(got, want, new, start, others, other_name, want_other))
+                keys = result[0]
+                if layer not in first_storage:
+                    first_storage[layer] = keys
+                elif keys.untyped_storage().data_ptr() != first_storage[layer].untyped_storage().data_ptr():
+                    fail(case, expected="a view of the buffer allocated in __init__", got="a new tensor",
+                         hint="update must write into the preallocated buffer and return a slice of it. Building a "
+                              "new tensor (torch.cat) copies the whole history at every step, which is what "
+                              "preallocating avoids.")
+            cached = end
+        k1 = torch.randn(batch, heads, 1, dim, generator=gen)
+        case = f"{made}: update(0, k, v) with the cache full ({max_len} tokens)"
+        try:
+            cache.update(0, k1, k1.clone())
+        except ValueError:
+            pass
+        except Exception as exc:
+            fail(case, expected="ValueError", got=f"{type(exc).__name__}: {exc}",
+                 hint="Check for room before writing and raise a ValueError that says the cache is full.")
+        else:
+            fail(case, expected="ValueError", got="no error",
+                 hint="A cache of max_seq_len positions must refuse a write past the end rather than grow or "
+                      "drop tokens silently.")
+    if model is not None:
+        _generate_with(cache_cls, model, seed)
+    on_model = " and generates the same tokens as kvcourse.generate on the real model" if model is not None else ""
+    return passed("update writes at the layer's offset into memory allocated once and returns views of the "
+                  f"history{on_model}.")
+
+
+def _generate_with(cache_cls: type, model, seed: int, steps: int = 6) -> None:
+    cfg = model.config
+    rng = case_rng("ch02.check_cache_update.model", seed)
+    ids = [rng.randrange(cfg.vocab_size) for _ in range(6)]
+    want = kvcourse.generate(model, ids, steps, eos_token_ids=())
+    shape = dict(num_layers=cfg.num_hidden_layers, batch_size=1, num_kv_heads=cfg.num_key_value_heads,
+                 head_dim=cfg.head_dim, max_seq_len=len(ids) + steps)
+    with torch.device(model.device):
+        cache = call_learner("YourCache", cache_cls, **shape)
+    got, step_input = [], ids
+    for step in range(steps):
+        logits = call_learner("model(ids, cache=your_cache)", model, torch.tensor([step_input], device=model.device),
+                              cache=cache)
+        got.append(int(logits[0, -1].argmax()))
+        if got[-1] != want[step]:
+            fail(f"greedy generation on the real model with your cache, step {step}", expected=want[: step + 1],
+                 got=got, hint="The random cases passed, so compare what the model sees: cache.seq_len before each "
+                               "forward pass and the history update returns for every layer.")
+        step_input = [got[-1]]
+
+
+# --- Exercise 3 (bug hunt): prefill a chunk at a time --------------------------------------------
+
+def check_chunked_prefill(fn: Callable, model=None, seed: int = 0) -> bool:
+    """``fn(model, ids, chunk_size)`` -> ``(logits, cache)``: prefill ``ids`` into a new cache with forward
+    passes of at most ``chunk_size`` tokens; ``logits`` are the last prompt token's ``[vocab]`` scores.
+
+    Compared with a single forward pass over the whole prompt, on the real model (loaded if not given).
+    """
+    if not callable(fn):
+        raise ExerciseError(f"pass your function fn(model, ids, chunk_size), got {type(fn).__name__}")
+    if model is None:
+        model, _ = kvcourse.load_pretrained()
+    rng = case_rng("ch02.check_chunked_prefill", seed)
+    cases = [(5, 3), (9, 4), (1, 4), (6, 6), (3, 8), (7, 1), (13, 4), (12, 4)]
+    cases += [(rng.randint(2, 16), rng.randint(2, 6)) for _ in range(3)]
+    for n, chunk in cases:
+        ids = [rng.randrange(model.config.vocab_size) for _ in range(n)]
+        case = f"prefill(model, ids of {n} tokens, chunk_size={chunk})"
+        ref_cache = kvcourse.KVCache.for_model(model.config, device=model.device)
+        want = model(torch.tensor([ids], device=model.device), cache=ref_cache)[0, -1]
+        result = call_learner("prefill", fn, model, list(ids), chunk)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            fail(case, expected="a tuple (logits, cache)", got=describe(result),
+                 hint="Return the last prompt token's logits and the cache the chunks were written to.")
+        logits, cache = result
+        held = getattr(cache, "seq_len", None)
+        if held != n:
+            last = n - (math.ceil(n / chunk) - 1) * chunk
+            if not isinstance(held, int):
+                hint = "Return the cache the chunks were written to (it has a seq_len)."
+            elif held == last and held != n - 1:
+                hint = ("The cache holds only the last chunk: every chunk must extend the same cache. A fresh cache "
+                        "per chunk restarts the positions at 0 (no RoPE offset) and hides the earlier tokens.")
+            elif held < n:
+                hint = (f"The cache holds {held} of the {n} prompt tokens: some tokens never reached the model. "
+                        "Which ones, and for which prompt lengths and chunk sizes?")
+            else:
+                hint = "Some tokens were fed twice: the chunks must not overlap."
+            fail(case + ": cache.seq_len afterwards", expected=n, got=held, hint=hint)
+        expect_tensor(case, logits, (model.config.vocab_size,), what="[vocab]: the last prompt token's logits")
+        if (logits.float() - want).abs().max().item() > 1e-3:
+            fail(case, expected=want, got=logits,
+                 hint="The cache is full but the logits differ: return the scores of the LAST prompt token "
+                      "(the last position of the last chunk).")
+    return passed("chunks of any size give the one-pass prefill's logits (to float rounding) and the same cache, "
+                  "because positions and the mask come from cache.seq_len.")
+
+
+# --- Exercise 4: a decode step over a padded batch of caches -------------------------------------
+
+def _decode(q, k, v, lens, *, scale=None, heads="grouped", softmax=True):
+    b, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    index = torch.arange(hq) // (hq // hkv) if heads == "grouped" else torch.arange(hq) % hkv
+    k, v = k[:, index], v[:, index]
+    scores = torch.einsum("bhd,bhsd->bhs", q, k) * (1 / math.sqrt(d) if scale is None else scale)
+    valid = torch.arange(s)[None, :] < torch.as_tensor(lens)[:, None]
+    if softmax:
+        weights = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")), dim=-1)
+    else:
+        weights = scores * valid[:, None]
+    return torch.einsum("bhs,bhsd->bhd", weights, v)
+
+
+def check_decode_attention(attend: Callable, seed: int = 0) -> bool:
+    """``attend(q [B, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], seq_lens [B])`` -> ``[B, Hq, D]``.
+
+    One decode step for a batch whose caches are padded to ``S`` positions: sequence ``b`` has only
+    ``seq_lens[b]`` real tokens; query head ``h`` reads KV head ``h // (Hq // Hkv)``. Compared with
+    :func:`kvcourse.decode_attention_ref` on hidden random inputs.
+    """
+    refuse_references(attend, {"decode_attention_ref": kvcourse.decode_attention_ref,
+                               "causal_attention": kvcourse.causal_attention},
+                      "write the decode step yourself in plain torch.")
+    if not callable(attend):
+        raise ExerciseError(f"pass your function attend(q, k, v, seq_lens), got {type(attend).__name__}")
+    rng = case_rng("ch02.check_decode_attention", seed)
+    gen = case_generator("ch02.check_decode_attention", seed)
+    shapes = [(2, 9, 3, 6, 64), (3, 4, 4, 5, 8), (2, 6, 2, 9, 16)]  # (B, Hq, Hkv, S, D)
+    for _ in range(6):
+        hkv, group = rng.randint(1, 3), rng.randint(1, 3)
+        shapes.append((rng.randint(2, 4), hkv * group, hkv, rng.randint(3, 12), rng.choice([8, 16, 32])))
+    diagnosis = Diagnosis([
+        ("The scores are not scaled: divide q . k by sqrt(head_dim) before the softmax.",
+         lambda q, k, v, lens: _decode(q, k, v, lens, scale=1.0)),
+        ("The padding is not masked: sequence b may only read its first seq_lens[b] keys; the slots after them "
+         "hold leftovers, not its tokens.", lambda q, k, v, lens: _decode(q, k, v, [k.shape[2]] * len(lens))),
+        ("Off by one: the valid keys are positions 0 .. seq_lens[b] - 1, i.e. arange(S) < seq_lens[b]; you dropped "
+         "the last one.", lambda q, k, v, lens: _decode(q, k, v, [max(n - 1, 1) for n in lens])),
+        ("Off by one: the valid keys are positions 0 .. seq_lens[b] - 1, i.e. arange(S) < seq_lens[b]; you read "
+         "one slot of padding.", lambda q, k, v, lens: _decode(q, k, v, [min(n + 1, k.shape[2]) for n in lens])),
+        ("Query head h reads KV head h // (Hq // Hkv) (consecutive query heads share a KV head), not h % Hkv.",
+         lambda q, k, v, lens: _decode(q, k, v, lens, heads="interleaved")),
+        ("The scores need a softmax over the valid keys before they weight the values.",
+         lambda q, k, v, lens: _decode(q, k, v, lens, softmax=False)),
+    ], "Scale q . k by 1/sqrt(D), set padded keys to -inf, softmax over the keys, weight the values; query head h "
+       "reads KV head h // (Hq // Hkv).", lambda a, w: torch.allclose(a.float(), w, atol=1e-5, rtol=1e-4))
     for b, hq, hkv, s, d in shapes:
+        lens = [s] + [rng.randint(1, s - 1) for _ in range(b - 1)]
+        rng.shuffle(lens)
+        seq_lens = torch.tensor(lens)
         q = torch.randn(b, hq, d, generator=gen)
         k = torch.randn(b, hkv, s, d, generator=gen) * 2.0
         v = torch.randn(b, hkv, s, d, generator=gen)
-        want = decode_attention_ref(q, k, v)
-        got = _call("attend", attend, q, k, v)
-        where = f"q {list(q.shape)}, k/v {list(k.shape)}"
-        if not isinstance(got, torch.Tensor):
-            raise ExerciseError(f"attend should return a torch.Tensor, got {type(got).__name__} ({where}).")
-        if tuple(got.shape) != (b, hq, d):
-            raise ExerciseError(
-                f"attend returned shape {list(got.shape)} for {where}; expected [B, Hq, D] = {[b, hq, d]}."
-            )
+        pad = torch.arange(s)[None, :] >= seq_lens[:, None]  # [B, S]: slots past a sequence's end
+        k[pad[:, None].expand_as(k[..., 0])] *= 3.0  # padding holds stale data, not zeros
+        v[pad[:, None].expand_as(v[..., 0])] += 5.0
+        case = f"attend(q {list(q.shape)}, k/v {list(k.shape)}, seq_lens={lens})"
+        got = call_learner("attend", attend, q.clone(), k.clone(), v.clone(), seq_lens.clone())
+        expect_tensor(case, got, (b, hq, d), what="[B, Hq, D]")
+        want = kvcourse.decode_attention_ref(q, k, v, seq_lens)
         if not torch.allclose(got.float(), want, atol=1e-5, rtol=1e-4):
-            raise ExerciseError(f"attend's output differs from the reference for {where}. {_diagnose(q, k, v, got)}")
-    return passed("one query per head against every cached key, softmax, then a weighted sum of the cached values.")
+            diagnosis.record(case, (q, k, v, lens), got, want, extra=f"\n            ({tensor_diff(got, want)})")
+    diagnosis.raise_if_wrong()
+    return passed("one query per head against its sequence's valid cached keys: no causal mask, only a length mask.")
 
 
-def _diagnose(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, got: torch.Tensor) -> str:
-    """Name the usual mistake by checking the output against the usual wrong answers."""
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[-1]
-    group = hq // hkv
-    interleaved = torch.arange(hq) % hkv  # query head h reads KV head h % Hkv: wrong
-    if hkv not in (1, hq):
-        kk, vv = k[:, interleaved], v[:, interleaved]
-        wrong = torch.einsum("bhs,bhsd->bhd", torch.softmax(torch.einsum("bhd,bhsd->bhs", q, kk) / math.sqrt(d), -1), vv)
-        if torch.allclose(got.float(), wrong, atol=1e-5, rtol=1e-4):
-            return f"Query head h must read KV head h // {group} (consecutive query heads share a KV head), not h % {hkv}."
-    kk, vv = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("bhd,bhsd->bhs", q, kk)
-    if torch.allclose(got.float(), torch.einsum("bhs,bhsd->bhd", torch.softmax(scores, -1), vv), atol=1e-5, rtol=1e-4):
-        return "Did you scale the scores by 1/sqrt(head_dim) before the softmax?"
-    if torch.allclose(got.float(), torch.einsum("bhs,bhsd->bhd", scores / math.sqrt(d), vv), atol=1e-5, rtol=1e-4):
-        return "The scores need a softmax over the cached positions before they weight the values."
-    return "Check the GQA head mapping, the 1/sqrt(head_dim) scale and the softmax axis (over cached positions S)."
+# --- Exercise 5: when the cache outweighs the weights --------------------------------------------
+
+def check_tokens_to_outweigh(fn: Callable[[dict, int], int], seed: int = 0) -> bool:
+    """``fn(config, batch_size)`` -> the fewest tokens per sequence at which the KV cache of ``batch_size``
+    sequences holds at least as many bytes as the weights, both stored in the same dtype.
+
+    ``config`` has ``num_parameters``, ``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads`` and ``head_dim``.
+    """
+    if not callable(fn):
+        raise ExerciseError(f"pass your function fn(config, batch_size), got {type(fn).__name__}")
+    rng = case_rng("ch02.check_tokens_to_outweigh", seed)
+    configs = [
+        dict(num_parameters=134_515_008, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64),
+        dict(num_parameters=8_030_261_248, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+             head_dim=128),
+        dict(num_parameters=6_738_415_616, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+             head_dim=128),
+    ]
+    cases = [(configs[0], 1), (configs[0], 4), (configs[1], 1), (configs[2], 16)]
+    for _ in range(8):
+        kv = rng.choice([1, 2, 4, 8])
+        cfg = dict(num_parameters=rng.randint(10**7, 10**10), num_hidden_layers=rng.randint(8, 80),
+                   num_attention_heads=kv * rng.choice([1, 2, 4, 8]), num_key_value_heads=kv,
+                   head_dim=rng.choice([64, 96, 128, 256]))
+        cases.append((cfg, rng.randint(1, 64)))
+    exact = dict(num_parameters=2 * 4 * 2 * 64 * 1000, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=64)
+    cases.append((exact, 1))  # the cache equals the weights at exactly 1000 tokens
+    def per_token(cfg: dict, batch: int, heads: str = "num_key_value_heads", kv: int = 2) -> int:
+        return kv * cfg["num_hidden_layers"] * cfg[heads] * cfg["head_dim"] * batch
+
+    diagnosis = Diagnosis([
+        ("Each token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
+         lambda cfg, batch: -(-cfg["num_parameters"] // per_token(cfg, batch, kv=1))),
+        ("Only the num_key_value_heads KV heads are cached; the query heads are not (grouped-query attention).",
+         lambda cfg, batch: -(-cfg["num_parameters"] // per_token(cfg, batch, heads="num_attention_heads"))),
+        ("Every one of the batch_size sequences holds its own cache.",
+         lambda cfg, batch: -(-cfg["num_parameters"] // per_token(cfg, 1))),
+        ("Off by one: round up. At the rounded-down count the cache is still smaller than the weights.",
+         lambda cfg, batch: cfg["num_parameters"] // per_token(cfg, batch)),
+        ("Off by one: when the weights divide exactly, the cache already equals them at num_parameters / "
+         "(bytes per token) tokens: at least as many bytes, not more.",
+         lambda cfg, batch: cfg["num_parameters"] // per_token(cfg, batch) + 1),
+    ], "Bytes per token of the batch: 2 x layers x KV heads x head_dim x batch_size (x bytes per value, which "
+       "cancels). Divide the parameters by that and round up.", lambda a, w: a == w)
+    for cfg, batch in cases:
+        case = f"tokens_to_outweigh({cfg}, batch_size={batch})"
+        got = call_learner("tokens_to_outweigh", fn, dict(cfg), batch)
+        if isinstance(got, float) and got.is_integer():
+            got = int(got)
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise ExerciseError(f"{case} should return an int (a number of tokens), got {type(got).__name__}",
+                                case=case)
+        want = -(-cfg["num_parameters"] // per_token(cfg, batch))
+        if got != want:
+            diagnosis.record(case, (cfg, batch), got, want)
+    diagnosis.raise_if_wrong()
+    smol = -(-configs[0]["num_parameters"] // (2 * 30 * 3 * 64))
+    return passed(f"SmolLM2-135M's cache outweighs its weights at {smol:,} tokens, more than its 8,192-token "
+                  "context: one sequence never gets there, two long ones do.")

@@ -1,83 +1,339 @@
-"""Checks for chapter 3, the memory bill."""
+"""Checks for chapter 3, *The memory bill*.
+
+1. :func:`check_bytes_per_token` -- K/V bytes one token adds, from a Llama-style ``config.json`` dict.
+2. :func:`check_bytes_per_rank` -- one sequence's K/V on one tensor-parallel rank, for GQA and MLA configs.
+3. :func:`check_quantized_bytes` -- a KIVI-style quantized cache: per-group scale and zero point, a
+   full-precision window of recent tokens.
+4. :func:`check_max_sequences` -- how many long sequences fit on one GPU (a number).
+
+Each check runs the learner's code on hidden random cases (seeded from the check's ``seed``
+argument) and raises :class:`~kvcourse.exercises.ExerciseError` with the case, the expected and
+returned values and a hint; :class:`~kvcourse.exercises._core.Diagnosis` names the typical mistake
+that explains every failing case.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from collections.abc import Callable
+from typing import Any
 
-from ..memory import CATALOG, kv_bytes_per_token, kv_cache_bytes, max_concurrent_sequences
-from ._core import ExerciseError, expect_close, expect_equal, passed
+from .. import memory
+from ..memory import CATALOG, GB, kv_cache_bytes
+from ._core import Diagnosis, ExerciseError, call_learner, case_rng, describe, fail, passed, refuse_references
 
-__all__ = ["check_bytes_per_token", "check_max_sequences", "check_tp_per_rank", "check_mla_ratio"]
+__all__ = ["check_bytes_per_token", "check_bytes_per_rank", "check_quantized_bytes", "check_max_sequences"]
 
-# (catalog name, bytes per value, dtype name) pairs the learner's function must get right.
-_CASES = [("llama-2-7b", 2, "fp16"), ("llama-3-8b", 2, "bf16"), ("qwen2.5-7b", 4, "fp32"),
-          ("gemma-2-9b", 2, "bf16"), ("smollm2-135m", 4, "fp32")]
+# The package's own calculator: a learner's function must not call it.
+_REFERENCES = {name: getattr(memory, name) for name in ("kv_bytes_per_token", "kv_cache_bytes", "kv_layout")}
 
 
-def check_bytes_per_token(fn: Callable[[dict, float], float]) -> bool:
-    """``fn(config, bytes_per_value)`` must give KV bytes per token for Llama-style configs (GQA, explicit head_dim)."""
+def _number(case: str, got: Any, what: str) -> float:
+    """``got`` as a number, or an ExerciseError saying a number was expected."""
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        raise ExerciseError(f"{case} should return a number ({what}), got {type(got).__name__}: {describe(got)}",
+                            case=case)
+    return got
+
+
+def _same(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def _call_on_config(name: str, fn: Callable, config: dict, *args) -> Any:
+    """Call the learner; a missing optional key gets its own hint instead of a bare KeyError."""
+    try:
+        return call_learner(name, fn, dict(config), *args)
+    except ExerciseError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, KeyError) and cause.args and cause.args[0] in _OPTIONAL_KEYS:
+            key = cause.args[0]
+            fail(f"{name}({describe(config)}, {', '.join(map(repr, args))})", expected="a number",
+                 got=f"KeyError: {key!r}", hint=_OPTIONAL_KEYS[key])
+        raise
+
+
+_OPTIONAL_KEYS = {
+    "num_key_value_heads": "num_key_value_heads is optional: a config without it is multi-head attention, where "
+                           "every query head has its own K/V head (num_key_value_heads = num_attention_heads).",
+    "head_dim": "head_dim is optional: without it a head is hidden_size // num_attention_heads wide.",
+}
+
+
+# --- Exercise 1: bytes per token from a config ---------------------------------------------------
+
+def _head_dim(cfg: dict) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def _kv_heads(cfg: dict) -> int:
+    return cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+
+
+def _per_token(cfg: dict, nbytes: float, *, kv: int = 2, heads: int | None = None, head_dim: int | None = None,
+               layers: bool = True) -> float:
+    heads = _kv_heads(cfg) if heads is None else heads
+    head_dim = _head_dim(cfg) if head_dim is None else head_dim
+    return kv * (cfg["num_hidden_layers"] if layers else 1) * heads * head_dim * nbytes
+
+
+def _llama_style_cases(rng) -> list[tuple[dict, int]]:
+    names = ["llama-2-7b", "llama-3-8b", "llama-3.1-70b", "qwen2.5-7b", "gemma-2-9b", "smollm2-135m"]
+    keep = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    cases = [({k: v for k, v in CATALOG[n].config.items() if k in keep}, b) for n, b in zip(names, [2, 2, 1, 4, 2, 4])]
+    cases.append(({"num_hidden_layers": 12, "num_attention_heads": 12, "hidden_size": 768}, 4))  # MHA, no KV key
+    for _ in range(10):
+        kv = rng.choice([1, 2, 4, 8, 16])
+        heads = kv * rng.choice([1, 2, 4, 8])
+        head_dim = rng.choice([64, 80, 96, 128, 256])
+        cfg = {"num_hidden_layers": rng.randint(2, 96), "num_attention_heads": heads, "hidden_size": heads * head_dim}
+        if kv != heads or rng.random() < 0.5:
+            cfg["num_key_value_heads"] = kv  # MHA configs often leave it out
+        if rng.random() < 0.4:  # an explicit head_dim that hidden_size / heads does not give (Gemma)
+            cfg["head_dim"] = head_dim
+            cfg["hidden_size"] = heads * head_dim * rng.choice([3, 5, 7]) // 4
+        cases.append((cfg, rng.choice([1, 2, 4])))
+    return cases
+
+
+def check_bytes_per_token(fn: Callable[[dict, int], float], seed: int = 0) -> bool:
+    """``fn(config, bytes_per_value)`` -> bytes of K/V one more token adds to one sequence.
+
+    ``config`` is a Llama-style ``config.json`` dict: ``num_hidden_layers``, ``num_attention_heads``,
+    ``hidden_size``, and sometimes ``num_key_value_heads`` (absent: multi-head attention) and
+    ``head_dim`` (absent: ``hidden_size // num_attention_heads``).
+    """
     if not callable(fn):
-        raise ExerciseError(f"pass your function itself, not {type(fn).__name__}")
-    for name, nbytes, dtype in _CASES:
-        config = dict(CATALOG[name].config)
-        want = kv_bytes_per_token(name, dtype)
-        got = fn(config, nbytes)
-        layers, heads, kv = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // heads
-        hint = ""
-        if nbytes != 2 and got == want * 2 // nbytes:
-            hint = "Use bytes_per_value: the answer must change with the dtype (4 bytes for fp32, 2 for bf16)."
-        elif got == want // 2:
-            hint = "The cache holds two tensors per layer: K and V."
-        elif kv != heads and got == want * heads // kv:
-            hint = "Under GQA only num_key_value_heads heads are cached, not num_attention_heads."
-        elif got == 2 * layers * kv * (config["hidden_size"] // heads) * nbytes:
-            hint = "Use config['head_dim'] when it is there: Gemma's heads are not hidden_size / num_attention_heads wide."
-        expect_close(f"fn({name} config, {nbytes})", got, want, rel=1e-9,
-                     hint=hint or "Multiply 2 x layers x KV heads x head dim x bytes per value.")
-    return passed("2 x layers x KV heads x head_dim x bytes per value, right for MHA, GQA and Gemma's explicit head_dim.")
+        raise ExerciseError(f"pass your function fn(config, bytes_per_value), got {type(fn).__name__}")
+    refuse_references(fn, _REFERENCES, "compute the bytes from the config yourself.")
+    diagnosis = Diagnosis([
+        ("Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
+         lambda c, b: _per_token(c, b, kv=1)),
+        ("Only the num_key_value_heads KV heads are cached, not the query heads (grouped-query attention).",
+         lambda c, b: _per_token(c, b, heads=c["num_attention_heads"])),
+        ("Use config['head_dim'] when it is there: a head need not be hidden_size / num_attention_heads wide "
+         "(Gemma-2-9B: 16 heads of 256 with hidden_size 3584).",
+         lambda c, b: _per_token(c, b, head_dim=c["hidden_size"] // c["num_attention_heads"])),
+        ("Multiply by bytes_per_value: the answer must change with the dtype (4 bytes in fp32, 2 in bf16, 1 in fp8).",
+         lambda c, b: _per_token(c, 2)),
+        ("Every layer caches its own K and V: multiply by num_hidden_layers.",
+         lambda c, b: _per_token(c, b, layers=False)),
+    ], "2 (K and V) x layers x KV heads x head_dim x bytes per value.", _same)
+    for cfg, nbytes in _llama_style_cases(case_rng("ch03.check_bytes_per_token", seed)):
+        case = f"bytes_per_token({cfg}, bytes_per_value={nbytes})"
+        got = _number(case, _call_on_config("bytes_per_token", fn, cfg, nbytes), "bytes")
+        want = _per_token(cfg, nbytes)
+        if not _same(got, want):
+            diagnosis.record(case, (cfg, nbytes), got, want)
+    diagnosis.raise_if_wrong()
+    return passed("2 x layers x KV heads x head_dim x bytes per value, right for MHA, GQA and an explicit head_dim.")
+
+
+# --- Exercise 2: bytes per tensor-parallel rank, GQA and MLA ------------------------------------
+
+def _per_rank(cfg: dict, seq_len: int, tp: int, nbytes: int, mistake: str = "") -> float:
+    """Bytes of one sequence's K/V on one rank; ``mistake`` names a typical wrong answer to reproduce."""
+    layers = cfg["num_hidden_layers"]
+    if "kv_lora_rank" in cfg:  # MLA: one latent of kv_lora_rank values + one shared RoPE key, per layer
+        width = cfg["kv_lora_rank"] + (0 if mistake == "mla_no_rope" else cfg["qk_rope_head_dim"])
+        if mistake == "mla_as_gqa":
+            return 2 * layers * max(1, cfg["num_key_value_heads"] // tp) * _head_dim(cfg) * seq_len * nbytes
+        if mistake == "mla_per_head":
+            per_head = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"]
+            return layers * cfg["num_attention_heads"] // tp * per_head * seq_len * nbytes
+        values = width * (2 if mistake == "mla_kv" else 1)
+        return layers * values * seq_len * nbytes / (tp if mistake in ("split", "mla_split") else 1)
+    kv, head_dim = cfg["num_key_value_heads"], cfg["head_dim"]
+    heads = {"split": kv / tp, "query_heads": max(1, cfg["num_attention_heads"] // tp)}.get(mistake, max(1, kv // tp))
+    return (1 if mistake == "no_kv" else 2) * layers * heads * head_dim * seq_len * nbytes
+
+
+def _tp_cases(rng) -> list[tuple[dict, int, int, int]]:
+    l31 = {k: CATALOG["llama-3.1-70b"].config[k] for k in ("num_hidden_layers", "num_attention_heads",
+                                                           "num_key_value_heads", "hidden_size")}
+    l31["head_dim"] = 128
+    ds = {k: v for k, v in CATALOG["deepseek-v3"].config.items()
+          if k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "kv_lora_rank",
+                   "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}
+    cases = [(l31, 131072, 8, 2), (l31, 131072, 16, 2), (l31, 4096, 1, 2), (ds, 131072, 8, 1), (ds, 1000, 1, 2)]
+    for _ in range(10):
+        tp = rng.choice([1, 2, 4, 8, 16, 32])
+        seq_len, nbytes = rng.randint(1, 200_000), rng.choice([1, 2, 4])
+        if rng.random() < 0.35:  # a DeepSeek-style MLA config: it also states num_key_value_heads
+            heads = rng.choice([32, 64, 128])
+            cfg = {"num_hidden_layers": rng.randint(20, 64), "num_attention_heads": heads, "num_key_value_heads": heads,
+                   "hidden_size": heads * 56, "kv_lora_rank": rng.choice([256, 512]), "qk_rope_head_dim": 64,
+                   "qk_nope_head_dim": 128, "v_head_dim": 128}
+        else:
+            kv = rng.choice([1, 2, 4, 8])
+            heads = kv * rng.choice([2, 4, 8])
+            while heads % tp:  # each rank gets a whole number of query heads
+                tp //= 2
+            cfg = {"num_hidden_layers": rng.randint(16, 96), "num_attention_heads": heads, "num_key_value_heads": kv,
+                   "head_dim": rng.choice([64, 128]), "hidden_size": heads * 128}
+        cases.append((cfg, seq_len, tp, nbytes))
+    return cases
+
+
+def check_bytes_per_rank(fn: Callable[[dict, int, int, int], float], seed: int = 0) -> bool:
+    """``fn(config, seq_len, tp_size, bytes_per_value)`` -> bytes of K/V that one of ``tp_size``
+    tensor-parallel ranks holds for one sequence of ``seq_len`` tokens.
+
+    ``config`` is either a GQA/MHA/MQA config (``num_hidden_layers``, ``num_attention_heads``,
+    ``num_key_value_heads``, ``head_dim``) or a DeepSeek-style MLA config (it has ``kv_lora_rank``,
+    ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``). KV heads are split evenly across
+    ranks; with more ranks than KV heads, each rank stores one whole head.
+    """
+    if not callable(fn):
+        raise ExerciseError(f"pass your function fn(config, seq_len, tp_size, bytes_per_value), got {type(fn).__name__}")
+    refuse_references(fn, _REFERENCES, "compute the bytes per rank yourself.")
+    split_hint = ("Dividing by tp_size assumes tp_size KV heads to share out. With more ranks than KV heads every rank "
+                  "still stores one whole head (each head is replicated on tp_size / KV-heads ranks), and an MLA "
+                  "latent serves all heads, so every rank stores all of it.")
+    diagnosis = Diagnosis([
+        ("The MLA config also says num_key_value_heads (DeepSeek-V3: 128), but MLA caches no per-head K and V: per "
+         "token and layer it caches one latent of kv_lora_rank values and one RoPE key of qk_rope_head_dim values.",
+         lambda c, s, t, b: _per_rank(c, s, t, b, "mla_as_gqa")),
+        ("That is the cache of MLA decompressed into per-head keys and values, which is what MLA avoids storing: "
+         "cache kv_lora_rank + qk_rope_head_dim values per token and layer, once for all heads.",
+         lambda c, s, t, b: _per_rank(c, s, t, b, "mla_per_head")),
+        ("MLA caches one latent vector per token and layer, not a K and a V: no factor 2 for it.",
+         lambda c, s, t, b: _per_rank(c, s, t, b, "mla_kv")),
+        ("The MLA latent is kv_lora_rank values plus the shared RoPE key of qk_rope_head_dim values.",
+         lambda c, s, t, b: _per_rank(c, s, t, b, "mla_no_rope")),
+        (split_hint, lambda c, s, t, b: _per_rank(c, s, t, b, "split")),
+        (split_hint, lambda c, s, t, b: _per_rank(c, s, t, b, "mla_split")),
+        ("Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
+         lambda c, s, t, b: _per_rank(c, s, t, b, "no_kv")),
+        ("Only the num_key_value_heads KV heads are cached, not the query heads (grouped-query attention).",
+         lambda c, s, t, b: _per_rank(c, s, t, b, "query_heads")),
+        ("The answer is for a whole sequence: multiply by seq_len.",
+         lambda c, s, t, b: _per_rank(c, 1, t, b)),
+    ], "GQA: 2 x layers x max(1, KV heads // tp_size) x head_dim x seq_len x bytes. MLA: layers x (kv_lora_rank + "
+       "qk_rope_head_dim) x seq_len x bytes on every rank.", _same)
+    for cfg, seq_len, tp, nbytes in _tp_cases(case_rng("ch03.check_bytes_per_rank", seed)):
+        case = f"bytes_per_rank({cfg}, seq_len={seq_len}, tp_size={tp}, bytes_per_value={nbytes})"
+        got = _number(case, call_learner("bytes_per_rank", fn, dict(cfg), seq_len, tp, nbytes), "bytes")
+        want = _per_rank(cfg, seq_len, tp, nbytes)
+        if not _same(got, want):
+            diagnosis.record(case, (cfg, seq_len, tp, nbytes), got, want)
+    diagnosis.raise_if_wrong()
+    ds = CATALOG["deepseek-v3"].config
+    latent = ds["kv_lora_rank"] + ds["qk_rope_head_dim"]
+    per_head = ds["num_attention_heads"] * (ds["qk_nope_head_dim"] + ds["qk_rope_head_dim"] + ds["v_head_dim"])
+    return passed(f"heads are whole on every rank, and MLA's latent ({latent} values per token and layer for "
+                  f"DeepSeek-V3, {per_head / latent:.0f}x fewer than per-head K and V) is on all of them.")
+
+
+# --- Exercise 3: a KIVI-style quantized cache ----------------------------------------------------
+
+def _quantized(cfg: dict, seq_len: int, bits: int, group: int, residual: int, mistake: str = "") -> float:
+    values = (1 if mistake == "no_kv" else 2) * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]
+    recent = min(seq_len, residual)
+    quantized = seq_len - recent
+    if mistake == "no_window":
+        quantized, recent = seq_len, 0
+    elif mistake == "window_twice":
+        quantized = seq_len
+    per_value = (bits if mistake == "bits_as_bytes" else bits / 8)
+    group_bytes = 2 if mistake == "scale_only" else 4
+    groups_per_value = 1 / (cfg["head_dim"] if mistake == "per_vector" else group)
+    window_bytes = 4 if mistake == "window_fp32" else 2
+    return values * (quantized * (per_value + group_bytes * groups_per_value) + recent * window_bytes)
+
+
+def _quant_cases(rng) -> list[tuple[dict, int, int, int, int]]:
+    l38 = {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128}
+    cases = [(l38, 131072, 4, 32, 128), (l38, 131072, 2, 32, 128), (l38, 100, 2, 32, 128), (l38, 4096, 8, 64, 32),
+             (l38, 5000, 4, 128, 0)]
+    for _ in range(10):
+        head_dim = rng.choice([64, 128, 256])
+        cfg = {"num_hidden_layers": rng.randint(8, 80), "num_key_value_heads": rng.choice([1, 2, 4, 8]),
+               "head_dim": head_dim}
+        group = rng.choice([g for g in (32, 64, 128) if head_dim % g == 0])
+        residual = rng.choice([0, 32, 64, 128])
+        seq_len = rng.choice([rng.randint(1, 2 * max(residual, 1)), rng.randint(1, 200_000)])
+        cases.append((cfg, seq_len, rng.choice([2, 4, 8]), group, residual))
+    return cases
+
+
+def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed: int = 0) -> bool:
+    """``fn(config, seq_len, bits, group_size, residual_len)`` -> bytes of one sequence's K/V, quantized the
+    KIVI way.
+
+    ``config`` has ``num_hidden_layers``, ``num_key_value_heads`` and ``head_dim``. The most recent
+    ``min(seq_len, residual_len)`` tokens stay in fp16. Every other K or V value is stored in ``bits``
+    bits, and each group of ``group_size`` of those values also stores an fp16 scale and an fp16 zero
+    point (``group_size`` divides ``head_dim`` in every case).
+    """
+    if not callable(fn):
+        raise ExerciseError("pass your function fn(config, seq_len, bits, group_size, residual_len), got "
+                            f"{type(fn).__name__}")
+    refuse_references(fn, _REFERENCES, "count the bytes of the quantized cache yourself.")
+    diagnosis = Diagnosis([
+        ("KIVI is asymmetric: a group is stored as q with x = scale * q + zero_point, so each group keeps a scale "
+         "AND a zero point, 2 + 2 bytes in fp16. Counting the scale alone halves the overhead (for int4 in groups "
+         "of 32, a quarter of the payload, not an eighth).",
+         lambda *a: _quantized(*a, mistake="scale_only")),
+        ("The most recent residual_len tokens are not quantized: they stay in fp16 (KIVI keeps a window of recent "
+         "tokens in full precision and quantizes it once it fills).", lambda *a: _quantized(*a, mistake="no_window")),
+        ("The recent tokens in the fp16 window are not also stored quantized: only the older "
+         "seq_len - residual_len tokens are.", lambda *a: _quantized(*a, mistake="window_twice")),
+        ("bits counts bits: a value takes bits / 8 bytes.", lambda *a: _quantized(*a, mistake="bits_as_bytes")),
+        ("One scale and zero point per group of group_size values, not one per head vector of head_dim values.",
+         lambda *a: _quantized(*a, mistake="per_vector")),
+        ("The recent window is fp16: 2 bytes per value.", lambda *a: _quantized(*a, mistake="window_fp32")),
+        ("Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
+         lambda *a: _quantized(*a, mistake="no_kv")),
+    ], "values = 2 x layers x KV heads x head_dim per token; the last min(seq_len, residual_len) tokens at 2 bytes "
+       "a value, the others at bits / 8 bytes plus 4 bytes per group of group_size values.", _same)
+    for cfg, seq_len, bits, group, residual in _quant_cases(case_rng("ch03.check_quantized_bytes", seed)):
+        case = f"quantized_bytes({cfg}, seq_len={seq_len}, bits={bits}, group_size={group}, residual_len={residual})"
+        got = _number(case, call_learner("quantized_bytes", fn, dict(cfg), seq_len, bits, group, residual), "bytes")
+        want = _quantized(cfg, seq_len, bits, group, residual)
+        if not _same(got, want):
+            diagnosis.record(case, (cfg, seq_len, bits, group, residual), got, want)
+    diagnosis.raise_if_wrong()
+    l38 = {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128}
+    ratio = _quantized(l38, 131072, 2, 32, 128) / (2 * 32 * 8 * 128 * 131072 * 2)
+    return passed(f"2-bit KIVI (groups of 32, 128 recent tokens in fp16) keeps Llama-3-8B's 128k-token cache at "
+                  f"{ratio:.1%} of its bf16 size: an eighth for the payload, half as much again for the scales and "
+                  "zero points.")
+
+
+# --- Exercise 4: sequences on one GPU -----------------------------------------------------------
+
+_FIT = dict(model="qwen2.5-7b", gpu_bytes=80 * GB, seq_len=32768, utilization=0.9)
+
+
+def _fit(weight_bytes_per_value: float = 2, kv_bytes_per_value: float = 1, gpu_bytes: float = 80 * GB,
+         utilization_on_cache: bool = False, rounding=math.floor) -> int:
+    params = CATALOG[_FIT["model"]].num_parameters
+    weights = params * weight_bytes_per_value
+    per_seq = kv_cache_bytes(_FIT["model"], _FIT["seq_len"], dtype="bf16") * kv_bytes_per_value / 2
+    budget = (_FIT["utilization"] * (gpu_bytes - weights) if utilization_on_cache
+              else _FIT["utilization"] * gpu_bytes - weights)
+    return int(rounding(budget / per_seq))
 
 
 def check_max_sequences(n: int) -> bool:
-    """Llama-3-8B, bf16 weights, fp8 KV cache, 32768-token sequences, 80 GB GPU at vLLM's 0.9 utilization."""
-    want = max_concurrent_sequences("llama-3-8b", 80 * 10**9, 32768, dtype="fp8", weight_dtype="bf16",
-                                    gpu_memory_utilization=0.9)
-    per_seq = kv_cache_bytes("llama-3-8b", 32768, dtype="fp8")
-    if isinstance(n, int) and not isinstance(n, bool):
-        if n == max_concurrent_sequences("llama-3-8b", 80 * 10**9, 32768, dtype="fp8", weight_dtype="fp8",
-                                         gpu_memory_utilization=0.9):
-            raise ExerciseError(f"n = {n} is not right. The weights stay in bf16 (2 bytes each); only the cache is fp8.")
-        if n == int(0.9 * 80 * 2**30 - 2 * CATALOG["llama-3-8b"].num_parameters) // per_seq:
-            raise ExerciseError(f"n = {n} is not right. 80 GB is 80 x 10^9 bytes, not 80 x 2^30.")
-    expect_equal("n", n, want, hint="Budget = 0.9 x 80e9 - weight bytes; divide by one sequence's fp8 cache and round down.")
-    return passed(f"{want} sequences of 32k tokens fit; each holds {per_seq / 2**30:.0f} GiB of fp8 K/V.")
-
-
-def check_tp_per_rank(nbytes: int) -> bool:
-    """Bytes of K/V per GPU for one 131072-token Llama-3-70B sequence, bf16, tensor-parallel over 16 GPUs."""
-    want = kv_cache_bytes("llama-3-70b", 131072, dtype="bf16", tp_size=16)
-    naive = kv_cache_bytes("llama-3-70b", 131072, dtype="bf16") // 16
-    if nbytes == naive:
-        raise ExerciseError(
-            f"nbytes = {nbytes!r} is not right. Dividing the total by 16 assumes 16 KV heads to split; "
-            "how many KV heads does Llama-3-70B have, and what happens to the extra ranks?"
-        )
-    expect_equal("nbytes", nbytes, want, hint="Each rank stores at least one whole KV head in every layer.")
-    return passed(f"{want:,} bytes per rank: 8 KV heads over 16 ranks means each head is stored twice.")
-
-
-def check_mla_ratio(ratio: float) -> bool:
-    """How many times more bytes DeepSeek-V3 would cache per token with K and V per head instead of MLA's latent."""
-    cfg = CATALOG["deepseek-v3"].config
-    per_head_values = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"])
-    latent_values = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
-    want = per_head_values / latent_values
-    if isinstance(ratio, (int, float)) and abs(ratio - cfg["num_attention_heads"] * 2 * cfg["v_head_dim"] / latent_values) < 1e-6:
-        raise ExerciseError(
-            f"ratio = {ratio!r} is not right. A DeepSeek key head is qk_nope_head_dim + qk_rope_head_dim wide, "
-            "wider than a value head."
-        )
-    expect_close("ratio", ratio, want, rel=1e-6,
-                 hint="Per head: a key of qk_nope_head_dim + qk_rope_head_dim values and a value of v_head_dim; "
-                      "MLA: kv_lora_rank + qk_rope_head_dim values, once per layer.")
-    return passed(f"MLA caches {want:.1f}x fewer values than per-head K and V would.")
+    """Qwen2.5-7B, weights in bf16, KV cache in fp8, sequences of 32,768 tokens, one 80 GB GPU (80 x 10^9
+    bytes) of which the engine may use 90% (vLLM's ``gpu_memory_utilization=0.9``)."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ExerciseError(f"n should be an int (a number of sequences), got {type(n).__name__}: {describe(n)}")
+    want = _fit()
+    mistakes = [
+        (_fit(weight_bytes_per_value=1), "The weights stay in bf16 (2 bytes each); only the cache is fp8."),
+        (_fit(kv_bytes_per_value=2), "The cache is fp8: one byte per value, half the bf16 figure."),
+        (_fit(gpu_bytes=80 * 2**30), "80 GB is 80 x 10^9 bytes here, not 80 x 2^30."),
+        (_fit(utilization_on_cache=True), "The engine may use 90% of the whole GPU; the weights come out of that "
+                                          "90%: budget = 0.9 x 80e9 - weight bytes."),
+        (_fit(rounding=math.ceil), "Round down: a sequence that does not fit whole does not run."),
+    ]
+    if n != want:
+        hint = next((h for value, h in mistakes if value == n),
+                    "Budget = 0.9 x 80e9 - weight bytes; divide by one sequence's fp8 cache and round down.")
+        fail("the number of 32,768-token Qwen2.5-7B sequences on one 80 GB GPU", expected="another number", got=n,
+             hint=hint)
+    per_seq = kv_cache_bytes(_FIT["model"], _FIT["seq_len"], dtype="fp8")
+    return passed(f"{want} sequences of 32k tokens fit; each holds {per_seq / 2**30:.3f} GiB of fp8 K/V.")

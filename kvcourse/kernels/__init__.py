@@ -3,9 +3,37 @@
 * :mod:`.reference` -- plain torch, obviously right: contiguous causal and decode attention, paged
   decode and ragged (varlen) prefill attention read through block tables, and the K/V cache write.
 * :mod:`.testing` -- random ragged, paged problems with known answers (NaN in every unused slot).
+* :mod:`.int8` -- int8 K/V with a scale per token and head: quantize, dequantize, the references.
+* :mod:`.online_softmax` -- the online softmax and the split-KV merge, step by step in torch.
+* :mod:`.roofline` -- bytes moved by decode attention, and the GPUs' published peaks.
 
-Chapter 5's Triton kernels sit next to these, each tested against its reference.
+Chapter 5's Triton kernels, each beside the reference it must equal:
+
+* :mod:`.triton_decode` -- :func:`decode_attention`, one query per sequence on a contiguous cache;
+* :mod:`.triton_paged` -- :func:`paged_decode_attention` through block tables, split-KV, int8 reads;
+* :mod:`.triton_cache` -- :func:`reshape_and_cache`, the K/V write (float and int8);
+* :mod:`.triton_backend` -- the ``"triton"`` attention backend of ``model.forward_batch``;
+* :mod:`.triton_runtime` -- where Triton runs (GPU, or its CPU interpreter) and the torch fallback.
+
+The Triton names are loaded on first use, so ``import kvcourse`` works without Triton installed
+(chapters 1-4).
+
+**Where kernels run.** Without a CUDA device, Triton kernels run in Triton's CPU interpreter, which
+Triton enables when ``TRITON_INTERPRET=1`` is set *before Triton is imported* (Triton decorates its
+own library functions at import). Torch imports Triton by itself (``torch._dynamo`` does, when it
+finds the package), so this is the one place that decides, as ``import kvcourse`` runs: no CUDA
+device and no ``TRITON_INTERPRET`` of your own -> ``TRITON_INTERPRET=1``.
 """
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (see the module doc)
 
 from .reference import (
     causal_attention,
@@ -17,6 +45,19 @@ from .reference import (
     reshape_and_cache_ref,
 )
 
+# name -> the module that defines it; imported (with Triton) only when the name is first used
+_TRITON_NAMES = {
+    "decode_attention": ".triton_decode",
+    "paged_decode_attention": ".triton_paged",
+    "paged_decode_attention_int8": ".triton_paged",
+    "choose_num_splits": ".triton_paged",
+    "reshape_and_cache": ".triton_cache",
+    "reshape_and_cache_int8": ".triton_cache",
+    "TritonBackend": ".triton_backend",
+    "fallbacks": ".triton_runtime",
+    "interpreting": ".triton_runtime",
+}
+
 __all__ = [
     "causal_attention",
     "decode_attention_ref",
@@ -25,4 +66,16 @@ __all__ = [
     "paged_prefill_attention_ref",
     "repeat_kv",
     "reshape_and_cache_ref",
-]
+]  # the Triton names are left out, so `from kvcourse.kernels import *` works without Triton
+
+
+def __getattr__(name: str):
+    if name in _TRITON_NAMES:
+        value = getattr(importlib.import_module(_TRITON_NAMES[name], __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_TRITON_NAMES))

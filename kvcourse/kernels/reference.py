@@ -135,6 +135,20 @@ def check_paged(
         raise ValueError(f"the number of query heads in q ({hq}) must be a multiple of the KV heads in k_cache ({hkv})")
 
 
+def check_seq_lens(
+    seq_lens: torch.Tensor | list[int] | None, batch: int, cache_len: int, device: torch.device
+) -> torch.Tensor:
+    """Validate the cached length of each sequence of a contiguous cache; ``None`` means all ``cache_len``."""
+    if seq_lens is None:
+        return torch.full((batch,), cache_len, device=device)
+    lens = torch.as_tensor(seq_lens, device=device)
+    if lens.shape != (batch,):
+        raise ValueError(f"seq_lens must have shape [B]=[{batch}], got {tuple(lens.shape)}")
+    if bool((lens < 1).any()) or bool((lens > cache_len).any()):
+        raise ValueError(f"seq_lens must lie in [1, {cache_len}] (the cache length), got {lens.tolist()}")
+    return lens
+
+
 def check_block_tables(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int, device: torch.device
 ) -> list[int]:
@@ -231,15 +245,8 @@ def decode_attention_ref(
     sequence, so it sees every cached token: no causal mask is needed.
     """
     hq, hkv = check_qkv(q, k, v, "[B, Hq, D]")
-    batch, s = q.shape[0], k.shape[2]
-    if seq_lens is None:
-        lens = torch.full((batch,), s, device=q.device)
-    else:
-        lens = torch.as_tensor(seq_lens, device=q.device)
-        if lens.shape != (batch,):
-            raise ValueError(f"seq_lens must have shape [B]=[{batch}], got {tuple(lens.shape)}")
-        if bool((lens < 1).any()) or bool((lens > s).any()):
-            raise ValueError(f"seq_lens must lie in [1, {s}] (the cache length), got {lens.tolist()}")
+    s = k.shape[2]
+    lens = check_seq_lens(seq_lens, q.shape[0], s, q.device)
     scale = _default_scale(scale, q.shape[-1])
     cdt = compute_dtype(q.dtype)
     k, v = repeat_kv(k, hq // hkv).to(cdt), repeat_kv(v, hq // hkv).to(cdt)
@@ -403,6 +410,21 @@ def reshape_and_cache_ref(
         key_cache.view(flat).index_copy_(0, slot_mapping, key)
         value_cache.view(flat).index_copy_(0, slot_mapping, value)
         return
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    keep = slot_mapping >= 0
+    idx = slot_mapping[keep].to(torch.int64)
+    key_cache.view(flat)[idx] = key[keep]
+    value_cache.view(flat)[idx] = value[keep]
+
+
+def check_reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Validate a cache write: ``key, value [N, Hkv, D]`` into one layer's pool at ``slot_mapping [N]``."""
     pool_doc = "[num_blocks, block_size, Hkv, D]"
     _check_float("key_cache", key_cache, 4, pool_doc)
     _check_float("value_cache", value_cache, 4, pool_doc)
@@ -433,7 +455,3 @@ def reshape_and_cache_ref(
     real = [s for s in slots if s >= 0]
     if len(set(real)) != len(real):
         raise ValueError("slot_mapping names one slot twice: two tokens would overwrite each other")
-    keep = slot_mapping >= 0
-    idx = slot_mapping[keep].to(torch.int64)
-    key_cache.view(flat)[idx] = key[keep]
-    value_cache.view(flat)[idx] = value[keep]

@@ -21,7 +21,7 @@ import torch
 from ..batch import slot_mapping
 from .reference import causal_attention
 
-__all__ = ["PagedCase", "random_paged_case", "tolerance"]
+__all__ = ["PagedCase", "model_decode_case", "paged_from_contiguous", "random_paged_case", "repage", "tolerance"]
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
@@ -145,3 +145,123 @@ def random_paged_case(
                  "slot_mapping", "k", "v"):  # fmt: skip
         setattr(case, name, getattr(case, name).to(device))
     return case
+
+
+def repage(case: PagedCase, block_size: int, seed: int, spare_blocks: int = 2) -> PagedCase:
+    """The same decode problem (same ``q``, K/V values, ``seq_lens``) scattered over a new pool.
+
+    Only the *layout* changes, so a correct paged kernel gives the same output on both. ``case``
+    must be a decode case (one query per sequence).
+    """
+    if case.q.shape[0] != case.seq_lens.shape[0]:
+        raise ValueError("repage takes a decode case (one query per sequence)")
+    return paged_from_contiguous(case.q, case.k, case.v, case.seq_lens.tolist(), block_size, seed, spare_blocks,
+                                 case.scale)  # fmt: skip
+
+
+def paged_from_contiguous(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: Sequence[int],
+    block_size: int,
+    seed: int,
+    spare_blocks: int = 2,
+    scale: float | None = None,
+) -> PagedCase:
+    """A decode problem given contiguously (``q [B, Hq, D]``, ``k, v [B, Hkv, S, D]``), laid out in a paged pool.
+
+    Sequence ``b``'s first ``seq_lens[b]`` positions go to blocks of ``block_size`` tokens in a random
+    order (seeded by ``seed``); every unused slot holds NaN; tables are padded with one -1 column.
+    """
+    lens = [int(n) for n in seq_lens]
+    if len(lens) != q.shape[0] or k.shape[0] != q.shape[0] or any(not 1 <= n <= k.shape[2] for n in lens):
+        raise ValueError(f"need one seq_len in [1, {k.shape[2]}] per sequence of q, got {lens}")
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    physical = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[physical.pop() for _ in range(nb)] for nb in blocks_per_seq]
+    hkv, d = k.shape[1], k.shape[3]
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=k.dtype, device=k.device)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for b, n in enumerate(lens):
+        slots = torch.tensor(slot_mapping(tables[b], range(n), block_size), device=k.device)
+        k_cache.view(-1, hkv, d)[slots] = k[b, :, :n].transpose(0, 1)
+        v_cache.view(-1, hkv, d)[slots] = v[b, :, :n].transpose(0, 1)
+    width = max(blocks_per_seq) + 1
+    own_slots = [slot_mapping(t, [n - 1], block_size)[0] for t, n in zip(tables, lens)]
+    device = k.device
+    return PagedCase(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32, device=device),
+        positions=torch.tensor([n - 1 for n in lens], dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(own_slots, dtype=torch.int64, device=device),
+        k=k,
+        v=v,
+        scale=scale,
+    )
+
+
+@dataclass
+class ModelDecodeCase:
+    """One layer's real decode step for ``B`` prompts: what the model's attention saw, and what it returned."""
+
+    q: torch.Tensor  # [B, Hq, D]: each prompt's last token's query (RoPE applied)
+    k: torch.Tensor  # [B, Hkv, max(seq_lens), D]: the K of every prompt token, NaN past each prompt's length
+    v: torch.Tensor
+    seq_lens: torch.Tensor  # int32 [B]: prompt lengths
+    out: torch.Tensor  # [B, Hq, D]: the model's own attention output for the last token
+
+
+class _RecordLastToken:
+    """An attention backend around chapter 2's contiguous one that keeps one layer's query and output."""
+
+    def __init__(self, cache, start: int, layer: int) -> None:
+        from ..attention import ContiguousBackend
+
+        self.inner, self.layer = ContiguousBackend(cache, start), layer
+        self.q = self.out = None
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = self.inner(layer_idx, q, k, v)
+        if layer_idx == self.layer:
+            self.q, self.out = q[0, -1].clone(), out[0, -1].clone()  # [Hq, D]
+        return out
+
+
+@torch.inference_mode()
+def model_decode_case(model, prompts: Sequence[Sequence[int]], layer: int) -> ModelDecodeCase:
+    """Run each prompt through ``model`` (prefill, then its last token as a decode step) and keep ``layer``'s inputs.
+
+    Real keys, values and queries for the kernels, with the model's own attention output as the answer.
+    """
+    from ..cache import KVCache
+
+    if not 0 <= layer < model.config.num_hidden_layers:
+        raise ValueError(f"layer must lie in [0, {model.config.num_hidden_layers}), got {layer}")
+    if not prompts or any(len(p) < 2 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of token lists, each of 2 tokens or more")
+    qs, ks, vs, outs = [], [], [], []
+    for ids in prompts:
+        cache = KVCache.for_model(model.config, batch_size=1, dtype=model.dtype, device=model.device)
+        model(torch.tensor([list(ids[:-1])], device=model.device), cache=cache)
+        record = _RecordLastToken(cache, cache.seq_len, layer)
+        last = torch.tensor([[ids[-1]]], device=model.device)
+        model.hidden_states(last, torch.tensor([len(ids) - 1], device=model.device), record)
+        qs.append(record.q)
+        outs.append(record.out)
+        ks.append(cache.keys(layer)[0])
+        vs.append(cache.values(layer)[0])
+    s_max = max(len(p) for p in prompts)
+    k = torch.full((len(prompts), *ks[0].shape[:1], s_max, ks[0].shape[-1]), float("nan"), dtype=model.dtype,
+                   device=model.device)  # fmt: skip
+    v = torch.full_like(k, float("nan"))
+    for b, (kb, vb) in enumerate(zip(ks, vs)):
+        k[b, :, : kb.shape[1]], v[b, :, : vb.shape[1]] = kb, vb
+    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=model.device)
+    return ModelDecodeCase(torch.stack(qs), k, v, lens, torch.stack(outs))

@@ -19,10 +19,12 @@ them from a Hugging Face ``config.json``:
   ``use_sliding_window: false`` honoured).
 
 Quantized dtypes (fp8, int8, int4) are counted as their payload only: 1, 1 and
-0.5 bytes per value. Scales are not free; pass ``quant_group_size=g`` to add
-one fp16 scale (2 bytes) per ``g`` consecutive values of every cached vector
-(KIVI-style per-group quantization). fp8 in vLLM uses one scale per tensor per
-layer, a few bytes in total, which the default (no scales) models well.
+0.5 bytes per value. Scales are not free; pass ``quant_group_size=g`` to add an
+fp16 scale and an fp16 zero point (4 bytes) per ``g`` consecutive values of every
+cached vector (asymmetric per-group quantization, as KIVI does; KIVI also keeps
+its most recent tokens unquantized, which this formula does not model). fp8 in
+vLLM uses one scale per tensor per layer, a few bytes in total, which the default
+(no scales) models well.
 
 Tensor parallelism splits KV heads across ranks (each rank holds
 ``H_kv / tp_size``); when ``tp_size`` exceeds ``H_kv`` every rank holds one

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp-size", type=_positive, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument(
         "--quant-group-size", type=_positive, default=None,
-        help="for fp8/int8/int4: count one fp16 scale per this many values (default: payload only)",
+        help="for fp8/int8/int4: count an fp16 scale and zero point per this many values (default: payload only)",
     )
     parser.add_argument(
         "--weight-dtype", type=_dtype, default="bf16",
@@ -103,7 +103,7 @@ def report(
         ("KV heads", heads),
         ("head dim", str(layout.head_dim)),
         ("sliding window", f"{layout.num_windowed_layers} of {layout.num_layers} layers at {windows} tokens" if windows else "none"),
-        ("dtype", dtype + ("" if quant_group_size is None else f" + fp16 scale per {quant_group_size} values")),
+        ("dtype", dtype + ("" if quant_group_size is None else f" + fp16 scale and zero point per {quant_group_size} values")),
         ("seq len x batch", f"{seq_len:,} x {batch_size:,}"),
         ("tp size", str(tp_size)),
         ("KV bytes per token", f"{per_token:,} B = {format_bytes(per_token)} per rank"),

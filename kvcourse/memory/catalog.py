@@ -1,9 +1,9 @@
 """Real model configs, as they appear in each model's ``config.json`` on the Hugging Face Hub.
 
 Each entry keeps only the fields the memory bill needs (layers, heads, KV heads,
-head_dim, hidden size, windows, MLA ranks, context length, vocabulary, MLP width)
-with their Hub names, the repository id they come from, and the parameter count
-with its source. Parameter counts of the dense models equal the sum of their
+head_dim, hidden size, windows, MLA ranks, context length and the RoPE scaling that
+sets it, vocabulary, MLP width) with their Hub names, the repository id they come
+from, and the parameter count with its source. Parameter counts of the dense models equal the sum of their
 tensor shapes from these same fields (``tests/test_memory.py`` recomputes them).
 
 The configs were transcribed by hand from the named repositories (this course
@@ -94,7 +94,23 @@ _ENTRIES = [
         },
         70_553_706_496,
         _SHAPES,
-        "same attention shape as Llama-3.1-70B, whose context is 131072",
+        "an 8k-context model (max_position_embeddings 8192); Llama-3.1-70B has the same shapes and a 128k context",
+    ),
+    CatalogEntry(
+        "llama-3.1-70b",
+        "meta-llama/Llama-3.1-70B",
+        {
+            "model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192, "intermediate_size": 28672,
+            "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+            "max_position_embeddings": 131072, "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192},
+            "tie_word_embeddings": False,
+        },
+        70_553_706_496,
+        _SHAPES + "; the same tensors as Llama-3-70B",
+        "Llama-3-70B's shapes with a 131072-token context: RoPE frequencies rescaled (rope_type llama3, factor 8 "
+        "over the original 8192 positions)",
     ),
     CatalogEntry(
         "mistral-7b",

@@ -3,7 +3,7 @@
     bytes = 2 (K and V) x layers x KV heads x head dim x tokens x bytes per value x batch
 
 with MLA caching one latent per layer instead of K and V per head, windowed layers capped at their
-window, and quantization scales counted when ``quant_group_size`` is given.
+window, and each quantization group's scale and zero point counted when ``quant_group_size`` is given.
 """
 
 from __future__ import annotations
@@ -16,15 +16,17 @@ from .units import DTYPE_BYTES, dtype_key
 
 __all__ = ["kv_bytes_per_token", "kv_cache_bytes"]
 
-_SCALE_BYTES = 2  # one fp16 scale per quantization group
+# Asymmetric per-group quantization (KIVI): x ~ scale * q + zero_point, an fp16 scale and an fp16 zero point
+# per group of quant_group_size values.
+_GROUP_PARAM_BYTES = 4
 
 
 def _bytes_for_values(values_per_vector: int, vectors: int, dtype: str, quant_group_size: int | None) -> float:
-    """Bytes for ``vectors`` cached vectors of ``values_per_vector`` numbers each, scales included."""
+    """Bytes for ``vectors`` cached vectors of ``values_per_vector`` numbers each, group parameters included."""
     payload = values_per_vector * vectors * DTYPE_BYTES[dtype]
     if quant_group_size is None:
         return payload
-    return payload + math.ceil(values_per_vector / quant_group_size) * _SCALE_BYTES * vectors
+    return payload + math.ceil(values_per_vector / quant_group_size) * _GROUP_PARAM_BYTES * vectors
 
 
 def _check_quant(dtype: str, quant_group_size: int | None) -> None:

@@ -171,8 +171,12 @@ def render_markdown(source: str, renderer: _Renderer) -> str:
     return "\n".join(renderer.lines(source.split("\n")))
 
 
-def reader_copy(nb: dict, name: str, ref: str | None = None, cfg=None) -> dict:
-    """Return the reader copy of ``nb`` (file name ``name``, e.g. ``02_kv_cache.ipynb``); ``nb`` is unchanged."""
+def reader_copy(nb: dict, name: str, ref: str | None = None, cfg=None, glue: dict | None = None) -> dict:
+    """Return the reader copy of ``nb`` (file name ``name``, e.g. ``02_kv_cache.ipynb``); ``nb`` is unchanged.
+
+    ``glue`` (from :func:`glue_values` of the executed chapter) supplies the quoted numbers when ``nb``
+    has no outputs of its own, as a student copy does.
+    """
     from kvcourse.tools.book_config import chapter_number
     from kvcourse.tools.sync_notebooks import SETUP_MARKER, setup_source
 
@@ -181,7 +185,7 @@ def reader_copy(nb: dict, name: str, ref: str | None = None, cfg=None) -> dict:
         chapter = chapter_number(Path(name))
     except ValueError:
         chapter = None
-    renderer = _Renderer(name, chapter, glue_values(nb))
+    renderer = _Renderer(name, chapter, glue_values(nb) if glue is None else glue)
     for cell in nb["cells"]:
         if cell["cell_type"] != "markdown":
             continue
@@ -216,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ref", help="git ref the Colab setup cells install (default: this checkout's commit, "
                         "else the release tag)")
     parser.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")
+    parser.add_argument("--glue-from", type=Path, default=None,
+                        help="folder of the executed chapters whose glued numbers to quote (for copies without outputs)")
     args = parser.parse_args(argv)
     cfg = load(args.root)
     ref = args.ref or _current_commit(args.root) or cfg.release_ref
@@ -224,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file() or path.suffix != ".ipynb":
             parser.error(f"not a notebook: {path}")
         nb = nbformat.read(path, as_version=4)
-        copy_ = reader_copy(nb, path.name, ref, cfg)
+        glue = None
+        if args.glue_from is not None:
+            glue = glue_values(nbformat.read(args.glue_from / path.name, as_version=4))
+        copy_ = reader_copy(nb, path.name, ref, cfg, glue)
         (args.out / path.name).write_text(dumps(copy_))
         print(f"{path} -> {args.out / path.name} (setup cell at {ref})")
     return 0

@@ -1,0 +1,319 @@
+"""``python -m kvcourse.bench kernels``: chapter 5's decode kernels on a GPU, as a fraction of peak bandwidth.
+
+    python -m kvcourse.bench kernels [--quick] [--out benchmarks/results] [--smoke]
+
+Decode attention reads every cached byte once and does little with it (:mod:`kvcourse.kernels.roofline`),
+so its figure of merit is the **effective bandwidth**: bytes it must move (K and V, the query and the
+output, the block tables) divided by its time. We report it in GB/s, as a % of the vendor's peak for
+the GPU, and as a % of a device-to-device copy measured on the same GPU (what memory really delivers).
+
+Shapes (as in the chapter's issue): 32 query / 8 KV heads, head dim 128, fp16, blocks of 16 tokens,
+batch {1, 8, 32, 64, 128} x context {512, 2k, 8k, 32k}, and batch 1 at 64k. Each shape runs:
+
+* ``paged``: :func:`~kvcourse.kernels.paged_decode_attention`, splits chosen by the heuristic;
+* ``paged-unsplit``: the same, ``num_splits=1``;
+* ``paged-int8``: the int8 pool (half the bytes), splits by the heuristic;
+* ``contiguous``: :func:`~kvcourse.kernels.decode_attention` on a ``[B, Hkv, S, D]`` cache;
+* ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on the contiguous cache;
+* ``flex``: FlexAttention (compiled) on the contiguous cache, where torch provides it.
+
+Times are ``triton.testing.do_bench`` medians. Every kernel's output is first checked against SDPA on
+the same shape (the int8 kernel against its own reference, on a small shape). Without a GPU this
+benchmark refuses: the interpreter measures Python, not memory. ``--smoke`` then runs one tiny shape
+through the same code for correctness only and prints no speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import platform
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.roofline import decode_attention_bytes, peak_for
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+BATCHES = (1, 8, 32, 64, 128)
+CONTEXTS = (512, 2048, 8192, 32768)
+EXTRA = ((1, 65536),)
+QUICK = ((1, 8192), (8, 8192), (64, 2048), (1, 65536))
+VARIANTS = ("paged", "paged-unsplit", "paged-int8", "contiguous", "sdpa", "flex")
+
+Timer = Callable[[Callable[[], object]], float]  # fn -> milliseconds
+
+
+def shapes(quick: bool = False) -> list[tuple[int, int]]:
+    """``(batch, context)`` pairs to run."""
+    return list(QUICK) if quick else [(b, c) for b in BATCHES for c in CONTEXTS] + list(EXTRA)
+
+
+def bytes_needed(batch: int, context: int) -> int:
+    """GPU memory one shape needs: fp16 paged pool, contiguous copy, int8 pool with scales."""
+    values = batch * context * NUM_KV_HEADS * HEAD_DIM
+    return 2 * values * 2 * 2 + 2 * values + 2 * batch * context * NUM_KV_HEADS * 4
+
+
+class Problem:
+    """One shape's inputs: the same K/V in a shuffled paged pool, contiguously, and as int8."""
+
+    def __init__(
+        self,
+        batch: int,
+        context: int,
+        device: torch.device,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float16,
+        heads: tuple[int, int, int] = (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM),
+    ) -> None:
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.batch, self.context = batch, context
+        self.num_q_heads, self.num_kv_heads, self.head_dim = hq, hkv, d = heads
+        blocks_per_seq = -(-context // BLOCK_SIZE)
+        num_blocks = batch * blocks_per_seq
+        shape = (batch, hkv, context, d)
+        self.q = torch.randn(batch, hq, d, generator=g, device=device, dtype=dtype)
+        self.k = torch.randn(shape, generator=g, device=device, dtype=dtype)
+        self.v = torch.randn(shape, generator=g, device=device, dtype=dtype)
+        self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        perm = torch.randperm(num_blocks, generator=g, device=device)
+        self.block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+        self.k_cache = torch.empty(num_blocks, BLOCK_SIZE, hkv, d, dtype=dtype, device=device)
+        self.v_cache = torch.empty_like(self.k_cache)
+        for b in range(batch):  # pad the context to whole blocks, then scatter it block by block
+            blocks = self.block_tables[b].long()
+            for cache, x in ((self.k_cache, self.k[b]), (self.v_cache, self.v[b])):
+                padded = F.pad(x, (0, 0, 0, blocks_per_seq * BLOCK_SIZE - context))  # [Hkv, blocks * BS, D]
+                cache[blocks] = padded.view(hkv, blocks_per_seq, BLOCK_SIZE, d).permute(1, 2, 0, 3)
+        # int8 pool: random values and scales (speed does not depend on them; correctness is tested elsewhere)
+        self.k8 = torch.randint(-127, 128, self.k_cache.shape, generator=g, device=device, dtype=torch.int8)
+        self.v8 = torch.randint(-127, 128, self.k_cache.shape, generator=g, device=device, dtype=torch.int8)
+        self.k_scale = torch.rand(self.k_cache.shape[:3], generator=g, device=device) / 127
+        self.v_scale = torch.rand(self.k_cache.shape[:3], generator=g, device=device) / 127
+
+    def bytes(self, int8: bool = False, paged: bool = True) -> int:
+        """Bytes the step must move (:func:`~kvcourse.kernels.roofline.decode_attention_bytes`)."""
+        return decode_attention_bytes(
+            [self.context] * self.batch, self.num_q_heads, self.num_kv_heads, self.head_dim,
+            kv_bytes=1 if int8 else self.q.element_size(), q_bytes=self.q.element_size(),
+            scale_bytes=4 if int8 else 0, block_size=BLOCK_SIZE if paged else None,
+        )  # fmt: skip
+
+
+def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable[[], torch.Tensor] | None, str]]:
+    """``name -> (fn, note)``; ``fn`` is None (and ``note`` says why) where a variant cannot run here."""
+    from ..kernels import decode_attention
+    from ..kernels.triton_paged import choose_num_splits, num_sms, paged_decode
+
+    scale = 1 / math.sqrt(p.head_dim)
+    splits = choose_num_splits(p.batch, p.num_kv_heads, p.context, num_sms(p.q.device))
+    # The kernels are timed without their input checks (which read the block tables on the host).
+    fns: dict[str, tuple[Callable[[], torch.Tensor] | None, str]] = {
+        "paged": (lambda: paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, scale, splits),
+                  f"num_splits={splits}"),
+        "paged-unsplit": (lambda: paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, scale, 1),
+                          "num_splits=1"),
+        "paged-int8": (lambda: paged_decode(p.q, p.k8, p.v8, p.block_tables, p.seq_lens, scale, splits, p.k_scale,
+                                            p.v_scale), f"num_splits={splits}"),
+        "contiguous": (lambda: decode_attention(p.q, p.k, p.v, p.seq_lens, scale), ""),
+        "sdpa": (lambda: F.scaled_dot_product_attention(p.q[:, :, None], p.k, p.v, scale=scale, enable_gqa=True)[:, :, 0],
+                 "torch SDPA, contiguous cache"),
+    }  # fmt: skip
+    if "flex" in variants:
+        try:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            compiled = torch.compile(flex_attention)
+            fn = lambda: compiled(p.q[:, :, None], p.k, p.v, scale=scale, enable_gqa=True)[:, :, 0]  # noqa: E731
+            fn()  # compile now, so a failure is reported here and not timed
+            fns["flex"] = (fn, "FlexAttention, torch.compile")
+        except Exception as exc:  # an unsupported GPU or torch build: report, do not crash the benchmark
+            fns["flex"] = (None, f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
+    # Correctness before speed: every float variant equals SDPA on this very shape.
+    want = fns["sdpa"][0]()
+    for name in ("paged", "paged-unsplit", "contiguous"):
+        torch.testing.assert_close(fns[name][0](), want, rtol=2e-3, atol=2e-3, msg=lambda m, n=name: f"{n}: {m}")
+    return {name: fns[name] for name in variants if name in fns}
+
+
+def run(
+    shape_list: Sequence[tuple[int, int]],
+    device: torch.device,
+    timer: Timer,
+    variants: Sequence[str] = VARIANTS,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """Time every variant on every shape; one row per (shape, variant)."""
+    peak = peak_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    rows = []
+    for batch, context in shape_list:
+        need = bytes_needed(batch, context)
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+            if need > 0.9 * free:
+                log(f"batch {batch:4d} x context {context:6d}: skipped, needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+                rows.append(dict(batch=batch, context=context, variant="all", skipped=f"needs {need} bytes, {free} free"))
+                continue
+        with torch.inference_mode():
+            p = Problem(batch, context, device)
+            for name, (fn, note) in variant_fns(p, variants).items():
+                row = dict(batch=batch, context=context, tokens=batch * context, variant=name, note=note)
+                if fn is None:
+                    rows.append({**row, "skipped": note})
+                    log(f"batch {batch:4d} x context {context:6d} {name:14s} {note}")
+                    continue
+                ms = timer(fn)
+                nbytes = p.bytes(int8=name == "paged-int8", paged=name.startswith("paged"))
+                gbps = nbytes / (ms * 1e-3) / 1e9
+                row.update(ms=ms, bytes=nbytes, gbps=gbps, pct_peak=100 * gbps * 1e9 / peak.bandwidth if peak else None)
+                rows.append(row)
+                log(f"batch {batch:4d} x context {context:6d} {name:14s} {ms:8.3f} ms {gbps:8.1f} GB/s"
+                    + (f" {row['pct_peak']:5.1f}% of peak" if peak else "") + (f"  ({note})" if note else ""))  # fmt: skip
+            del p
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int = 1 << 30) -> float:
+    """Bytes/s of a device-to-device copy of ``nbytes`` (each byte read once and written once)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The chapter's targets, each with the measured value and whether it was met (``None``: not measured)."""
+    ok = [r for r in rows if "ms" in r]
+    by = {(r["batch"], r["context"], r["variant"]): r for r in ok}
+
+    def pct(r):
+        return r.get("pct_peak")
+
+    out = []
+    big = [r for r in ok if r["variant"] == "paged" and r["tokens"] >= 65536 and pct(r) is not None]
+    worst = min(big, key=pct, default=None)
+    out.append(dict(name="paged_peak", target="paged >= 80% of peak bandwidth when batch x context >= 64k",
+                    value=pct(worst) if worst else None, met=pct(worst) >= 80 if worst else None))  # fmt: skip
+    ratios = [by[(b, c, "contiguous")]["ms"] / r["ms"] for (b, c, v), r in by.items()
+              if v == "paged" and (b, c, "contiguous") in by]  # fmt: skip
+    out.append(dict(name="paged_vs_contiguous", target="paged >= 0.9x the contiguous kernel's speed (worst shape)",
+                    value=min(ratios, default=None), met=min(ratios) >= 0.9 if ratios else None))  # fmt: skip
+    s, u = by.get((1, 65536, "paged")), by.get((1, 65536, "paged-unsplit"))
+    out.append(dict(name="split_peak", target="split-KV at batch 1, 64k: >= 70% of peak", value=pct(s) if s else None,
+                    met=pct(s) >= 70 if s and pct(s) is not None else None))  # fmt: skip
+    speedup = u["ms"] / s["ms"] if s and u else None
+    out.append(dict(name="split_speedup", target="split-KV at batch 1, 64k: >= 1.8x the unsplit kernel",
+                    value=speedup, met=speedup >= 1.8 if speedup else None))  # fmt: skip
+    gains = [by[(b, c, "paged")]["ms"] / r["ms"] for (b, c, v), r in by.items()
+             if v == "paged-int8" and c >= 16384 and (b, c, "paged") in by]  # fmt: skip
+    out.append(dict(name="int8_speedup", target="int8 >= 1.5x fp16 at context >= 16k (worst shape)",
+                    value=min(gains, default=None), met=min(gains) >= 1.5 if gains else None))  # fmt: skip
+    return out
+
+
+def provenance(device: torch.device) -> dict:
+    """Where the numbers come from: GPU, driver, CUDA, torch, triton, the commit, the date."""
+    import triton
+
+    def command(args: list[str]) -> str:
+        try:
+            return subprocess.run(args, capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.SubprocessError):
+            return "unknown"
+
+    info = dict(
+        date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        commit=command(["git", "rev-parse", "HEAD"]),
+    )
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            gpu=props.name,
+            compute_capability=f"{props.major}.{props.minor}",
+            sms=props.multi_processor_count,
+            memory_bytes=props.total_memory,
+            cuda=torch.version.cuda,
+            driver=command(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+        )
+    return info
+
+
+def write_results(result: dict, out_dir: Path) -> Path:
+    """``out_dir/kernels-<gpu>-<date>.json``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gpu = "".join(c if c.isalnum() else "-" for c in result["provenance"].get("gpu", "cpu")).strip("-").lower()
+    path = out_dir / f"kernels-{gpu}-{result['provenance']['date'][:10]}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+def smoke() -> int:
+    """No GPU: one tiny shape through the same code, for correctness only (the interpreter's time means nothing)."""
+    with torch.inference_mode():
+        p = Problem(2, 100, torch.device("cpu"), dtype=torch.float32, heads=(4, 2, 64))
+        fns = variant_fns(p, ("paged", "paged-unsplit", "contiguous", "sdpa"))
+    print(f"smoke run in Triton's interpreter: {', '.join(fns)} agree with SDPA on batch 2 x context 100 "
+          "(correctness only; no speed is reported without a GPU)")  # fmt: skip
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcourse.bench kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} shapes: {list(QUICK)}")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where the JSON goes")
+    parser.add_argument("--smoke", action="store_true", help="without a GPU: check one tiny shape, time nothing")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="what to time")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kvcourse.bench kernels: no CUDA GPU here. This benchmark measures memory bandwidth on a GPU; "
+              "Triton's CPU interpreter would time Python, not the kernels, so no figure is produced.")  # fmt: skip
+        return smoke() if args.smoke else 0
+    import triton.testing
+
+    device = torch.device("cuda")
+
+    def timer(fn):
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    prov = provenance(device)
+    copy_bps = copy_bandwidth(device, timer)
+    peak = peak_for(prov["gpu"])
+    print(f"{prov['gpu']} (sm_{prov['compute_capability'].replace('.', '')}, {prov['sms']} SMs), driver {prov['driver']}, "
+          f"CUDA {prov['cuda']}, torch {prov['torch']}, triton {prov['triton']}")  # fmt: skip
+    vendor = f"vendor peak {peak.bandwidth / 1e9:.0f} GB/s ({peak.source})" if peak else "no vendor peak listed"
+    print(f"device-to-device copy: {copy_bps / 1e9:.0f} GB/s; {vendor}")
+    rows = run(shapes(args.quick), device, timer, args.variants)
+    for r in rows:
+        if "gbps" in r:
+            r["pct_copy"] = 100 * r["gbps"] * 1e9 / copy_bps
+    result = dict(
+        benchmark="kernels",
+        provenance=prov,
+        peak=None if peak is None else dict(name=peak.name, bandwidth=peak.bandwidth, source=peak.source),
+        copy_bandwidth=copy_bps,
+        shape=dict(num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
+                   dtype="float16"),  # fmt: skip
+        rows=rows,
+        targets=targets(rows),
+    )
+    for t in result["targets"]:
+        value = "not measured" if t["value"] is None else f"{t['value']:.2f}"
+        print(f"{'MET ' if t['met'] else 'MISS' if t['met'] is False else '  - '} {t['target']}: {value}")
+    print(f"wrote {write_results(result, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

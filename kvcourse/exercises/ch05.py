@@ -1,0 +1,317 @@
+"""Checks for chapter 5, *Triton kernels*. Three exercises hand the learner a broken kernel to fix; one counts bytes.
+
+1. :func:`check_masked_decode` -- a decode kernel that reads past ``seq_len``: add the masks.
+2. :func:`check_online_softmax` -- a tiled decode kernel whose running sums are not all rescaled.
+3. :func:`check_paged_offsets` -- a paged kernel that computes the wrong address from the block table.
+4. :func:`check_kv_bytes` -- bytes of K and V one decode step reads, and so its fastest possible time.
+
+Each kernel check launches the learner's ``@triton.jit`` kernel (with the signature the exercise gives)
+on hidden cases seeded from the check's ``seed`` argument, and compares it with torch. Wrong outputs are
+compared with the typical mistakes, computed in torch (:class:`~kvcourse.exercises._core.Diagnosis`),
+to say which one they look like. Without a GPU the kernels run in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ..kernels.reference import paged_decode_attention_ref
+from ..kernels.testing import random_paged_case
+from ..kernels.triton_runtime import triton  # noqa: F401  (settles where kernels run before the learner's are launched)
+from ._core import Diagnosis, ExerciseError, call_learner, case_generator, case_rng, fail, passed, tensor_diff
+
+__all__ = ["check_kv_bytes", "check_masked_decode", "check_online_softmax", "check_paged_offsets"]
+
+
+def _expect_kernel(kernel: object, name: str) -> None:
+    if not (callable(getattr(kernel, "__getitem__", None)) and hasattr(kernel, "fn")):
+        raise ExerciseError(f"pass the @triton.jit kernel {name} itself (not called, not a string), "
+                            f"got {type(kernel).__name__}")  # fmt: skip
+
+
+def _launch(name: str, kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
+    def run():
+        with np.errstate(all="ignore"):  # a wrong kernel may overflow: the check reports it, NumPy need not
+            try:
+                kernel[grid](*args, **constexprs)
+            except Exception as exc:  # the interpreter wraps what a kernel raises; a stub's "not written yet" shows
+                if isinstance(exc.__cause__, NotImplementedError):
+                    raise exc.__cause__ from None
+                raise
+
+    call_learner(getattr(getattr(kernel, "fn", None), "__name__", name), run)  # the learner's own kernel name
+
+
+def _same(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> bool:
+    """Equal within ``tol``, NaN where the other has NaN (a typical mistake may read NaN padding too)."""
+    return got.shape == want.shape and torch.allclose(got.double(), want.double(), rtol=tol, atol=tol, equal_nan=True)
+
+
+def _right(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool(torch.isfinite(got).all()) and _same(got, want)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per row: ``q [..., D]``, ``k, v [..., S, D]`` -> ``[..., D]``, in float64."""
+    s = torch.einsum("...d,...sd->...s", q.double(), k.double()) * scale
+    return torch.einsum("...s,...sd->...d", torch.softmax(s, dim=-1), v.double())
+
+
+def _per_sequence(q, k, v, lens, scale, extra: int = 0) -> torch.Tensor:
+    """Attention of row ``b`` over its first ``lens[b] + extra`` positions (never beyond the cache)."""
+    return torch.stack([_attend(q[b], k[b, : n + extra], v[b, : n + extra], scale) for b, n in enumerate(lens)])
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The missing mask
+# ---------------------------------------------------------------------------------------------
+MASK_BLOCK_S, MASK_D = 64, 16
+
+
+def check_masked_decode(kernel, seed: int = 0) -> bool:
+    """``masked_decode_kernel(Q, K, V, Seq_lens, Out, scale, BLOCK_S, D)``, grid ``(B,)``.
+
+    ``Q [B, D]``, ``K, V [B, BLOCK_S, D]`` (sequence ``b`` owns the first ``Seq_lens[b]`` slots),
+    ``Out [B, D]``, all fp32 and contiguous. Slots past ``seq_len`` hold stale numbers, then NaN.
+    """
+    _expect_kernel(kernel, "masked_decode_kernel")
+    rng = case_rng("ch05.check_masked_decode", seed)
+    gen = case_generator("ch05.check_masked_decode", seed)
+    scale = 1 / math.sqrt(MASK_D)
+
+    def pad_mask(lens):  # [B, BLOCK_S, 1]: True where the slot belongs to the sequence
+        return (torch.arange(MASK_BLOCK_S)[None, :] < torch.tensor(lens)[:, None])[..., None]
+
+    def scores_only(q, k, v, lens):  # scores masked to -inf, V loaded whole: 0 x NaN is NaN
+        s = torch.einsum("bd,bsd->bs", q.double(), torch.where(pad_mask(lens), k, 0.0).double()) * scale
+        p = torch.softmax(s.masked_fill(~pad_mask(lens)[..., 0], float("-inf")), dim=-1)
+        return torch.einsum("bs,bsd->bd", p, v.double())
+
+    def loads_only(q, k, v, lens):  # padding loaded as 0, its scores of 0 still weighted
+        return _attend(q, torch.where(pad_mask(lens), k, 0.0), torch.where(pad_mask(lens), v, 0.0), scale)
+
+    diagnosis = Diagnosis([
+        ("Correct on stale padding, but NaN padding leaks into the output: a probability of 0 times NaN is still NaN. "
+         "Mask the loads of K and V (mask=n < seq_len, other=0.0), not only the scores.", scores_only),
+        ("Masked loads return 0, and a score of 0 still gets weight exp(0 - max) in the softmax: set the scores of "
+         "masked positions to -inf (tl.where).", loads_only),
+        ("One slot too many: sequence b owns positions 0 .. seq_len - 1, so the mask is n < seq_len.",
+         lambda q, k, v, lens: _per_sequence(q, k, v, lens, scale, extra=1)),
+        ("The output attends to all BLOCK_S slots: positions n >= seq_len must be masked, in the loads and in the scores.",
+         lambda q, k, v, lens: _attend(q, k, v, scale)),
+    ], "Compare with softmax attention over each sequence's first seq_len slots: check the mask, the max and the "
+       "final division.", _same)  # fmt: skip
+    lens_sets = [[1, 5, 33, MASK_BLOCK_S, 50]]
+    lens_sets += [[rng.randint(1, MASK_BLOCK_S) for _ in range(rng.randint(2, 5))] for _ in range(2)]
+    for lens in lens_sets:
+        for pad in ("stale", "nan"):
+            q = torch.randn(len(lens), MASK_D, generator=gen) * 2
+            k = torch.randn(len(lens), MASK_BLOCK_S, MASK_D, generator=gen)
+            v = torch.randn(len(lens), MASK_BLOCK_S, MASK_D, generator=gen)
+            outside = ~pad_mask(lens)
+            k = torch.where(outside, k * 3 if pad == "stale" else float("nan"), k)
+            v = torch.where(outside, v if pad == "stale" else float("nan"), v)
+            out = torch.full_like(q, float("nan"))
+            _launch("masked_decode_kernel", kernel, (len(lens),), q, k, v, torch.tensor(lens, dtype=torch.int32), out,
+                    scale, BLOCK_S=MASK_BLOCK_S, D=MASK_D)  # fmt: skip
+            want = _per_sequence(q, k, v, lens, scale)
+            if not _right(out, want):
+                diagnosis.record(f"masked_decode_kernel with seq_lens {lens}, {pad} padding", (q, k, v, lens), out, want,
+                                 extra=f"; {tensor_diff(out, want)}")  # fmt: skip
+    diagnosis.raise_if_wrong()
+    return passed("positions past seq_len are neither loaded nor weighted: stale data and NaN cannot leak in.")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The online softmax rescale
+# ---------------------------------------------------------------------------------------------
+ONLINE_BLOCK_N, ONLINE_D, ONLINE_S = 16, 16, 80
+
+
+def _online(q, k, v, lens, scale, mistake: str = "") -> torch.Tensor:
+    """What the tiled loop computes (float64), right or with one typical mistake."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        m, l, acc = -math.inf, 0.0, torch.zeros(q.shape[1], dtype=torch.float64)
+        for start in range(0, n, ONLINE_BLOCK_N):
+            s = (k[b, start : min(start + ONLINE_BLOCK_N, n)].double() @ q[b].double()) * scale
+            m_new = max(m, float(s.max()))
+            alpha = math.exp(m - m_new)
+            p = torch.exp(s - m_new)
+            l = (l if mistake == "l" else l * alpha) + float(p.sum())
+            acc = (acc if mistake == "acc" else acc * alpha) + p @ v[b, start : min(start + ONLINE_BLOCK_N, n)].double()
+            m = m_new
+        out[b] = acc if mistake == "divide" else acc / l
+    return out
+
+
+def check_online_softmax(kernel, seed: int = 0) -> bool:
+    """``online_decode_kernel(Q, K, V, Seq_lens, Out, scale, S_MAX, BLOCK_N, D)``, grid ``(B,)``.
+
+    ``Q [B, D]``, ``K, V [B, S_MAX, D]``, ``Out [B, D]``, fp32, contiguous. The kernel reads K and V in
+    tiles of ``BLOCK_N`` positions with an online softmax.
+    """
+    _expect_kernel(kernel, "online_decode_kernel")
+    rng = case_rng("ch05.check_online_softmax", seed)
+    gen = case_generator("ch05.check_online_softmax", seed)
+    scale = 1 / math.sqrt(ONLINE_D)
+    diagnosis = Diagnosis([
+        ("The output has inf or NaN: exponentiate against the new maximum, p = exp(s - m_new), and rescale by "
+         "alpha = exp(m_old - m_new), which is at most 1 (0 for the first tile, where m_old = -inf).",
+         lambda q, k, v, lens: torch.full(q.shape, float("nan"), dtype=torch.float64)),
+        ("acc was summed under the old maximum: multiply it by alpha = exp(m_old - m_new) before adding this tile's "
+         "p @ v.", lambda q, k, v, lens: _online(q, k, v, lens, scale, "acc")),
+        ("acc is rescaled but l is not: l = l * alpha + sum(p).", lambda q, k, v, lens: _online(q, k, v, lens, scale, "l")),
+        ("acc holds an unnormalised sum: divide it by l at the end.",
+         lambda q, k, v, lens: _online(q, k, v, lens, scale, "divide")),
+    ], "Check the update order: m_new, alpha, p, then l and acc, then m = m_new.",
+        lambda got, want: _same(torch.nan_to_num(got, nan=math.nan, posinf=math.nan, neginf=math.nan), want))  # fmt: skip
+    lens_sets = [[5, 16, 40, 80, 33]] + [[rng.randint(1, ONLINE_S) for _ in range(4)] for _ in range(2)]
+    for lens in lens_sets:
+        for growing in (True, False):
+            q = torch.randn(len(lens), ONLINE_D, generator=gen)
+            k = torch.randn(len(lens), ONLINE_S, ONLINE_D, generator=gen)
+            v = torch.randn(len(lens), ONLINE_S, ONLINE_D, generator=gen)
+            if growing:  # scores rise along the sequence: every new tile raises the running maximum
+                k += torch.arange(ONLINE_S)[None, :, None] * 0.15 * q[:, None, :] / q.norm(dim=1)[:, None, None]
+            out = torch.full_like(q, float("nan"))
+            _launch("online_decode_kernel", kernel, (len(lens),), q, k, v, torch.tensor(lens, dtype=torch.int32), out,
+                    scale, S_MAX=ONLINE_S, BLOCK_N=ONLINE_BLOCK_N, D=ONLINE_D)  # fmt: skip
+            want = _online(q, k, v, lens, scale)
+            if not _right(out, want):
+                kind = "scores rising along the sequence" if growing else "random scores"
+                diagnosis.record(f"online_decode_kernel with seq_lens {lens}, {kind}", (q, k, v, lens), out, want,
+                                 extra=f"; {tensor_diff(out, want)}")  # fmt: skip
+    diagnosis.raise_if_wrong()
+    return passed("the running max, sum and output are rescaled whenever a tile raises the maximum: one pass is exact.")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The block-table offset
+# ---------------------------------------------------------------------------------------------
+PAGED_D = 16
+
+
+def _read_as(case, block_size: int, slots_of: Callable) -> torch.Tensor:
+    """Attention computed with the K/V slots ``slots_of(b, positions)`` (NaN where that reads a NaN slot)."""
+    tables = case.block_tables.clamp_min(0).long()
+    hkv, d = case.k_cache.shape[2:]
+    flat_k, flat_v = case.k_cache.reshape(-1, hkv, d), case.v_cache.reshape(-1, hkv, d)
+    group = case.q.shape[1] // hkv
+    rows = []
+    for b, n in enumerate(case.seq_lens.tolist()):
+        idx = slots_of(tables, b, torch.arange(n)).clamp(0, flat_k.shape[0] - 1)
+        k = flat_k[idx].repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+        v = flat_v[idx].repeat_interleave(group, dim=1).transpose(0, 1)
+        rows.append(_attend(case.q[b], k, v, 1 / math.sqrt(d)))
+    return torch.stack(rows)
+
+
+def check_paged_offsets(kernel, seed: int = 0) -> bool:
+    """``paged_decode_kernel(Q, K_cache, V_cache, Block_tables, Seq_lens, Out, scale, stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh, stride_bt, GROUP, BLOCK_SIZE, BLOCK_N, D)``, grid ``(B, Hq)``.
+
+    ``Q, Out [B, Hq, D]``; ``K_cache, V_cache [num_blocks, BLOCK_SIZE, Hkv, D]`` with strides
+    ``stride_kb, stride_kt, stride_kh, 1``; ``Block_tables`` int32 ``[B, max_blocks]``; fp32 data.
+    """
+    _expect_kernel(kernel, "paged_decode_kernel")
+    rng = case_rng("ch05.check_paged_offsets", seed)
+    hints = {
+        "contiguous": "You read slot n as if the pool were one contiguous cache: look up the physical block "
+                      "block_tables[b, n // BLOCK_SIZE] first.",
+        "no_offset": "Every position of a block reads the block's first slot: add the offset (n % BLOCK_SIZE) times "
+                     "the token stride.",
+        "unscaled": "A block id counts blocks, not tokens: multiply it by the block stride (stride_kb), not by the "
+                    "token stride.",
+        "row0": "Every sequence reads sequence 0's table: row b of Block_tables starts at b * stride_bt.",
+    }  # fmt: skip
+    cases = []
+    for block_size, nan in ((4, False), (16, False), (1, True), (8, True)) + tuple(
+        (rng.choice([2, 4, 8, 16]), rng.random() < 0.5) for _ in range(2)
+    ):
+        others = sorted((rng.randint(1, 39) for _ in range(rng.randint(1, 3))), reverse=True)
+        # Sequence 0 is the longest, so even a kernel that reads row 0 for everyone stays inside the table.
+        cases.append((block_size, nan, [40, *others]))
+
+    def make(block_size, nan, lens, case_seed):
+        case = random_paged_case(case_seed, lens, num_q_heads=4, num_kv_heads=2, head_dim=PAGED_D,
+                                 block_size=block_size, spare_blocks=6)  # fmt: skip
+        if not nan:  # unused slots hold stale numbers (a wrong address then gives a wrong number, not NaN)
+            g = torch.Generator().manual_seed(case_seed)
+            for cache in (case.k_cache, case.v_cache):
+                stale = torch.isnan(cache)
+                cache[stale] = torch.randn(int(stale.sum()), generator=g) * 3
+        return case
+
+    def variant(name):
+        slots = {
+            "contiguous": lambda t, b, n, bs: n,
+            "no_offset": lambda t, b, n, bs: t[b, n // bs] * bs,
+            "unscaled": lambda t, b, n, bs: t[b, n // bs] + n % bs,
+            "row0": lambda t, b, n, bs: t[0, n // bs] * bs + n % bs,
+        }[name]
+        return lambda case, bs: _read_as(case, bs, lambda t, b, n: slots(t, b, n, bs))
+
+    diagnosis = Diagnosis([(hint, variant(name)) for name, hint in hints.items()],
+                          "The address of position n is block * stride_kb + (n % BLOCK_SIZE) * stride_kt "
+                          "+ kv_head * stride_kh.", _same)  # fmt: skip
+    for i, (block_size, nan, lens) in enumerate(cases):
+        case = make(block_size, nan, lens, rng.randrange(2**31) + i)
+        q, k_cache, v_cache, tables = case.q, case.k_cache, case.v_cache, case.block_tables
+        out = torch.full_like(q, float("nan"))
+        _launch("paged_decode_kernel", kernel, (q.shape[0], q.shape[1]), q, k_cache, v_cache, tables, case.seq_lens,
+                out, 1 / math.sqrt(PAGED_D), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                k_cache.stride(2), tables.stride(0), GROUP=2, BLOCK_SIZE=block_size, BLOCK_N=16, D=PAGED_D)  # fmt: skip
+        want = paged_decode_attention_ref(q, k_cache, v_cache, tables, case.seq_lens)
+        if not _right(out, want):
+            pad = "NaN" if nan else "stale numbers"
+            diagnosis.record(f"paged_decode_kernel with blocks of {block_size}, seq_lens {lens}, unused slots holding "
+                             f"{pad}", (case, block_size), out, want, extra=f"; {tensor_diff(out, want)}")  # fmt: skip
+    diagnosis.raise_if_wrong()
+    return passed("position n of sequence b lives at block_tables[b, n // BLOCK_SIZE] * stride_kb + "
+                  "(n % BLOCK_SIZE) * stride_kt: the slot mapping, inside the kernel.")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Bytes a decode step reads
+# ---------------------------------------------------------------------------------------------
+def _kv_bytes(seq_lens: list[int], num_kv_heads: int, head_dim: int, bytes_per_value: int) -> int:
+    """Reference: bytes of K and V one decode step reads in one layer."""
+    return 2 * sum(seq_lens) * num_kv_heads * head_dim * bytes_per_value
+
+
+def check_kv_bytes(fn: Callable[[list[int], int, int, int], int], seed: int = 0) -> bool:
+    """``fn(seq_lens, num_kv_heads, head_dim, bytes_per_value)``: bytes of K and V one layer's decode step reads."""
+    if not callable(fn):
+        raise ExerciseError(f"pass your function fn(seq_lens, num_kv_heads, head_dim, bytes_per_value), "
+                            f"got {type(fn).__name__}")  # fmt: skip
+    rng = case_rng("ch05.check_kv_bytes", seed)
+    cases = [([512], 8, 128, 2), ([100, 2000, 7], 8, 128, 2), ([4096] * 32, 8, 128, 1), ([1, 1], 3, 64, 4)]
+    cases += [([rng.randint(1, 5000) for _ in range(rng.randint(2, 6))], rng.choice([1, 2, 4, 8]),
+               rng.choice([64, 128, 256]), rng.choice([1, 2, 4])) for _ in range(4)]  # fmt: skip
+    diagnosis = Diagnosis([
+        ("Both K and V are read: twice the bytes of K alone.", lambda lens, h, d, nb: _kv_bytes(lens, h, d, nb) // 2),
+        ("Each sequence reads its own seq_len, not the longest one: sum the lengths.",
+         lambda lens, h, d, nb: 2 * len(lens) * max(lens) * h * d * nb),
+        ("bytes_per_value is already in bytes (2 for fp16): do not multiply by 8 bits.",
+         lambda lens, h, d, nb: 8 * _kv_bytes(lens, h, d, nb)),
+        ("Every KV head stores its own K and V: multiply by num_kv_heads.",
+         lambda lens, h, d, nb: _kv_bytes(lens, 1, d, nb)),
+    ], "Count tokens x KV heads x head_dim x bytes per value, for K and for V.", lambda a, b: a == b)  # fmt: skip
+    for seq_lens, hkv, d, nbytes in cases:
+        shown = seq_lens if len(seq_lens) < 5 else f"[{seq_lens[0]}, ... {len(seq_lens)} lengths]"
+        case = f"kv_bytes({shown}, {hkv}, {d}, {nbytes})"
+        got = call_learner("kv_bytes", fn, list(seq_lens), hkv, d, nbytes)
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            fail(case, expected="a number of bytes", got=type(got).__name__, hint="Return an int.")
+        want = _kv_bytes(seq_lens, hkv, d, nbytes)
+        if got != want:
+            diagnosis.record(case, (seq_lens, hkv, d, nbytes), got, want)
+    diagnosis.raise_if_wrong()
+    step = 32 * _kv_bytes([4096] * 32, 8, 128, 2)
+    return passed(f"32 layers x 32 sequences x 4096 tokens of Llama-3-8B's fp16 K/V is {step / 1e9:.1f} GB a step: at "
+                  f"least {step / 320e9 * 1e3:.0f} ms on a T4 (320 GB/s), whatever the kernel.")  # fmt: skip

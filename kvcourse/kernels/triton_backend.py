@@ -1,0 +1,54 @@
+"""The ``"triton"`` attention backend: the real model's decode steps through chapter 5's kernels.
+
+``model.forward_batch(batch, kv_pool, backend="triton")`` (and ``ModelRunner(..., backend="triton")``)
+builds one :class:`TritonBackend` per step. It is :class:`~kvcourse.attention.PagedTorchBackend` with two
+of its three operations replaced:
+
+* ``write_kv``: the new tokens' K/V go to their slots through :func:`~.triton_cache.reshape_and_cache`;
+* ``decode``: the sequences with one new token attend through the paged kernel
+  (:func:`~.triton_paged.paged_decode`), with the number of KV splits chosen once per step;
+* ``prefill`` (a prompt, or a chunk of one) stays the torch varlen reference: a prefill is
+  compute-bound matrix multiplication, a different kernel (FlashAttention's), outside this chapter.
+
+The step's metadata was validated when the :class:`~kvcourse.batch.ForwardBatch` was built, so the
+kernels launch without checks and without asking the device for anything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import PagedTorchBackend
+from .triton_cache import reshape_and_cache
+from .triton_paged import choose_num_splits, num_sms, paged_decode
+from .triton_runtime import check_kernel_device, launch_or_fallback
+
+__all__ = ["TritonBackend"]
+
+
+class TritonBackend(PagedTorchBackend):
+    """A ragged batch on a paged pool, written and decoded by Triton kernels (prefill in torch)."""
+
+    def __init__(self, kv_pool, batch) -> None:
+        super().__init__(kv_pool, batch)
+        check_kernel_device("kv_pool", kv_pool.k_cache[0])
+        self.num_splits = 1
+        if self.decode_seqs:
+            device = kv_pool.k_cache[0].device
+            self.num_splits = choose_num_splits(len(self.decode_seqs), kv_pool.num_kv_heads, self.decode_max_len,
+                                                num_sms(device))  # fmt: skip
+
+    def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
+        reshape_and_cache(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, self.batch.slot_mapping,
+                          check=False)  # fmt: skip
+
+    def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.shape[1], self.num_splits)
+        return launch_or_fallback(
+            "paged_decode_attention", q.device, config,
+            lambda: paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens, self.scale, self.num_splits),
+            lambda: super(TritonBackend, self).decode(layer_idx, q),
+        )  # fmt: skip

@@ -1,0 +1,144 @@
+"""The K/V cache write in Triton (vLLM's ``reshape_and_cache``), float and int8.
+
+Each step, the new tokens' keys and values ``[N, Hkv, D]`` (packed, sequence after sequence) go to
+their slots of the pool: token ``i`` to offset ``slot_mapping[i] % block_size`` of block
+``slot_mapping[i] // block_size``. Slot ``-1`` marks padding (a token that must not be cached) and is
+skipped. The float kernel copies bits, so the pool holds exactly what the model computed; the int8
+kernel quantizes on the way (:mod:`.int8` gives the formula and the reference it must equal, bit for bit).
+
+One program writes ``BLOCK_T`` tokens, every head and dimension of each: a 3-D tile
+``[BLOCK_T, Hkv, D]`` (each padded to a power of two).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .int8 import QMAX, _float_view, check_int8_pool, reshape_and_cache_int8_ref
+from .reference import check_reshape_and_cache, reshape_and_cache_ref
+from .triton_runtime import check_kernel_device, launch_or_fallback, tl, triton
+
+__all__ = ["reshape_and_cache", "reshape_and_cache_int8"]
+
+TILE_ELEMENTS = 4096  # values per program: BLOCK_T x Hkv x D, padded
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    Key, Value, K_cache, V_cache, K_scale, V_scale, Slots, num_tokens,
+    stride_kn, stride_kh, stride_vn, stride_vh,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+    stride_sb, stride_st, stride_sh,
+    NUM_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_T: tl.constexpr,  # tokens per program
+    INT8: tl.constexpr,
+    QMAX: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(Slots + t, mask=t < num_tokens, other=-1).to(tl.int64)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_HEADS)
+    d = tl.arange(0, BLOCK_D)
+    t3, h3, d3 = t[:, None, None], h[None, :, None], d[None, None, :]
+    mask = (slot >= 0)[:, None, None] & (h3 < NUM_HEADS) & (d3 < HEAD_DIM)  # padding slots write nothing
+    k = tl.load(Key + t3 * stride_kn + h3 * stride_kh + d3, mask=mask, other=0.0)
+    v = tl.load(Value + t3 * stride_vn + h3 * stride_vh + d3, mask=mask, other=0.0)
+    k_dst = K_cache + (block * stride_kcb + offset * stride_kct)[:, None, None] + h3 * stride_kch + d3
+    v_dst = V_cache + (block * stride_vcb + offset * stride_vct)[:, None, None] + h3 * stride_vch + d3
+    if INT8:
+        # scale = max|x| / 127, q = floor(x / scale + 1/2): div_rn is IEEE division (Triton's `/`
+        # on fp32 is an approximate division on NVIDIA GPUs), so the bits match the torch reference.
+        k, v = k.to(tl.float32), v.to(tl.float32)
+        k_scale = tl.div_rn(tl.max(tl.abs(k), 2), QMAX * 1.0)
+        v_scale = tl.div_rn(tl.max(tl.abs(v), 2), QMAX * 1.0)
+        k_q = tl.floor(tl.div_rn(k, tl.where(k_scale > 0, k_scale, 1.0)[:, :, None]) + 0.5)
+        v_q = tl.floor(tl.div_rn(v, tl.where(v_scale > 0, v_scale, 1.0)[:, :, None]) + 0.5)
+        tl.store(k_dst, tl.clamp(k_q, -QMAX, QMAX).to(tl.int8), mask=mask)
+        tl.store(v_dst, tl.clamp(v_q, -QMAX, QMAX).to(tl.int8), mask=mask)
+        s_dst = (block * stride_sb + offset * stride_st)[:, None] + h[None, :] * stride_sh
+        s_mask = (slot >= 0)[:, None] & (h[None, :] < NUM_HEADS)
+        tl.store(K_scale + s_dst, k_scale, mask=s_mask)
+        tl.store(V_scale + s_dst, v_scale, mask=s_mask)
+    else:
+        tl.store(k_dst, k, mask=mask)
+        tl.store(v_dst, v, mask=mask)
+
+
+def _launch(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Launch on inputs already checked (no validation, no host-device synchronisation)."""
+    n = key.shape[0]
+    if n == 0:
+        return
+    num_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    block_heads, block_d = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim)
+    block_t = min(max(1, TILE_ELEMENTS // (block_heads * block_d)), triton.next_power_of_2(n))
+    int8 = k_scale is not None
+    scales = (k_scale, v_scale) if int8 else (key, key)  # unused pointers when not int8
+    _reshape_and_cache_kernel[(triton.cdiv(n, block_t),)](
+        key, value, key_cache, value_cache, *scales, slot_mapping, n,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *key_cache.stride()[:3], *value_cache.stride()[:3], *(k_scale.stride() if int8 else (0, 0, 0)),
+        NUM_HEADS=num_heads, BLOCK_HEADS=block_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_T=block_t, INT8=int8, QMAX=QMAX, num_warps=4,
+    )  # fmt: skip
+
+
+def _last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim), got strides {t.stride()}")
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    check: bool = True,
+) -> None:
+    """Write ``key, value [N, Hkv, D]`` into the pool ``[num_blocks, block_size, Hkv, D]`` at ``slot_mapping [N]``.
+
+    In place, bit-exact; slot ``-1`` is skipped. ``check=False`` skips the validation (the attention
+    backend has validated the whole step once). Equal to :func:`~kvcourse.kernels.reference.reshape_and_cache_ref`.
+    """
+    if check:
+        check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        check_kernel_device("key", key)
+        _last_dim_contiguous(key=key, value=value, key_cache=key_cache, value_cache=value_cache)
+    config = (key.dtype, key_cache.shape[2], key_cache.shape[3], key_cache.shape[1])
+    launch_or_fallback(
+        "reshape_and_cache", key.device, config,
+        lambda: _launch(key, value, key_cache, value_cache, slot_mapping),
+        lambda: reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping),
+    )  # fmt: skip
+
+
+def reshape_and_cache_int8(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Quantize ``key, value [N, Hkv, D]`` to int8 and write them and their scales at ``slot_mapping [N]``.
+
+    ``key_cache, value_cache`` int8 ``[num_blocks, block_size, Hkv, D]``; ``k_scale, v_scale`` fp32
+    ``[num_blocks, block_size, Hkv]``. Equal, bit for bit, to :func:`~kvcourse.kernels.int8.reshape_and_cache_int8_ref`.
+    """
+    check_int8_pool(key_cache, value_cache, k_scale, v_scale)
+    check_reshape_and_cache(key, value, _float_view(key_cache, key), _float_view(value_cache, key), slot_mapping)
+    check_kernel_device("key", key)
+    _last_dim_contiguous(key=key, value=value, key_cache=key_cache, value_cache=value_cache)
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError(f"k_scale and v_scale must have one layout, got strides {k_scale.stride()} and {v_scale.stride()}")
+    config = (key.dtype, key_cache.shape[2], key_cache.shape[3], key_cache.shape[1])
+    launch_or_fallback(
+        "reshape_and_cache_int8", key.device, config,
+        lambda: _launch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale),
+        lambda: reshape_and_cache_int8_ref(key, value, key_cache, value_cache, k_scale, v_scale, slot_mapping),
+    )  # fmt: skip

@@ -1,0 +1,313 @@
+"""Paged decode attention in Triton, with split-KV (flash-decoding) and int8 K/V.
+
+The contiguous kernel (:mod:`.triton_decode`) changes in one place: where position ``n`` of sequence
+``b`` lives. In a paged pool ``[num_blocks, block_size, Hkv, D]`` it is offset ``n % block_size`` of
+block ``block_tables[b, n // block_size]`` -- the slot mapping of chapter 4, computed inside the kernel
+for a whole tile of positions at once. Nothing else moves: the same grouping of query heads, the same
+online softmax, the same masks.
+
+**Split-KV.** One program per (sequence, KV head) gives a batch-1 decode of an 8-KV-head model eight
+programs: eight of a GPU's 100+ streaming multiprocessors work, the rest wait, and the step takes as
+long as one program needs to read the whole context. Flash-decoding (Dao et al., 2023) cuts each
+sequence's context into ``num_splits`` ranges, one program each (stage 1). Each program writes its
+partial output, normalised over its own range, and the log-sum-exp ``lse`` of its scores. Stage 2
+merges them: with ``M = max_i lse_i``, ``out = sum_i exp(lse_i - M) o_i / sum_i exp(lse_i - M)``. A
+range past the end of a short sequence is empty: it writes ``lse = -inf`` and weighs nothing.
+
+**int8 K/V.** With ``k_scale, v_scale [num_blocks, block_size, Hkv]`` (one fp32 scale per token and
+head, :mod:`.int8`) the kernel loads int8 values, converts them exactly to the query's dtype, and
+applies the scales where they cost least: ``q . (s_k k) = s_k (q . k)`` scales a score, and
+``sum_n p_n (s_v,n v_n) = sum_n (p_n s_v,n) v_n`` scales a probability. Half the bytes of fp16 are read.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .int8 import check_paged_int8, paged_decode_attention_int8_ref
+from .reference import _default_scale, check_block_tables, check_paged, paged_attention
+from .triton_decode import LOG2E, group_rows, tile_config
+from .triton_runtime import check_kernel_device, dot_precision, launch_or_fallback, tl, triton, upcast
+
+__all__ = ["MAX_SPLITS", "choose_num_splits", "paged_decode", "paged_decode_attention", "paged_decode_attention_int8"]
+
+MAX_SPLITS = 64  # stage 2 merges up to this many partial results per head in one tile
+MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it saves
+
+
+def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int | None) -> int:
+    """How many KV splits a decode step should use: enough programs to fill the GPU, no shorter splits than needed.
+
+    Stage 1 runs ``batch_size * num_kv_heads * num_splits`` programs. Aim for two per streaming
+    multiprocessor (``num_sms``), but never cut a context into splits of fewer than
+    :data:`MIN_SPLIT_TOKENS` positions. A big batch already fills the GPU: 1 split. ``num_sms=None``
+    (the CPU interpreter, where programs run one after another) also gives 1.
+    """
+    for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("max_seq_len", max_seq_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if num_sms is None:
+        return 1
+    wanted = math.ceil(2 * num_sms / (batch_size * num_kv_heads))
+    useful = math.ceil(max_seq_len / MIN_SPLIT_TOKENS)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device; ``None`` elsewhere."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def _paged_decode_kernel(
+    Q, K_cache, V_cache, K_scale, V_scale, Block_tables, Seq_lens, Out, Lse,
+    scale_log2e,
+    stride_qb, stride_qh,
+    stride_kb, stride_kt, stride_kh,  # K pool: block, token slot in the block, head (D has stride 1)
+    stride_vb, stride_vt, stride_vh,
+    stride_sb, stride_st, stride_sh,  # int8 scales [num_blocks, block_size, Hkv]
+    stride_bt,
+    stride_ob, stride_oh, stride_os,  # Out: [B, Hq, D] when NUM_SPLITS == 1, else fp32 [B, Hq, NUM_SPLITS, D]
+    stride_lb, stride_lh,  # Lse: fp32 [B, Hq, NUM_SPLITS]
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_N: tl.constexpr,  # positions per tile (any multiple or fraction of BLOCK_SIZE)
+    NUM_SPLITS: tl.constexpr,
+    KV_INT8: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(Seq_lens + b)
+    split_len = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)  # this program's positions: start .. end - 1 (maybe none)
+
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    h_ok, d_ok = h < GROUP, d < HEAD_DIM
+    heads = kv_head * GROUP + h
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                other=0.0)  # fmt: skip
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.full([BLOCK_H], 0.0, tl.float32)
+    acc = tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32)
+    table = Block_tables + b * stride_bt
+    for tile_start in range(start, end, BLOCK_N):
+        n = tile_start + tl.arange(0, BLOCK_N)
+        n_ok = n < end
+        # The block-table indirection: logical block n // BLOCK_SIZE -> physical block, offset n % BLOCK_SIZE.
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        offset = n % BLOCK_SIZE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k_ptrs = K_cache + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None] + d[None, :]
+        v_ptrs = V_cache + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None] + d[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        if KV_INT8:  # int8 -> the query's dtype is exact (|x| <= 127); the scales come after the dots
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        elif UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
+        if KV_INT8:
+            scale_off = block * stride_sb + offset * stride_st + kv_head * stride_sh
+            s = s * tl.load(K_scale + scale_off, mask=n_ok, other=0.0)[None, :]
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        if KV_INT8:
+            p = p * tl.load(V_scale + scale_off, mask=n_ok, other=0.0)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    o_mask = h_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l[:, None]
+        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty), mask=o_mask)
+    else:
+        # An empty split (start >= end) summed nothing: l = 0. It writes o = 0 and lse = -inf.
+        nonempty = l > 0
+        out = acc / tl.where(nonempty, l, 1.0)[:, None]
+        lse = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("-inf"))  # log2 units
+        o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+        tl.store(o_ptrs, out, mask=o_mask)
+        tl.store(Lse + b * stride_lb + heads * stride_lh + split, lse, mask=h_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    Partial, Lse, Out,
+    stride_pb, stride_ph, stride_ps,
+    stride_lb, stride_lh,
+    stride_ob, stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # NUM_SPLITS padded to a power of two
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Stage 2: one program per (sequence, query head) merges its splits' partial outputs."""
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok, d_ok = s < NUM_SPLITS, d < HEAD_DIM
+    lse = tl.load(Lse + b * stride_lb + head * stride_lh + s, mask=s_ok, other=float("-inf"))
+    o = tl.load(Partial + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    w = tl.exp2(lse - tl.max(lse, 0))  # empty splits: exp2(-inf) = 0; at least one split is not empty
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Launch the kernels on inputs already checked: no validation, no host-device synchronisation.
+
+    The attention backend calls this once per layer; :func:`paged_decode_attention` checks, then calls it.
+    """
+    batch, hq, head_dim = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    cfg = tile_config(head_dim, q.dtype, q.device)
+    int8 = k_scale is not None
+    scales = (k_scale, v_scale) if int8 else (q, q)  # unused pointers when not int8
+    s_strides = k_scale.stride() if int8 else (0, 0, 0)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_splits == 1:
+        partial, lse = out, out  # stage 1 writes the final output directly
+        o_strides, l_strides = (out.stride(0), out.stride(1), 0), (0, 0)
+    else:
+        partial = torch.empty(batch, hq, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=q.device)
+        o_strides, l_strides = partial.stride()[:3], lse.stride()[:2]
+    _paged_decode_kernel[(batch, hkv, num_splits)](
+        q, k_cache, v_cache, *scales, block_tables, seq_lens, partial, lse, scale * LOG2E,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *s_strides,
+        block_tables.stride(0), *o_strides, *l_strides,
+        GROUP=group, BLOCK_H=group_rows(group), HEAD_DIM=head_dim, BLOCK_D=cfg["BLOCK_D"], BLOCK_SIZE=block_size,
+        BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, KV_INT8=int8, UPCAST=upcast(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(batch, hq)](
+            partial, lse, out, *partial.stride()[:3], *lse.stride()[:2], out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            BLOCK_D=cfg["BLOCK_D"], num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def check_num_splits(num_splits: int | None, batch: int, hkv: int, max_seq_len: int, device: torch.device) -> int:
+    """``num_splits`` as given (validated), or chosen by :func:`choose_num_splits` when ``None``."""
+    if num_splits is None:
+        return choose_num_splits(batch, hkv, max_seq_len, num_sms(device))
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [1, {MAX_SPLITS}] or None (chosen for you), got {num_splits!r}")
+    return num_splits
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention read through block tables: ``q [B, Hq, D]`` -> ``[B, Hq, D]``.
+
+    Args:
+        q: one query per sequence (its newest token).
+        k_cache, v_cache: one layer's pool, ``[num_blocks, block_size, Hkv, D]``, the dtype of ``q``.
+        block_tables: int32 ``[B, max_blocks]``; row ``b``'s first ``ceil(seq_lens[b] / block_size)``
+            entries are sequence ``b``'s blocks, the rest padding (never read).
+        seq_lens: int32 ``[B]``, cached tokens per sequence.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        num_splits: KV splits per sequence (flash-decoding); ``None`` picks :func:`choose_num_splits`.
+
+    Equal to :func:`~kvcourse.kernels.reference.paged_decode_attention_ref`.
+    """
+    check_paged(q, k_cache, v_cache, "[B, Hq, D]")
+    check_kernel_device("q", q)
+    lens = check_block_tables(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1], q.device)
+    if len(lens) != q.shape[0]:
+        raise ValueError(f"block_tables and seq_lens have {len(lens)} rows but q has batch size {q.shape[0]}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim), got strides {t.stride()}")
+    scale = _default_scale(scale, q.shape[-1])
+    splits = check_num_splits(num_splits, q.shape[0], k_cache.shape[2], max(lens), q.device)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+
+    def reference() -> torch.Tensor:
+        q_pos = (seq_lens.to(torch.int64) - 1)[:, None]
+        return paged_attention(q[:, None], q_pos, k_cache, v_cache, block_tables, seq_lens, scale, max(lens))[:, 0]
+
+    config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.shape[1], splits)
+    return launch_or_fallback(
+        "paged_decode_attention", q.device, config,
+        lambda: paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits), reference,
+    )  # fmt: skip
+
+
+def paged_decode_attention_int8(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """:func:`paged_decode_attention` on an int8 pool, dequantized inside the kernel.
+
+    ``k_cache, v_cache`` int8 ``[num_blocks, block_size, Hkv, D]``, ``k_scale, v_scale`` fp32
+    ``[num_blocks, block_size, Hkv]`` (written by :func:`~kvcourse.kernels.triton_cache.reshape_and_cache_int8`).
+    Equal to :func:`~kvcourse.kernels.int8.paged_decode_attention_int8_ref`.
+    """
+    lens = check_paged_int8(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens)
+    check_kernel_device("q", q)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim), got strides {t.stride()}")
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError(f"k_scale and v_scale must have one layout, got strides {k_scale.stride()} and {v_scale.stride()}")
+    scale = _default_scale(scale, q.shape[-1])
+    splits = check_num_splits(num_splits, q.shape[0], k_cache.shape[2], max(lens), q.device)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.shape[1], splits)
+    return launch_or_fallback(
+        "paged_decode_attention_int8", q.device, config,
+        lambda: paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, k_scale, v_scale),
+        lambda: paged_decode_attention_int8_ref(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale),
+    )  # fmt: skip

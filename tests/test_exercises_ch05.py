@@ -1,0 +1,264 @@
+"""Chapter 5's checks accept right kernels and reject the typical wrong ones, each with its own hint.
+
+The kernels here are written independently of the notebook's solutions; the wrong ones are the
+mistakes the hints name. They run in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcourse.exercises import ExerciseError, ch05
+from kvcourse.kernels.triton_runtime import tl, triton
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. The missing mask: one program per sequence, the whole context in one tile
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def mask_right(Q, K, V, Seq_lens, Out, scale, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    n = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    ok = n < tl.load(Seq_lens + b)
+    q = tl.load(Q + b * D + d)
+    k = tl.load(K + b * BLOCK_S * D + n[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    v = tl.load(V + b * BLOCK_S * D + n[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    s = tl.where(ok, tl.sum(q[None, :] * k, 1) * scale, float("-inf"))
+    p = tl.exp(s - tl.max(s, 0))
+    tl.store(Out + b * D + d, tl.sum(p[:, None] * v, 0) / tl.sum(p, 0))
+
+
+@triton.jit
+def mask_none(Q, K, V, Seq_lens, Out, scale, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    n = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * D + d)
+    k = tl.load(K + b * BLOCK_S * D + n[:, None] * D + d[None, :])
+    v = tl.load(V + b * BLOCK_S * D + n[:, None] * D + d[None, :])
+    s = tl.sum(q[None, :] * k, 1) * scale
+    p = tl.exp(s - tl.max(s, 0))
+    tl.store(Out + b * D + d, tl.sum(p[:, None] * v, 0) / tl.sum(p, 0))
+
+
+@triton.jit
+def mask_loads_only(Q, K, V, Seq_lens, Out, scale, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    n = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    ok = n < tl.load(Seq_lens + b)
+    q = tl.load(Q + b * D + d)
+    k = tl.load(K + b * BLOCK_S * D + n[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    v = tl.load(V + b * BLOCK_S * D + n[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    s = tl.sum(q[None, :] * k, 1) * scale
+    p = tl.exp(s - tl.max(s, 0))
+    tl.store(Out + b * D + d, tl.sum(p[:, None] * v, 0) / tl.sum(p, 0))
+
+
+@triton.jit
+def mask_scores_only(Q, K, V, Seq_lens, Out, scale, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    n = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    ok = n < tl.load(Seq_lens + b)
+    q = tl.load(Q + b * D + d)
+    k = tl.load(K + b * BLOCK_S * D + n[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    v = tl.load(V + b * BLOCK_S * D + n[:, None] * D + d[None, :])  # V padding loaded
+    s = tl.where(ok, tl.sum(q[None, :] * k, 1) * scale, float("-inf"))
+    p = tl.exp(s - tl.max(s, 0))
+    tl.store(Out + b * D + d, tl.sum(p[:, None] * v, 0) / tl.sum(p, 0))
+
+
+@triton.jit
+def mask_off_by_one(Q, K, V, Seq_lens, Out, scale, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    n = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    ok = n <= tl.load(Seq_lens + b)
+    q = tl.load(Q + b * D + d)
+    k = tl.load(K + b * BLOCK_S * D + n[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    v = tl.load(V + b * BLOCK_S * D + n[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    s = tl.where(ok, tl.sum(q[None, :] * k, 1) * scale, float("-inf"))
+    p = tl.exp(s - tl.max(s, 0))
+    tl.store(Out + b * D + d, tl.sum(p[:, None] * v, 0) / tl.sum(p, 0))
+
+
+def test_masked_decode_accepts_right_kernel():
+    assert ch05.check_masked_decode(mask_right)
+
+
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (mask_none, "attends to all BLOCK_S slots"),
+        (mask_loads_only, "set the scores of masked positions to -inf"),
+        (mask_scores_only, "Mask the loads of K and V"),
+        (mask_off_by_one, "One slot too many"),
+        (lambda *a: None, "@triton.jit kernel masked_decode_kernel itself"),
+    ],
+    ids=["no-mask", "loads-only", "scores-only", "off-by-one", "not-a-kernel"],
+)
+def test_masked_decode_rejects_wrong_kernels(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch05.check_masked_decode(wrong)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The online softmax: tiles of BLOCK_N, running max / sum / output
+# ---------------------------------------------------------------------------------------------
+class Bound:
+    """A kernel with some constexpr arguments fixed: launched as ``bound[grid](*args, **constexprs)``."""
+
+    def __init__(self, kernel, **fixed) -> None:
+        self.kernel, self.fixed, self.fn = kernel, fixed, kernel.fn
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: launch(*args, **kwargs, **self.fixed)
+
+
+@triton.jit
+def online_kernel(Q, K, V, Seq_lens, Out, scale, S_MAX: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
+                  MISTAKE: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    seq_len = tl.load(Seq_lens + b)
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * D + d)
+    m = tl.full([1], float("-inf"), tl.float32)
+    l = tl.full([1], 0.0, tl.float32)
+    acc = tl.full([D], 0.0, tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        ok = n < seq_len
+        k = tl.load(K + b * S_MAX * D + n[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        v = tl.load(V + b * S_MAX * D + n[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        s = tl.where(ok, tl.sum(q[None, :] * k, 1) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 0))
+        if MISTAKE == "inverted":
+            alpha = tl.exp(m_new - m)
+        else:
+            alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        if MISTAKE == "l":
+            l = l + tl.sum(p, 0)
+        else:
+            l = l * alpha + tl.sum(p, 0)
+        if MISTAKE == "acc":
+            acc = acc + tl.sum(p[:, None] * v, 0)
+        else:
+            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        m = m_new
+    if MISTAKE != "divide":
+        acc = acc / l
+    tl.store(Out + b * D + d, acc)
+
+
+def _online(mistake: str) -> Bound:
+    return Bound(online_kernel, MISTAKE=mistake)
+
+
+def test_online_softmax_accepts_right_kernel():
+    assert ch05.check_online_softmax(_online("none"))
+
+
+@pytest.mark.parametrize(
+    "mistake, hint",
+    [("acc", "multiply it by alpha"), ("l", "l is not"), ("divide", "divide it by l"), ("inverted", "inf or NaN")],
+)
+def test_online_softmax_rejects_wrong_kernels(mistake, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch05.check_online_softmax(_online(mistake))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. The block-table offset
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def paged_kernel(Q, K_cache, V_cache, Block_tables, Seq_lens, Out, scale, stride_qb, stride_qh, stride_kb, stride_kt,
+                 stride_kh, stride_bt, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 D: tl.constexpr, MISTAKE: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_head = h // GROUP
+    seq_len = tl.load(Seq_lens + b)
+    d = tl.arange(0, D)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + d)
+    m = tl.full([1], float("-inf"), tl.float32)
+    l = tl.full([1], 0.0, tl.float32)
+    acc = tl.full([D], 0.0, tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        ok = n < seq_len
+        if MISTAKE == "row0":
+            block = tl.load(Block_tables + n // BLOCK_SIZE, mask=ok, other=0)
+        else:
+            block = tl.load(Block_tables + b * stride_bt + n // BLOCK_SIZE, mask=ok, other=0)
+        if MISTAKE == "contiguous":
+            row = n * stride_kt
+        elif MISTAKE == "no_offset":
+            row = block * stride_kb
+        elif MISTAKE == "unscaled":
+            row = block * stride_kt + (n % BLOCK_SIZE) * stride_kt
+        else:
+            row = block * stride_kb + (n % BLOCK_SIZE) * stride_kt
+        ptr = row[:, None] + kv_head * stride_kh + d[None, :]
+        k = tl.load(K_cache + ptr, mask=ok[:, None], other=0.0)
+        v = tl.load(V_cache + ptr, mask=ok[:, None], other=0.0)
+        s = tl.where(ok, tl.sum(q[None, :] * k, 1) * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
+        l = l * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        m = m_new
+    tl.store(Out + b * stride_qb + h * stride_qh + d, acc / l)
+
+
+def _paged(mistake: str) -> Bound:
+    return Bound(paged_kernel, MISTAKE=mistake)
+
+
+def test_paged_offsets_accepts_right_kernel():
+    assert ch05.check_paged_offsets(_paged("none"))
+
+
+@pytest.mark.parametrize(
+    "mistake, hint",
+    [("contiguous", "look up the physical block"), ("no_offset", "add the offset"),
+     ("unscaled", "multiply it by the block stride"), ("row0", "sequence 0's table")],  # fmt: skip
+)
+def test_paged_offsets_rejects_wrong_kernels(mistake, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch05.check_paged_offsets(_paged(mistake))
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Bytes of K and V
+# ---------------------------------------------------------------------------------------------
+def test_kv_bytes_accepts_right_answer():
+    assert ch05.check_kv_bytes(lambda lens, hkv, d, nb: 2 * sum(lens) * hkv * d * nb)
+
+
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (lambda lens, hkv, d, nb: sum(lens) * hkv * d * nb, "Both K and V"),
+        (lambda lens, hkv, d, nb: 2 * len(lens) * max(lens) * hkv * d * nb, "sum the lengths"),
+        (lambda lens, hkv, d, nb: 16 * sum(lens) * hkv * d * nb, "multiply by 8 bits"),
+        (lambda lens, hkv, d, nb: "many", "a number of bytes"),
+        (lambda lens, hkv, d, nb: 2 * sum(lens) * d * nb, "multiply by num_kv_heads"),
+        (lambda lens, hkv, d, nb: 2 * sum(lens) * hkv * d, "tokens x KV heads x head_dim x bytes"),
+    ],
+    ids=["k-only", "max-len", "bits", "not-a-number", "no-heads", "no-bytes"],
+)
+def test_kv_bytes_rejects_wrong_answers(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch05.check_kv_bytes(wrong)
+
+
+def test_other_seeds_draw_other_cases_and_still_accept_right_answers():
+    assert ch05.check_kv_bytes(lambda lens, hkv, d, nb: 2 * sum(lens) * hkv * d * nb, seed=7)
+    assert ch05.check_masked_decode(mask_right, seed=3)
+    with pytest.raises(ExerciseError, match="One slot too many"):
+        ch05.check_masked_decode(mask_off_by_one, seed=3)

@@ -1,0 +1,83 @@
+"""The kernel benchmark's plumbing (shapes, bytes, targets, the results file), run on CPU with a stand-in timer.
+
+No speed is asserted here: the benchmark itself only runs on a GPU (``python -m kvcourse.bench kernels``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvcourse.bench import __main__ as bench_main
+from kvcourse.bench import kernels as bench
+from kvcourse.kernels.roofline import GPU_PEAKS, peak_for
+
+
+def test_shapes_cover_the_issue_grid():
+    full = bench.shapes()
+    assert len(full) == 5 * 4 + 1 and (1, 65536) in full and (128, 32768) in full
+    assert set(bench.shapes(quick=True)) <= set(full)
+
+
+def test_run_on_cpu_with_a_stand_in_timer(tmp_path):
+    calls = []
+
+    def timer(fn):  # runs the function once (as do_bench would), reports a fixed 2 ms
+        fn()
+        calls.append(fn)
+        return 2.0
+
+    variants = ("paged", "paged-unsplit", "paged-int8", "contiguous", "sdpa")
+    rows = bench.run([(2, 48)], torch.device("cpu"), timer, variants, log=lambda line: None)
+    assert [r["variant"] for r in rows] == list(variants) and len(calls) == len(variants)
+    paged = rows[0]
+    # K and V: 2 x 96 tokens x 8 heads x 128 x 2 bytes; q and out: 2 x 2 x 32 x 128 x 2; tables: 2 x 3 x 4.
+    assert paged["bytes"] == 2 * 96 * 8 * 128 * 2 + 2 * 2 * 32 * 128 * 2 + 2 * 3 * 4
+    assert paged["gbps"] == pytest.approx(paged["bytes"] / 2e-3 / 1e9)
+    assert paged["pct_peak"] is None  # no vendor peak for a CPU
+    int8 = rows[2]
+    assert int8["bytes"] == 2 * 96 * 8 * (128 + 4) + 2 * 2 * 32 * 128 * 2 + 2 * 3 * 4
+    result = dict(benchmark="kernels", provenance=bench.provenance(torch.device("cpu")), rows=rows,
+                  targets=bench.targets(rows))  # fmt: skip
+    path = bench.write_results(result, tmp_path)
+    saved = json.loads(path.read_text())
+    assert path.name.startswith("kernels-cpu-") and saved["provenance"]["torch"] == torch.__version__
+    assert {"triton", "date", "commit"} <= set(saved["provenance"])
+    # No vendor peak for a CPU, no 64k or 16k shape here: only the paged / contiguous ratio (2 ms / 2 ms) is read.
+    assert {t["name"]: t["met"] for t in saved["targets"]} == dict(
+        paged_peak=None, paged_vs_contiguous=True, split_peak=None, split_speedup=None, int8_speedup=None
+    )
+
+
+def test_targets_read_the_rows():
+    def row(b, c, v, ms, pct):
+        return dict(batch=b, context=c, tokens=b * c, variant=v, ms=ms, pct_peak=pct)
+
+    rows = [row(1, 65536, "paged", 1.0, 75.0), row(1, 65536, "paged-unsplit", 2.0, 37.5),
+            row(1, 65536, "contiguous", 0.95, 79.0), row(1, 65536, "paged-int8", 0.6, 65.0),
+            row(8, 8192, "paged", 1.0, 85.0), row(8, 8192, "contiguous", 1.0, 85.0)]  # fmt: skip
+    got = {t["name"]: (t["value"], t["met"]) for t in bench.targets(rows)}
+    assert got["paged_peak"] == (75.0, False)  # the worst shape with batch x context >= 64k
+    assert got["paged_vs_contiguous"] == (0.95, True)  # worst of 0.95 / 1.0 and 1.0 / 1.0
+    assert got["split_peak"] == (75.0, True)
+    assert got["split_speedup"] == (2.0, True)
+    assert got["int8_speedup"] == (pytest.approx(1 / 0.6), True)
+
+
+def test_cpu_refuses_clearly(capsys):
+    if torch.cuda.is_available():  # pragma: no cover
+        pytest.skip("a GPU is present: the benchmark would run for real")
+    assert bench.main([]) == 0
+    assert "no CUDA GPU here" in capsys.readouterr().out
+    assert bench_main.main(["nope"]) == 2
+
+
+def test_peak_for_known_gpu_names():
+    assert peak_for("Tesla T4") is GPU_PEAKS["T4"]
+    assert peak_for("NVIDIA A100-SXM4-80GB") is GPU_PEAKS["A100-80GB"]
+    assert peak_for("NVIDIA A100-PCIE-40GB") is GPU_PEAKS["A100-40GB"]
+    assert peak_for("NVIDIA H100 80GB HBM3") is GPU_PEAKS["H100-SXM"]
+    assert peak_for("NVIDIA H100 PCIe") is None  # a different memory system: not in the table
+    assert peak_for("NVIDIA H200") is GPU_PEAKS["H200"]
