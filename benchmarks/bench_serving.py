@@ -24,7 +24,6 @@ of static batching and of HF on the trace, and a lower p99 TTFT than static batc
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from machine import machine_info
 
 import kvcourse
 from kvcourse import SamplingParams
@@ -49,16 +49,6 @@ TEXT = (
     "disputes that it reshaped religion, science and politics. Letters, pamphlets and newspapers followed, "
     "and with them a new public that read, argued and wrote back. "
 )
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def make_workload(tok, num: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -153,9 +143,7 @@ def main() -> None:
     prompts, output_lens = make_workload(tok, args.requests, args.seed)
     params = [SamplingParams(max_new_tokens=n, stop_token_ids=()) for n in output_lens]
     res = {
-        "machine": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "python": platform.python_version(),
-        "date": datetime.date.today().isoformat(), "note": args.note,
+        **machine_info(), "cores": os.cpu_count(), "python": platform.python_version(), "note": args.note,
         "load_average_start": [round(x, 2) for x in os.getloadavg()],
         "requests": args.requests, "batch_size": args.batch_size, "seed": args.seed,
         "prompt_tokens": {"mean": float(np.mean([len(p) for p in prompts])), "max": max(len(p) for p in prompts)},
@@ -171,7 +159,7 @@ def main() -> None:
     if not args.skip_hf:
         modes["hf_padded"] = lambda p, sp: run_hf(p, [s.max_new_tokens for s in sp], args.batch_size)
     header = f"{'mode':20s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s} {'time':>7s}"
-    print(f"{args.requests} requests, {sum(output_lens)} output tokens, {res['threads']} threads, {res['machine']}")
+    print(f"{args.requests} requests, {sum(output_lens)} output tokens, {res['threads']} threads, {res['processor']}")
     print(header)
     for name, run in modes.items():
         r = run(prompts, params)

@@ -15,11 +15,11 @@ from kvcourse.serving import Scheduler
 
 # ---- the references -----------------------------------------------------------------------------
 def test_admit_reference_by_hand():
-    assert ch06.admit([30, 10], 32, 100, 16) == [30, 2]
-    assert ch06.admit([10, 200, 5], 64, 100, 16) == [10, 54]
-    assert ch06.admit([40, 5], 64, 2, 16) == []  # 40 tokens need 3 blocks; 5 may not overtake
-    assert ch06.admit([17], 64, 1, 16) == []
-    assert ch06.admit([17], 64, 2, 16) == [17]
+    assert ch06._admit([30, 10], 32, 100, 16) == [30, 2]
+    assert ch06._admit([10, 200, 5], 64, 100, 16) == [10, 54]
+    assert ch06._admit([40, 5], 64, 2, 16) == []  # 40 tokens need 3 blocks; 5 may not overtake
+    assert ch06._admit([17], 64, 1, 16) == []
+    assert ch06._admit([17], 64, 2, 16) == [17]
 
 
 def test_victims_reference_equals_the_scheduler():
@@ -39,14 +39,14 @@ def test_victims_reference_equals_the_scheduler():
             bm.allocate(name, computed)
             sched.running.append(seq)
         out = sched.schedule()
-        assert [s.seq_id for s in out.preempted] == ch06.victims(running, free), (running, free)
+        assert [s.seq_id for s in out.preempted] == ch06._victims(running, free), (running, free)
 
 
 def test_chunk_size_reference():
-    assert ch06.chunk_size(40.0, 0.25, 8, 100.0) == 232  # (100 - 40) / 0.25 = 240 tokens, 8 are decodes
-    assert ch06.chunk_size(40.0, 0.5, 100, 60.0) == 0  # the decodes alone take 90 ms
-    for args in ch06._chunk_cases():
-        c = ch06.chunk_size(*args)
+    assert ch06._chunk_size(40.0, 0.25, 8, 100.0) == 232  # (100 - 40) / 0.25 = 240 tokens, 8 are decodes
+    assert ch06._chunk_size(40.0, 0.5, 100, 60.0) == 0  # the decodes alone take 90 ms
+    for args in ch06._chunk_cases(random.Random(3)):
+        c = ch06._chunk_size(*args)
         fixed, per, decodes, tpot = args
         if c:
             assert fixed + per * (decodes + c) <= tpot < fixed + per * (decodes + c + 1)
@@ -82,10 +82,20 @@ def right_preempt(running, free):
     return out
 
 
-def test_right_answers_pass():
-    assert ch06.check_admit(right_admit)
-    assert ch06.check_victims(right_preempt)
-    assert ch06.check_chunk_size(lambda f, p, d, t: max(0, math.floor((t - f) / p) - d))
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_right_answers_pass(seed):
+    assert ch06.check_admit(right_admit, seed=seed)
+    assert ch06.check_victims(right_preempt, seed=seed)
+    assert ch06.check_chunk_size(lambda f, p, d, t: max(0, math.floor((t - f) / p) - d), seed=seed)
+
+
+def test_handing_in_the_scheduler_is_refused():
+    def admit(prompt_lens, budget, free, bs):
+        from kvcourse.serving import Scheduler  # noqa: F401
+        return Scheduler  # whatever it does with it
+
+    with pytest.raises(ExerciseError, match="Scheduler"):
+        ch06.check_admit(admit)
 
 
 # ---- wrong answers get their hint ----------------------------------------------------------------
@@ -96,6 +106,19 @@ def overtaking_admit(prompt_lens, budget, free, bs):
         need = -(-take // bs)
         if take == 0 or need > free:
             continue
+        out.append(take)
+        budget -= take
+        free -= need
+    return out
+
+
+def round_down_admit(prompt_lens, budget, free, bs):
+    out = []
+    for n in prompt_lens:
+        take = min(n, budget)
+        need = take // bs
+        if take == 0 or need > free:
+            break
         out.append(take)
         budget -= take
         free -= need
@@ -120,7 +143,8 @@ def no_chunk_admit(prompt_lens, budget, free, bs):
         (overtaking_admit, "must not overtake"),
         (no_chunk_admit, "chunk of"),
         (lambda p, b, f, bs: right_admit(p, b, f * bs, 1), "Count blocks, not token slots"),
-        (lambda p, b, f, bs: [min(p[0], b)], "Walk the queue|not right"),
+        (round_down_admit, "Blocks are whole"),
+        (lambda p, b, f, bs: [min(p[0], b)], "Walk the queue"),
         (lambda p, b, f, bs: "30", "list of ints"),
         (lambda p, b, f, bs: 1 / 0, "ZeroDivisionError"),
     ],
@@ -144,7 +168,7 @@ def whole_prompt_blocks(prompt_lens, budget, free, bs):
 
 
 def test_admit_hint_for_blocks_of_the_whole_prompt():
-    with pytest.raises(ExerciseError, match="blocks for its own tokens only"):
+    with pytest.raises(ExerciseError, match="needs blocks for its own tokens only"):
         ch06.check_admit(whole_prompt_blocks)
 
 
@@ -182,7 +206,7 @@ def self_victim(running, free):
     [
         (oldest_victim, "newest running request"),
         (self_victim, "does not give up its own first"),
-        (lambda r, f: [], "not right"),
+        (lambda r, f: [], "Serve the oldest first"),
         (lambda r, f: "a", "list of names"),
     ],
 )
@@ -198,6 +222,8 @@ def test_victims_reject_wrong_answers(wrong, hint):
         (lambda f, p, d, t: max(0, math.ceil((t - f) / p) - d), "Round down"),
         (lambda f, p, d, t: math.floor((t - f) / p) - d, "return 0"),
         (lambda f, p, d, t: float(max(0, math.floor((t - f) / p) - d)), "int number of tokens"),
+        (lambda f, p, d, t: max(0, int(t // (f + p)) - d), "once per step"),
+        (lambda f, p, d, t: 0, "Solve"),
     ],
 )
 def test_chunk_size_rejects_wrong_answers(wrong, hint):
