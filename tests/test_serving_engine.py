@@ -269,3 +269,12 @@ def test_progress_bar_counts_finished_requests(tiny, capsys):
     assert "requests: 100%" in err and "3/3" in err
     Engine(tiny, num_blocks=16, block_size=4).generate(prompts, params)  # fewer than 32 prompts: no bar
     assert capsys.readouterr().err == ""
+
+
+def test_the_engine_runs_chapter_5s_triton_backend(tiny):
+    """The backend is the caller's choice: chapter 5's Triton kernels (interpreted on a CPU) give the same tokens."""
+    prompts, params = workload(random.Random(10), 4, max_prompt=40, max_new=5)
+    outs = {b: Engine(tiny, num_blocks=32, block_size=4, max_num_batched_tokens=16, backend=b).generate(prompts, params)
+            for b in ("paged-torch", "triton")}  # fmt: skip
+    for p, a, b in zip(prompts, outs["paged-torch"], outs["triton"]):
+        assert_greedy_equal(tiny, p, b, a)

@@ -39,8 +39,9 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int = 16, backend: str = "paged-torch") -> None:
         if not hasattr(model, "forward_batch") or not hasattr(model, "config"):
             raise TypeError(f"model must be a kvcourse.LlamaModel, got {type(model).__name__}")
-        if backend not in PAGED_BACKENDS:
-            raise ValueError(f"backend must be one of {sorted(PAGED_BACKENDS)}, got {backend!r}")
+        known = {*PAGED_BACKENDS, "triton"}  # "triton" registers itself on first use (kvcourse.attention)
+        if backend not in known:
+            raise ValueError(f"backend must be one of {sorted(known)}, got {backend!r}")
         self.model, self.backend = model, backend
         self.block_manager = BlockManager(num_blocks, block_size)
         self.kv_store = PagedKVStore.for_model(model.config, num_blocks, block_size, model.dtype, model.device)
