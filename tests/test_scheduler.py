@@ -14,7 +14,8 @@ from kvcourse.serving import Scheduler
 
 
 def seq(name, prompt_len, max_new=4, n=1):
-    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=max_new, n=n, stop_token_ids=()))
+    params = SamplingParams(max_new_tokens=max_new, n=n, stop_token_ids=())
+    return Sequence(name, list(range(1, prompt_len + 1)), params)
 
 
 def run_step(sched, token=7):
@@ -202,7 +203,8 @@ def check_pool(bm: BlockManager, seqs) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), block_size=st.sampled_from([1, 2, 4, 16]),
-       budget=st.sampled_from([None, 16, 40, 256]), chunked=st.booleans(), max_num_seqs=st.sampled_from([None, 1, 3, 8]),
+       budget=st.sampled_from([None, 16, 40, 256]), chunked=st.booleans(),
+       max_num_seqs=st.sampled_from([None, 1, 3, 8]),
        watermark=st.sampled_from([0.0, 0.05, 0.3]), slack=st.sampled_from([0, 1, 3, 8, 30]))  # fmt: skip
 def test_fuzz_every_request_ends_exactly_once_within_budget_and_cap(
     seed, block_size, budget, chunked, max_num_seqs, watermark, slack

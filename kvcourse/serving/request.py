@@ -110,4 +110,5 @@ class Request:
         return "running" if any(s.status is SequenceStatus.RUNNING for s in self.seqs) else "waiting"
 
     def __repr__(self) -> str:
-        return f"Request({self.request_id!r}, {self.status}, prompt={self.metrics.num_prompt_tokens}, n={self.params.n})"
+        m = self.metrics
+        return f"Request({self.request_id!r}, {self.status}, prompt={m.num_prompt_tokens}, n={self.params.n})"

@@ -157,13 +157,15 @@ class Scheduler:
         if need > bm.num_blocks:
             raise ValueError(
                 f"sequence {seq.seq_id!r} alone needs {need} blocks ({seq.num_prompt_tokens} prompt + "
-                f"{seq.params.max_new_tokens} max_new_tokens) but the pool has only {bm.num_blocks}: it could never finish"
+                f"{seq.params.max_new_tokens} max_new_tokens) but the pool has only {bm.num_blocks}: "
+                "it could never finish"
             )
         if seq.params.n > self.max_num_seqs:
             raise ValueError(f"n={seq.params.n} samples exceed max_num_seqs={self.max_num_seqs}")
-        if not self.enable_chunked_prefill and self.max_slots(seq) - self.num_lookahead_slots > self.max_num_batched_tokens:
+        longest_prefill = self.max_slots(seq) - self.num_lookahead_slots
+        if not self.enable_chunked_prefill and longest_prefill > self.max_num_batched_tokens:
             raise ValueError(
-                f"without chunked prefill a sequence of up to {self.max_slots(seq) - self.num_lookahead_slots} tokens "
+                f"without chunked prefill a sequence of up to {longest_prefill} tokens "
                 f"(prompt + max_new_tokens - 1, recomputed after a preemption) must fit max_num_batched_tokens="
                 f"{self.max_num_batched_tokens}"
             )
