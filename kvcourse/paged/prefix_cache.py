@@ -139,10 +139,9 @@ class PrefixCachingBlockManager(BlockManager):
             block_hash = self.hash_fn(None if parent is None else parent.block_hash, tokens, extra)
             candidates = self.cached_block_hash_to_block.get(block_hash, {})
             # Equal hashes are a candidate, not a proof: compare what the block really holds.
-            match = next(
-                (b for b, e in candidates.items() if e.token_ids == tokens and e.extra_keys == extra and e.parent is parent),
-                None,
-            )
+            verified = (b for b, e in candidates.items()
+                        if e.token_ids == tokens and e.extra_keys == extra and e.parent is parent)  # fmt: skip
+            match = next(verified, None)
             if match is None:
                 break
             hits.append(match)

@@ -22,7 +22,8 @@ import torch
 
 from ..attention import PAGED_BACKENDS
 from ..batch import ForwardBatch, SeqSlice
-from ..paged import BlockManager, CopyOnWrite, NoFreeBlocksError, PagedKVStore, PrefixCachingBlockManager, allocate_slots
+from ..paged import (BlockManager, CopyOnWrite, NoFreeBlocksError, PagedKVStore, PrefixCachingBlockManager,
+                     allocate_slots)  # fmt: skip
 
 __all__ = ["ModelRunner"]
 

@@ -57,7 +57,8 @@ class ScheduledSeq:
 
     ``samples``: the step reaches the end of the sequence's tokens, so its last logits give its next
     token (a prefill chunk that stops mid-prompt samples nothing). ``kind``: ``"prefill"`` (a whole
-    prompt, or all of it after its prefix-cache hits), ``"chunk"`` (part of one), ``"decode"`` (the token sampled last step) or ``"recompute"``
+    prompt, or all of it after its prefix-cache hits), ``"chunk"`` (part of one), ``"decode"`` (the
+    token sampled last step) or ``"recompute"``
     (tokens whose K/V a preemption threw away; ``num_recomputed_tokens`` of them).
     """
 
