@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcourse.paged import BlockManager
+from kvcourse.paged import BlockManager, PrefixCachingBlockManager
 from kvcourse.sequence import SamplingParams, Sequence, SequenceStatus
 from kvcourse.serving import Scheduler
 
@@ -199,16 +199,22 @@ def check_pool(bm: BlockManager, seqs) -> None:
     assert all(bm.ref_count(b) == owners[b] for b in range(bm.num_blocks))
     assert bm.num_free_blocks == sum(1 for o in owners if o == 0)
     assert set(bm.seq_ids) == {s.seq_id for s in seqs}
+    if isinstance(bm, PrefixCachingBlockManager):  # the hash index and the blocks agree
+        indexed = {b: e for bucket in bm.cached_block_hash_to_block.values() for b, e in bucket.items()}
+        assert indexed == {b: bm.cached_block(b) for b in range(bm.num_blocks) if bm.cached_block(b)}
+        assert all(e.block_hash == h for h, bucket in bm.cached_block_hash_to_block.items() for e in bucket.values())
 
 
 @settings(max_examples=200, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), block_size=st.sampled_from([1, 2, 4, 16]),
        budget=st.sampled_from([None, 16, 40, 256]), chunked=st.booleans(),
        max_num_seqs=st.sampled_from([None, 1, 3, 8]),
-       watermark=st.sampled_from([0.0, 0.05, 0.3]), slack=st.sampled_from([0, 1, 3, 8, 30]))  # fmt: skip
+       watermark=st.sampled_from([0.0, 0.05, 0.3]), slack=st.sampled_from([0, 1, 3, 8, 30]),
+       prefix_caching=st.booleans())  # fmt: skip
 def test_fuzz_every_request_ends_exactly_once_within_budget_and_cap(
-    seed, block_size, budget, chunked, max_num_seqs, watermark, slack
+    seed, block_size, budget, chunked, max_num_seqs, watermark, slack, prefix_caching
 ):
+    # Every prompt is 1, 2, 3, ...: with prefix caching on, they share prefixes (and salts split them).
     rnd = random.Random(seed)
     max_n = 1 if max_num_seqs is None else min(3, max_num_seqs)
     reqs = []
@@ -221,7 +227,7 @@ def test_fuzz_every_request_ends_exactly_once_within_budget_and_cap(
     if not reqs:
         return
     biggest = max(-(-(s.num_prompt_tokens + s.params.max_new_tokens - 1) // block_size) for _, s in reqs)
-    bm = BlockManager(biggest + slack, block_size)
+    bm = (PrefixCachingBlockManager if prefix_caching else BlockManager)(biggest + slack, block_size)
     sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                       enable_chunked_prefill=chunked, watermark=watermark)  # fmt: skip
     pending = sorted(reqs, key=lambda r: r[0])
@@ -230,7 +236,7 @@ def test_fuzz_every_request_ends_exactly_once_within_budget_and_cap(
     while pending or sched.has_unfinished():
         while pending and pending[0][0] <= step:
             s = pending.pop(0)[1]
-            sched.add(s)
+            sched.add(s, cache_salt=rnd.choice([None, None, "tenant"]))
             live[s.seq_id] = s
         if live and rnd.random() < 0.03:  # abort a random unfinished sequence
             victim = rnd.choice(sorted(live, key=repr))
@@ -245,6 +251,9 @@ def test_fuzz_every_request_ends_exactly_once_within_budget_and_cap(
             assert len(sched.running) <= max_num_seqs
         assert all(s.num_new_tokens >= 1 and s.seq.status is SequenceStatus.RUNNING for s in out.scheduled)
         assert all(v.status is SequenceStatus.PREEMPTED and v.seq_id not in bm for v in out.preempted)
+        for s in out.scheduled:  # hits are whole blocks, and the last token is always fed
+            assert s.num_cached_tokens % block_size == 0 and s.num_cached_tokens < s.seq.num_tokens
+            assert s.num_cached_tokens == 0 or (prefix_caching and s.seq in out.admitted)
         check_pool(bm, sched.running)
         sched.advance(out)
         sampled = {}

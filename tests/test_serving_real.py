@@ -59,3 +59,50 @@ def test_sixteen_requests_equal_each_request_alone(model, workload, budget, num_
     else:
         assert stats["preemptions"] == 0
     assert eng.block_manager.num_free_blocks == num_blocks
+
+
+# ---- prefix caching (chapter 7) ------------------------------------------------------------------
+SYSTEM_PROMPT = (
+    "You are a careful assistant for a public library. Answer in one or two short sentences, in plain "
+    "English, without lists. If you do not know an answer, say so and suggest asking a librarian at the desk."
+)
+QUESTIONS = [
+    "When does the library open on Sundays?",
+    "Can I renew a book online?",
+    "What is a library card?",
+    "How many books can I borrow at once?",
+    "Do you have a quiet room for studying?",
+    "Who wrote Pride and Prejudice?",
+]
+
+
+@pytest.fixture(scope="module")
+def chat_workload(model, tok):
+    prompts = [tok.encode_chat(q, system_prompt=SYSTEM_PROMPT) for q in QUESTIONS]
+    params = SamplingParams(max_new_tokens=12)
+    solo = [kvcourse.generate(model, p, sampling_params=params) for p in prompts]
+    return prompts, params, solo
+
+
+@pytest.mark.parametrize(
+    "budget, num_blocks, block_size, heavy", [(16, 64, 16, False), (256, 64, 16, False), (64, 16, 8, True)],
+    ids=["budget16", "budget256", "preemption"],
+)  # fmt: skip
+def test_prefix_caching_leaves_chat_outputs_unchanged(model, chat_workload, budget, num_blocks, block_size, heavy):
+    # The requests share a chat-template system prompt. The first runs alone (a warm cache), the rest
+    # together; each output must equal the request run alone (as test_sixteen_requests_equal_each_request_alone
+    # checks without prefix caching).
+    prompts, params, solo = chat_workload
+    shared = next(i for i, col in enumerate(zip(*prompts)) if len(set(col)) > 1)  # tokens all prompts share
+    assert shared >= 48
+    eng = Engine(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=8, max_num_batched_tokens=budget,
+                 enable_prefix_caching=True, watermark=0.0 if heavy else 0.01)  # fmt: skip
+    outs = eng.generate(prompts[:1], params) + eng.generate(prompts[1:], params)
+    for p, got, want in zip(prompts, outs, solo):
+        assert_greedy_equal(model, p, got, want)
+    stats, bm = eng.stats, eng.block_manager
+    assert bm.num_free_blocks == num_blocks
+    if heavy:  # 5 requests of 10 blocks of 8 in 16, sharing 6: preempted as they grow, re-admitted on cached blocks
+        assert stats["preemptions"] >= 1
+    # Every later request finds at least the shared system prompt's full blocks.
+    assert stats["prefix_cache_hit_tokens"] >= (len(prompts) - 1) * (shared // block_size * block_size)

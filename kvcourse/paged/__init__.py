@@ -2,6 +2,8 @@
 
 * :mod:`.block_manager` -- :class:`BlockManager`: free list, reference counts, block tables,
   copy-on-write forks. Pure bookkeeping, no tensors.
+* :mod:`.prefix_cache` -- :class:`PrefixCachingBlockManager` (chapter 7): full blocks found again by
+  chained block hashes, verified, shared; idle ones evicted least recently used first.
 * :mod:`.kv_store` -- :class:`PagedKVStore`, the block pool: one ``[num_blocks, block_size, H_kv, D]``
   K and V tensor per layer.
 * :mod:`.cache` -- :func:`allocate_slots` (what happens before every forward) and
@@ -15,13 +17,18 @@ from ..batch import slot_mapping
 from .block_manager import BlockManager, CopyOnWrite, NoFreeBlocksError
 from .cache import PagedKVCache, allocate_slots
 from .kv_store import PagedKVStore
+from .prefix_cache import CachedBlock, FreeBlockQueue, PrefixCachingBlockManager, hash_block_tokens
 
 __all__ = [
     "BlockManager",
+    "CachedBlock",
     "CopyOnWrite",
+    "FreeBlockQueue",
     "NoFreeBlocksError",
     "PagedKVCache",
     "PagedKVStore",
+    "PrefixCachingBlockManager",
     "allocate_slots",
+    "hash_block_tokens",
     "slot_mapping",
 ]

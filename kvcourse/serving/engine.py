@@ -17,6 +17,7 @@ as they come. :attr:`Engine.stats` counts what happened; :attr:`Engine.events` l
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence as SequenceABC
@@ -31,6 +32,11 @@ from .scheduler import Scheduler
 from .stats import StepEvent, latency_summary
 
 __all__ = ["Engine"]
+
+
+def _check_salt(cache_salt: object) -> None:
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
 
 
 def _positive_int(name: str, value: object, minimum: int = 1) -> int:
@@ -51,6 +57,8 @@ class Engine:
         max_num_batched_tokens: most new tokens in one step (``None``: no cap); at least one block.
         enable_chunked_prefill: split long prompts across steps, mixed with other requests' decodes.
         watermark: fraction of the blocks admission keeps free for running requests to grow into.
+        enable_prefix_caching: reuse the K/V of full blocks whose prefix an earlier request computed
+            (chapter 7, :mod:`kvcourse.paged.prefix_cache`).
         backend: the paged attention backend (``"paged-torch"``; chapter 5 adds ``"triton"``).
         clock: seconds, for the latency metrics (``time.perf_counter``).
     """
@@ -65,6 +73,7 @@ class Engine:
         *,
         enable_chunked_prefill: bool = True,
         watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
         backend: str = "paged-torch",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -79,7 +88,7 @@ class Engine:
                     f"got {max_num_batched_tokens}"
                 )
         self.model = model
-        self.runner = ModelRunner(model, num_blocks, block_size, backend)
+        self.runner = ModelRunner(model, num_blocks, block_size, backend, enable_prefix_caching)
         self.scheduler = Scheduler(
             self.runner.block_manager,
             max_num_seqs=max_num_seqs,
@@ -97,7 +106,8 @@ class Engine:
         self._t0 = clock()
         self._counters = dict.fromkeys(
             ("steps", "preemptions", "prompt_tokens", "recomputed_tokens", "generated_tokens",
-             "batched_tokens", "finished", "cancelled", "copy_on_write_copies", "max_blocks_saved_by_sharing"),
+             "batched_tokens", "finished", "cancelled", "copy_on_write_copies", "max_blocks_saved_by_sharing",
+             "prefix_cache_queried_tokens", "prefix_cache_hit_tokens"),
             0,
         )  # fmt: skip
 
@@ -111,10 +121,17 @@ class Engine:
         prompt: SequenceABC[int] | torch.Tensor,
         sampling_params: SamplingParams | None = None,
         request_id: Hashable | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> Hashable:
-        """Queue a prompt (token ids); return its request id (by default the next free int)."""
+        """Queue a prompt (token ids); return its request id (by default the next free int).
+
+        ``cache_salt``: with prefix caching, the request shares cached blocks only with requests of the
+        same salt (one per tenant), so nobody can time a hit on someone else's prompt.
+        """
         seq = self._new_sequence(prompt, sampling_params, request_id, "prompt")
-        self._enqueue(seq)
+        _check_salt(cache_salt)
+        self._enqueue(seq, cache_salt)
         return seq.seq_id[0]
 
     def _new_sequence(self, prompt, sampling_params, request_id, name: str) -> Sequence:
@@ -146,8 +163,8 @@ class Engine:
         self.scheduler.check(seq)  # n against max_num_seqs; the budget without chunked prefill
         return seq
 
-    def _enqueue(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+    def _enqueue(self, seq: Sequence, cache_salt: str | None = None) -> None:
+        self.scheduler.add(seq, cache_salt=cache_salt)
         metrics = RequestMetrics(self.clock() - self._t0, self._counters["steps"], seq.num_prompt_tokens)
         request = Request(seq.seq_id[0], seq, metrics)
         self.requests[request.request_id] = self._unfinished[request.request_id] = request
@@ -226,6 +243,8 @@ class Engine:
         c["steps"] += 1
         c["preemptions"] += len(out.preempted)
         c["copy_on_write_copies"] += len(out.copies)
+        c["prefix_cache_queried_tokens"] += out.num_prefix_cache_queried_tokens
+        c["prefix_cache_hit_tokens"] += out.num_prefix_cache_hit_tokens
         c["generated_tokens"] += len(sampled)
         for s in out.scheduled:
             c["batched_tokens"] += s.num_new_tokens
@@ -263,15 +282,17 @@ class Engine:
         *,
         max_new_tokens: int | None = None,
         use_tqdm: bool | None = None,
+        cache_salt: str | None = None,
     ) -> list[list[int]] | list[list[list[int]]]:
         """Serve ``prompts`` (lists of token ids) to completion; their new tokens, in prompt order.
 
         ``sampling_params`` is one :class:`~kvcourse.SamplingParams` for all prompts or one per
         prompt; or give ``max_new_tokens`` alone for greedy decoding (default 16). With ``n > 1``
         samples, a prompt's entry is the list of its ``n`` samples. ``use_tqdm``: a progress bar of
-        finished requests (by default for 32 prompts or more).
+        finished requests (by default for 32 prompts or more). ``cache_salt``: every prompt's (see
+        :meth:`add_request`).
         """
-        ids = self._add_all(prompts, sampling_params, max_new_tokens)
+        ids = self._add_all(prompts, sampling_params, max_new_tokens, cache_salt)
         show = len(ids) >= 32 if use_tqdm is None else bool(use_tqdm)
         with tqdm(total=len(ids), desc="requests", unit="req", disable=not show, file=sys.stderr) as bar:
             while any(i in self._unfinished for i in ids):
@@ -286,16 +307,18 @@ class Engine:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         *,
         max_new_tokens: int | None = None,
+        cache_salt: str | None = None,
     ) -> Iterator[tuple[int, TokenOutput]]:
         """Like :meth:`generate`, but yield ``(prompt_position, token_output)`` as each token is made."""
-        ids = self._add_all(prompts, sampling_params, max_new_tokens)
+        ids = self._add_all(prompts, sampling_params, max_new_tokens, cache_salt)
         position = {rid: i for i, rid in enumerate(ids)}
         while any(i in self._unfinished for i in ids):
             for tok in self.step():
                 if tok.request_id in position:
                     yield position[tok.request_id], tok
 
-    def _add_all(self, prompts, sampling_params, max_new_tokens) -> list[Hashable]:
+    def _add_all(self, prompts, sampling_params, max_new_tokens, cache_salt=None) -> list[Hashable]:
+        _check_salt(cache_salt)
         if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, SequenceABC) or not prompts:
             raise TypeError("prompts must be a non-empty list of prompts, each a list of token ids")
         if sampling_params is not None and max_new_tokens is not None:
@@ -317,7 +340,7 @@ class Engine:
             for seq in seqs:
                 del self.requests[seq.seq_id[0]]
         for seq in seqs:
-            self._enqueue(seq)
+            self._enqueue(seq, cache_salt)
         return [seq.seq_id[0] for seq in seqs]
 
     def _check_prompt(self, prompt, name: str) -> list[int]:
@@ -344,8 +367,14 @@ class Engine:
         ``prompt_tokens`` counts the prompts prefilled (once per request); ``recomputed_tokens`` the
         tokens fed again because a preemption threw their K/V away; ``max_blocks_saved_by_sharing`` the most blocks that
         parallel samples shared at once (``max_bytes_saved_by_sharing`` the same in bytes).
+        With prefix caching, ``prefix_cache_hit_tokens`` of the ``prefix_cache_queried_tokens`` that
+        admissions looked up were found cached (``prefix_cache_hit_rate``, NaN if none was looked up),
+        and ``prefix_cache_evictions`` cached blocks were given to new tokens.
         """
         stats = dict(self._counters)
+        queried = stats["prefix_cache_queried_tokens"]
+        stats["prefix_cache_hit_rate"] = stats["prefix_cache_hit_tokens"] / queried if queried else math.nan
+        stats["prefix_cache_evictions"] = getattr(self.block_manager, "num_evictions", 0)
         stats["max_bytes_saved_by_sharing"] = stats["max_blocks_saved_by_sharing"] * self.runner.kv_store.block_nbytes
         stats.update(latency_summary(r.metrics for r in self.requests.values() if not r.cancelled))
         stats["requests"] = {rid: r.metrics for rid, r in self.requests.items()}

@@ -22,7 +22,8 @@ import torch
 
 from ..attention import PAGED_BACKENDS
 from ..batch import ForwardBatch, SeqSlice
-from ..paged import BlockManager, CopyOnWrite, NoFreeBlocksError, PagedKVStore, allocate_slots
+from ..paged import (BlockManager, CopyOnWrite, NoFreeBlocksError, PagedKVStore, PrefixCachingBlockManager,
+                     allocate_slots)  # fmt: skip
 
 __all__ = ["ModelRunner"]
 
@@ -34,16 +35,27 @@ class ModelRunner:
         model: a :class:`~kvcourse.LlamaModel`.
         num_blocks, block_size: the pool.
         backend: the paged attention backend (``"paged-torch"``; chapter 5 adds ``"triton"``).
+        enable_prefix_caching: the pool is a :class:`~kvcourse.paged.PrefixCachingBlockManager` (chapter 7).
     """
 
-    def __init__(self, model, num_blocks: int, block_size: int = 16, backend: str = "paged-torch") -> None:
+    def __init__(
+        self,
+        model,
+        num_blocks: int,
+        block_size: int = 16,
+        backend: str = "paged-torch",
+        enable_prefix_caching: bool = False,
+    ) -> None:
         if not hasattr(model, "forward_batch") or not hasattr(model, "config"):
             raise TypeError(f"model must be a kvcourse.LlamaModel, got {type(model).__name__}")
         known = {*PAGED_BACKENDS, "triton"}  # "triton" registers itself on first use (kvcourse.attention)
         if backend not in known:
             raise ValueError(f"backend must be one of {sorted(known)}, got {backend!r}")
         self.model, self.backend = model, backend
-        self.block_manager = BlockManager(num_blocks, block_size)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
+        pool = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
+        self.block_manager = pool(num_blocks, block_size)
         self.kv_store = PagedKVStore.for_model(model.config, num_blocks, block_size, model.dtype, model.device)
 
     @property

@@ -18,6 +18,12 @@ the whole batch waiting for its longest member. One step, in vLLM v1's shape:
    of free blocks for the running sequences to grow into, and takes nobody in a step that had to
    preempt (the pool is too tight).
 
+**Prefix caching** (chapter 7, on a :class:`~kvcourse.paged.PrefixCachingBlockManager`): at
+admission a sequence looks up its full blocks in the cache and starts with the hits as computed
+tokens, so only the rest is fed. Its last token is always fed, because its logits give the next
+token; so the lookup stops one token short, and a fully cached prompt recomputes its last block.
+After every forward, the blocks that filled up go into the cache (:meth:`Scheduler.advance`).
+
 The scheduler only does bookkeeping: the runner turns :class:`SchedulerOutput` into one forward
 pass (chapter 6's :class:`~kvcourse.serving.Engine`), or a trace drives it with no model at all
 (chapter 4's simulator, :func:`kvcourse.fragmentation.simulate`): one policy for both.
@@ -37,7 +43,7 @@ from collections import deque
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
-from ..paged import CopyOnWrite, NoFreeBlocksError
+from ..paged import CopyOnWrite, NoFreeBlocksError, PrefixCachingBlockManager
 from ..sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
@@ -51,7 +57,8 @@ class ScheduledSeq:
 
     ``samples``: the step reaches the end of the sequence's tokens, so its last logits give its next
     token (a prefill chunk that stops mid-prompt samples nothing). ``kind``: ``"prefill"`` (a whole
-    prompt), ``"chunk"`` (part of one), ``"decode"`` (the token sampled last step) or ``"recompute"``
+    prompt, or all of it after its prefix-cache hits), ``"chunk"`` (part of one), ``"decode"`` (the
+    token sampled last step) or ``"recompute"``
     (tokens whose K/V a preemption threw away; ``num_recomputed_tokens`` of them).
     """
 
@@ -61,6 +68,7 @@ class ScheduledSeq:
     samples: bool
     kind: str
     num_recomputed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hits this admission started with (not fed)
 
     @property
     def token_ids(self) -> list[int]:
@@ -76,6 +84,12 @@ class SchedulerOutput:
     admitted: list[Sequence] = field(default_factory=list)  # left the queue this step
     preempted: list[Sequence] = field(default_factory=list)  # lost their blocks this step, newest first
     copies: list[CopyOnWrite] = field(default_factory=list)  # copy-on-write block copies, before the forward
+    num_prefix_cache_queried_tokens: int = 0  # tokens of the admitted sequences (prefix caching on)
+
+    @property
+    def num_prefix_cache_hit_tokens(self) -> int:
+        """Tokens the admitted sequences found in the prefix cache: K/V reused, not computed."""
+        return sum(s.num_cached_tokens for s in self.scheduled)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -129,6 +143,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self._seqs: dict[Hashable, Sequence] = {}
         self._lost: dict[Hashable, int] = {}  # seq_id -> most tokens it had computed when preempted
+        self.enable_prefix_caching = isinstance(block_manager, PrefixCachingBlockManager)
+        self._cache_salts: dict[Hashable, str | None] = {}
 
     # ---- requests come and go -------------------------------------------------------------------
     def max_slots(self, seq: Sequence) -> int:
@@ -136,10 +152,14 @@ class Scheduler:
         plus the lookahead."""
         return seq.num_prompt_tokens + seq.params.max_new_tokens - 1 + self.num_lookahead_slots
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence (:meth:`check` first)."""
+    def add(self, seq: Sequence, *, cache_salt: str | None = None) -> None:
+        """Queue a new sequence (:meth:`check` first). ``cache_salt``: it shares cached blocks only with
+        sequences of the same salt (a tenant); nothing is shared without prefix caching anyway."""
         self.check(seq)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
         self._seqs[seq.seq_id] = seq
+        self._cache_salts[seq.seq_id] = cache_salt
         self.waiting.append(seq)
 
     def check(self, seq: Sequence) -> None:
@@ -182,6 +202,7 @@ class Scheduler:
         if seq.seq_id in self.block_manager:
             self.block_manager.free(seq.seq_id)
         self._lost.pop(seq_id, None)
+        self._cache_salts.pop(seq_id, None)
         seq.status = SequenceStatus.CANCELLED
         return seq
 
@@ -195,6 +216,7 @@ class Scheduler:
         if child.seq_id in self._seqs:
             raise ValueError(f"child seq_id={child.seq_id!r} is already scheduled")
         self.block_manager.fork(parent.seq_id, child.seq_id)
+        self._cache_salts[child.seq_id] = self._cache_salts[parent.seq_id]
         child.status = SequenceStatus.RUNNING
         self._seqs[child.seq_id] = child
         self.running.append(child)
@@ -221,31 +243,41 @@ class Scheduler:
             seq = self.waiting[0]
             if self._seats_used() + self._seats(seq) > self.max_num_seqs:
                 break
-            n = seq.num_uncomputed_tokens
+            cached = self._find_cached_blocks(seq)
+            num_cached = len(cached) * bm.block_size
+            n = seq.num_tokens - num_cached
             if n > budget:
                 if not self.enable_chunked_prefill:
                     break
                 n = budget
-            held = n + (self.num_lookahead_slots if n == seq.num_tokens else 0)
+            held = num_cached + n + (self.num_lookahead_slots if num_cached + n == seq.num_tokens else 0)
             keep = self.watermark_blocks if self.running else 0  # alone, a sequence may use every block
-            if bm.blocks_needed(held) > bm.num_free_blocks - keep:
+            need = bm.blocks_to_allocate(held, cached) if cached else bm.blocks_needed(held)
+            if need > bm.num_free_blocks - keep:
                 break
             try:
-                bm.allocate(seq.seq_id, held)
+                bm.allocate(seq.seq_id, held, cached) if cached else bm.allocate(seq.seq_id, held)
             except NoFreeBlocksError:  # free blocks, but not usable (chapter 4's contiguous reservations)
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
             self.running.append(seq)
             out.admitted.append(seq)
-            out.scheduled.append(self._scheduled(seq, n))
+            out.scheduled.append(self._scheduled(seq, n, num_cached))
+            out.num_prefix_cache_queried_tokens += seq.num_tokens if self.enable_prefix_caching else 0
             budget -= n
         return out
 
     def advance(self, out: SchedulerOutput) -> None:
-        """After the forward: the scheduled tokens now have K/V in the cache."""
+        """After the forward: the scheduled tokens now have K/V in the cache (and their full blocks
+        in the prefix cache)."""
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if self.enable_prefix_caching:
+                salt = self._cache_salts[seq.seq_id]
+                self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens, salt)
 
     def append_tokens(self, sampled: Mapping[Hashable, int]) -> list[Sequence]:
         """Append each sequence's sampled token; free and return the sequences that finished."""
@@ -258,6 +290,7 @@ class Scheduler:
                 self.running.remove(seq)
                 del self._seqs[seq_id]
                 self._lost.pop(seq_id, None)
+                self._cache_salts.pop(seq_id, None)
                 finished.append(seq)
         return finished
 
@@ -292,16 +325,23 @@ class Scheduler:
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
 
-    def _scheduled(self, seq: Sequence, n: int) -> ScheduledSeq:
+    def _find_cached_blocks(self, seq: Sequence) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        # One token short: the last token is always fed, its logits give the next token.
+        return self.block_manager.find_cached_blocks(seq.token_ids[:-1], self._cache_salts[seq.seq_id])
+
+    def _scheduled(self, seq: Sequence, n: int, num_cached: int = 0) -> ScheduledSeq:
         start, total = seq.num_computed_tokens, seq.num_tokens
+        # Recomputed: fed again after a preemption threw their K/V away (cache hits are not fed at all).
         again = max(0, min(start + n, self._lost.get(seq.seq_id, 0)) - start)
         if again:
             kind = "recompute"
         elif start == total - 1 and total > seq.num_prompt_tokens:
             kind = "decode"
         else:
-            kind = "prefill" if start == 0 and n == total else "chunk"
-        return ScheduledSeq(seq, start, n, start + n == total, kind, again)
+            kind = "prefill" if start == num_cached and start + n == total else "chunk"
+        return ScheduledSeq(seq, start, n, start + n == total, kind, again, num_cached)
 
     @staticmethod
     def _seats(seq: Sequence) -> int:

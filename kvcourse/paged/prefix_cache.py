@@ -1,0 +1,248 @@
+"""Prefix caching (chapter 7): reuse the K/V of full blocks that an earlier request already computed.
+
+Two requests that start with the same tokens (a system prompt, a few-shot preamble, a chat history)
+compute the same K/V for them. A **full** block is identified by a **block hash** chained from the
+start of the sequence, as vLLM does::
+
+    block_hash[i] = hash_fn(block_hash[i - 1], token_ids of block i, extra_keys of block i)
+
+so a block's hash stands for its whole prefix, not just its own tokens: the K/V of a token depend on
+every token before it. The first block's extra keys carry the request's ``cache_salt``: requests with
+different salts (tenants) never share a block, because a hit is observable as a faster first token.
+
+A hash only finds a candidate; a hit is **verified** against what the block stores (its token ids,
+its extra keys, and the very entry of the block before it), so a hash collision costs a miss, never
+a wrong answer. Shared blocks are reference-counted as forks are (chapter 4). A cached block whose
+reference count drops to 0 keeps its K/V: it goes to the most-recently-used end of the **free block
+queue**. A fresh block is taken from the other end, and only if that block holds a cached prefix is
+it **evicted** (dropped from the cache): eviction of reusable blocks, least recently used first.
+That is not preemption, which takes blocks from a *running* request. Free blocks that hold nothing
+reusable are handed out before any cached block (vLLM keeps one queue in release order instead).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+
+__all__ = ["CachedBlock", "FreeBlockQueue", "PrefixCachingBlockManager", "hash_block_tokens"]
+
+BlockHash = Hashable
+HashFn = Callable[[BlockHash | None, tuple[int, ...], tuple], BlockHash]
+
+
+def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
+    """SHA-256 of (the parent block's hash, this block's token ids, its extra keys).
+
+    ``parent_block_hash`` is ``None`` for the first block. Python's ``hash()`` would be faster but is
+    salted per process for strings and easy to collide on purpose; SHA-256 is what vLLM defaults to.
+    """
+    payload = pickle.dumps((parent_block_hash, tuple(token_ids), tuple(extra_keys)), protocol=4)
+    return hashlib.sha256(payload).digest()
+
+
+def extra_keys_of(block_index: int, cache_salt: str | None) -> tuple:
+    """The extra keys of block ``block_index``: the salt goes into the first block only (the chain carries it on)."""
+    return (cache_salt,) if block_index == 0 and cache_salt is not None else ()
+
+
+@dataclass(frozen=True, eq=False)
+class CachedBlock:
+    """What a cached block holds, kept to verify a hit: the hash says "probably", these say "surely".
+
+    ``parent`` is the entry of the block before it (``None`` for a first block). It is compared by
+    identity: a parent block evicted and filled again is a new entry, so its old children never match.
+    """
+
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]
+    extra_keys: tuple
+    parent: CachedBlock | None
+
+
+class FreeBlockQueue:
+    """Free block ids, the next one to hand out first (vLLM's ``FreeKVCacheBlockQueue``).
+
+    An ``OrderedDict`` does the doubly linked list's job: pop the head, push at either end, and
+    remove a block from the middle (a cache hit on a free block) all in O(1).
+    """
+
+    def __init__(self, blocks: Iterable[int]) -> None:
+        self._queue: OrderedDict[int, None] = OrderedDict.fromkeys(blocks)
+
+    def popleft(self) -> int:
+        return self._queue.popitem(last=False)[0]
+
+    def append(self, block: int) -> None:
+        self._queue[block] = None
+
+    def appendleft(self, block: int) -> None:
+        self._queue[block] = None
+        self._queue.move_to_end(block, last=False)
+
+    def remove(self, block: int) -> None:
+        del self._queue[block]
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._queue)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._queue
+
+
+class PrefixCachingBlockManager(BlockManager):
+    """A :class:`BlockManager` whose full blocks outlive their sequences, found again by block hash.
+
+    Args:
+        num_blocks, block_size: the pool.
+        hash_fn: ``hash_fn(parent_block_hash, token_ids, extra_keys) -> hashable``
+            (:func:`hash_block_tokens`); tests give a colliding one.
+
+    The scheduler calls :meth:`find_cached_blocks` before admitting a sequence, passes the hits to
+    :meth:`allocate`, and after every forward :meth:`cache_full_blocks` for the blocks that filled up.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = hash_block_tokens) -> None:
+        super().__init__(num_blocks, block_size)
+        if not callable(hash_fn):
+            raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
+        self.hash_fn = hash_fn
+        self._free = FreeBlockQueue(range(num_blocks))  # type: ignore[assignment]  (same calls as the deque)
+        self.cached_block_hash_to_block: dict[BlockHash, dict[int, CachedBlock]] = {}
+        self._cached: dict[int, CachedBlock] = {}  # block id -> what it holds
+        self._num_cached_blocks: dict[Hashable, int] = {}  # seq_id -> leading blocks of its table in the cache
+        self.num_evictions = 0
+
+    # ---- queries ------------------------------------------------------------
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a reusable prefix, in use or free."""
+        return len(self._cached)
+
+    def cached_block(self, block: int) -> CachedBlock | None:
+        """What ``block`` holds, if it is in the cache."""
+        return self._cached.get(block)
+
+    def find_cached_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+        """The longest run of ``token_ids``' full blocks found in the cache, verified: their block ids."""
+        bs, hits, parent = self.block_size, [], None
+        for i in range(len(token_ids) // bs):
+            tokens, extra = tuple(token_ids[i * bs : (i + 1) * bs]), extra_keys_of(i, cache_salt)
+            block_hash = self.hash_fn(None if parent is None else parent.block_hash, tokens, extra)
+            candidates = self.cached_block_hash_to_block.get(block_hash, {})
+            # Equal hashes are a candidate, not a proof: compare what the block really holds.
+            verified = (b for b, e in candidates.items()
+                        if e.token_ids == tokens and e.extra_keys == extra and e.parent is parent)  # fmt: skip
+            match = next(verified, None)
+            if match is None:
+                break
+            hits.append(match)
+            parent = self._cached[match]
+        return hits
+
+    def blocks_to_allocate(self, num_tokens: int, cached_blocks: Sequence[int] = ()) -> int:
+        """Free blocks ``allocate(seq_id, num_tokens, cached_blocks)`` would take: the new ones, plus
+        each hit that is itself sitting in the free queue."""
+        new = self.blocks_needed(num_tokens) - len(cached_blocks)
+        return new + sum(1 for b in cached_blocks if self._ref_counts[b] == 0)
+
+    # ---- operations ---------------------------------------------------------
+    def allocate(self, seq_id: Hashable, num_tokens: int, cached_blocks: Sequence[int] = ()) -> list[int]:
+        """Create ``seq_id`` with slots for ``num_tokens`` tokens, the first blocks being ``cached_blocks``
+        (hits from :meth:`find_cached_blocks`, shared, not recomputed); return its table."""
+        self._check_new(seq_id, "seq_id")
+        cached = list(cached_blocks)
+        if len(cached) > self.blocks_needed(num_tokens):
+            raise ValueError(f"cached_blocks: {len(cached)} blocks hold more than num_tokens={num_tokens}")
+        stale = [b for b in cached if b not in self._cached]
+        if stale:
+            raise ValueError(f"cached_blocks {stale} are not in the prefix cache (evicted since the lookup?)")
+        self._require(self.blocks_to_allocate(num_tokens, cached), f"allocate {num_tokens} tokens for {seq_id!r}")
+        for block in cached:  # taken first, so the fresh blocks below cannot evict them
+            if self._ref_counts[block] == 0:
+                self._free.remove(block)
+            self._ref_counts[block] += 1
+        fresh = [self._take() for _ in range(self.blocks_needed(num_tokens) - len(cached))]
+        self._tables[seq_id] = cached + fresh
+        self._num_tokens[seq_id] = num_tokens
+        self._num_cached_blocks[seq_id] = len(cached)
+        return cached + fresh
+
+    def cache_full_blocks(
+        self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int, cache_salt: str | None = None
+    ) -> None:
+        """Put ``seq_id``'s blocks that are now full of computed K/V into the cache (call after the forward).
+
+        ``token_ids``: the sequence's tokens, of which the first ``num_computed_tokens`` have K/V written.
+        """
+        table, bs = self._table(seq_id), self.block_size
+        if not 0 <= num_computed_tokens <= len(token_ids):
+            raise ValueError(f"num_computed_tokens must be in [0, {len(token_ids)}], got {num_computed_tokens}")
+        done = self._num_cached_blocks[seq_id]
+        num_full = min(num_computed_tokens // bs, len(table))
+        parent = self._cached[table[done - 1]] if done else None
+        for i in range(done, num_full):
+            tokens, extra = tuple(token_ids[i * bs : (i + 1) * bs]), extra_keys_of(i, cache_salt)
+            block_hash = self.hash_fn(None if parent is None else parent.block_hash, tokens, extra)
+            entry = CachedBlock(block_hash, tokens, extra, parent)
+            self._cached[table[i]] = entry
+            # Two requests that computed the same prefix at once both stay cached, as in vLLM.
+            self.cached_block_hash_to_block.setdefault(block_hash, {})[table[i]] = entry
+            parent = entry
+        self._num_cached_blocks[seq_id] = max(done, num_full)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        super().fork(parent_id, child_id)
+        self._num_cached_blocks[child_id] = self._num_cached_blocks[parent_id]
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release ``seq_id``. Its cached blocks keep their K/V at the recently-used end of the free queue
+        (its last block nearest the eviction end); blocks with nothing reusable go to the front."""
+        table = self._table(seq_id)
+        for block in reversed(table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                if block in self._cached:
+                    self._free.append(block)
+                else:
+                    self._free.appendleft(block)
+        del self._tables[seq_id], self._num_tokens[seq_id], self._num_cached_blocks[seq_id]
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that no sequence holds (a benchmark's cold start); return how many."""
+        idle = [b for b in self._cached if self._ref_counts[b] == 0]
+        for block in idle:
+            self._evict(block)
+            self._free.remove(block)
+            self._free.appendleft(block)
+        return len(idle)
+
+    # ---- internals ----------------------------------------------------------
+    def _take(self) -> int:
+        block = self._free.popleft()
+        if block in self._cached:  # the least recently used reusable block: evict it
+            self._evict(block)
+            self.num_evictions += 1
+        self._ref_counts[block] = 1
+        return block
+
+    def _evict(self, block: int) -> None:
+        entry = self._cached.pop(block)
+        bucket = self.cached_block_hash_to_block[entry.block_hash]
+        del bucket[block]
+        if not bucket:
+            del self.cached_block_hash_to_block[entry.block_hash]
+
+    def __repr__(self) -> str:
+        return (
+            f"PrefixCachingBlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"free={self.num_free_blocks}, cached={self.num_cached_blocks}, seqs={len(self._tables)})"
+        )
