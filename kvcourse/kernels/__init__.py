@@ -13,6 +13,7 @@ from .reference import (
     paged_attention,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
+    position_masked_attention,
     repeat_kv,
     reshape_and_cache_ref,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "paged_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention_ref",
+    "position_masked_attention",
     "repeat_kv",
     "reshape_and_cache_ref",
 ]
