@@ -110,12 +110,16 @@ class SinkKVCache:
         # Write the new tokens into their slots. Of a chunk longer than the ring, only the tokens
         # that survive it are written (the others would be overwritten within this same call).
         keep = (new_pos < self.num_sinks) | (torch.arange(t, device=new_pos.device) >= t - self.window)
-        slots = ring_slot(new_pos[keep], self.num_sinks, self.window)
+        slots = self.slots(new_pos[keep])
         layer.k[:, :, slots] = k[:, :, keep].to(self.dtype)
         layer.v[:, :, slots] = v[:, :, keep].to(self.dtype)
         layer.pos[slots] = new_pos[keep]
         layer.length += t
         return k_out.to(k.dtype), v_out.to(v.dtype)
+
+    def slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """The slots tokens at ``positions`` are written to (:func:`ring_slot`)."""
+        return ring_slot(positions, self.num_sinks, self.window)
 
     def key_positions(self, layer_idx: int) -> torch.Tensor:
         """Positions ``[S]`` of the keys the last ``update(layer_idx, ...)`` returned, in the order returned."""
