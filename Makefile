@@ -19,7 +19,7 @@ help:
 	@echo "make book       build the HTML book into _build/html (from committed outputs)"
 	@echo "make test       unit tests + nbval over every notebook"
 	@echo "make notebooks  re-execute every notebook in place"
-	@echo "make bench      CPU benchmarks (ours vs Hugging Face, naive vs cached, batched decode)"
+	@echo "make bench      CPU benchmarks (ours vs Hugging Face, naive vs cached, batched decode, compressed caches)"
 	@echo "make student    student copies of the notebooks, solutions removed, in _build/student"
 	@echo "make check-book build the book and open every page in headless Chromium (screenshots in _build/screenshots)"
 	@echo "make published  reader and student copies for Colab in _build/published (make book runs it)"
@@ -82,6 +82,7 @@ notebooks: setup
 bench: setup
 	$(PY) benchmarks/bench_decode.py --json benchmarks/results/cpu-decode-$$(date +%F).json
 	$(PY) benchmarks/bench_batch.py --json benchmarks/results/cpu-batch-$$(date +%F).json
+	$(PY) benchmarks/bench_compression.py --json benchmarks/results/cpu-compression-$$(date +%F).json
 
 student: setup
 	$(STUDENT_COPIES) _build/student

@@ -20,12 +20,15 @@ for any cache that has it (see :class:`kvcourse.attention.ContiguousBackend`).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
 from ..utils import check_config
 
-__all__ = ["DroppingKVCache", "METHODS", "select_tokens"]
+__all__ = ["DroppingKVCache", "METHODS", "compressed_continuation_logits", "generate_compressed", "prefill",
+           "select_tokens"]
 
 METHODS = ("h2o", "snapkv", "streaming")
 
@@ -177,3 +180,44 @@ class DroppingKVCache:
     def __repr__(self) -> str:
         return (f"DroppingKVCache(layers={self.num_layers}, batch={self.batch_size}, seq_len={self.seq_len}, "
                 f"held={self.num_held}, nbytes={self.nbytes:,})")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The two ways chapter 7 measures a dropping policy
+# ---------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def prefill(model, ids, observation_window: int = 32) -> DroppingKVCache:
+    """A :class:`DroppingKVCache` holding ``ids``, its attention scores recorded."""
+    cache = DroppingKVCache.for_model(model.config, observation_window=observation_window)
+    model(torch.tensor([list(ids)], device=model.device), cache=cache)
+    return cache
+
+
+@torch.inference_mode()
+def compressed_continuation_logits(model, context, continuation, budget: int | None, method: str = "snapkv",
+                                   prefilled: DroppingKVCache | None = None) -> torch.Tensor:  # fmt: skip
+    """Prefill ``context``, keep ``budget`` of its tokens (``None``: all), then read ``continuation``.
+
+    Returns the logits ``[len(continuation), vocab]`` (float32) computed over the compressed cache:
+    row ``i`` predicts ``continuation[i + 1]``. ``prefilled``: ``prefill(model, context)``, done once
+    for several budgets (it is copied, not changed).
+    """
+    cache = prefill(model, context) if prefilled is None else copy.deepcopy(prefilled)
+    if budget is not None:
+        cache.compress(budget, method)
+    return model(torch.tensor([list(continuation)], device=model.device), cache=cache)[0].float()
+
+
+def generate_compressed(model, prompt, budget: int | None, method: str = "snapkv", max_new_tokens: int = 16,
+                        prefilled: DroppingKVCache | None = None) -> list[int]:  # fmt: skip
+    """Greedy tokens after prefilling all of ``prompt`` but its last token and keeping ``budget`` of them.
+
+    The last prompt token is then fed as the first decode step, so it reads the compressed cache.
+    ``prefilled``: ``prefill(model, prompt[:-1])``, done once for several budgets (copied, not changed).
+    """
+    from ..generate import generate
+
+    cache = prefill(model, prompt[:-1]) if prefilled is None else copy.deepcopy(prefilled)
+    if budget is not None:
+        cache.compress(min(budget, cache.num_held), method)
+    return generate(model, list(prompt[-1:]), max_new_tokens, cache=cache)
