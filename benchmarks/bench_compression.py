@@ -166,6 +166,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="held-out tokens to score (default 1024)")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per chat prompt (default 32)")
     parser.add_argument("--json", help="write the results to this file")
+    parser.add_argument("--note", default="", help="what to record about the machine (shared? loaded?)")
     args = parser.parse_args()
     kvcourse.utils.seed_everything(0)
     model, tok = kvcourse.load_pretrained()
@@ -177,7 +178,7 @@ def main() -> None:
     chat_ref = [kvcourse.generate(model, p, args.new_tokens) for p in chat]
     result = {
         "benchmark": "bench_compression",
-        "machine": machine_info(),
+        "machine": {**machine_info(), **({"note": args.note} if args.note else {})},
         "model": "SmolLM2-135M-Instruct (fp32 on CPU)",
         "text": {"source": "pydoc_data.topics (kvcourse.quality.HELDOUT_TOPICS)", "tokens": len(ids),
                  "digest": Q.ids_digest(ids)},  # fmt: skip

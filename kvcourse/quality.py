@@ -34,6 +34,7 @@ __all__ = [
     "greedy_agreement",
     "heldout_ids",
     "heldout_text",
+    "ids_digest",
     "kl_divergence",
     "needle_prompt",
     "perplexity",
@@ -67,9 +68,9 @@ def heldout_text() -> str:
 
 def heldout_ids(tok, num_tokens: int, offset: int = 0) -> list[int]:
     """``num_tokens`` token ids of the held-out text, starting at token ``offset``."""
-    ids = tok.encode(heldout_text())
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 2:
         raise ValueError(f"num_tokens must be an int >= 2, got {num_tokens!r}")
+    ids = tok.encode(heldout_text())
     if not isinstance(offset, int) or offset < 0 or offset + num_tokens > len(ids):
         raise ValueError(f"offset + num_tokens must fit in the {len(ids)} tokens of the held-out text, "
                          f"got offset={offset!r}, num_tokens={num_tokens}")  # fmt: skip
