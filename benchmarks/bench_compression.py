@@ -67,6 +67,9 @@ NEEDLE_HAYSTACK = (1100, 600)  # offset and length, in tokens of the held-out te
 RING_CHECK = (96, 28, 4)  # tokens decoded one by one through a ring of 28 + 4 sinks, against the simulation
 
 
+PARTS = ("quantization", "window", "dropping", "heads")
+
+
 def _quality(q: Q.Quality) -> dict:
     return {"ppl": q.ppl, "ref_ppl": q.ref_ppl, "ppl_change": q.ppl_change, "top1": q.top1, "kl": q.kl,
             "num_tokens": q.num_tokens}  # fmt: skip
@@ -76,9 +79,11 @@ def _greedy(g: Q.GreedyAgreement) -> dict:
     return {"agreement": g.agreement, "identical": g.identical, "prompts": len(g.reference), "matched": g.matched}
 
 
-def quantization(model, ids, ref, chat, chat_ref, new_tokens) -> list[dict]:
+def quantization(model, ids, ref, chat, chat_ref, new_tokens, names=None) -> list[dict]:
     rows = []
     for name, kwargs in QUANT_CONFIGS.items():
+        if names is not None and name not in names:
+            continue
         cache = QuantizedKVCache.for_model(model.config, **kwargs)
         logits = Q.stream_logits(model, ids, cache, chunk_size=QUANT_CHUNK)
         row = {"name": name, **kwargs, "chunk_size": QUANT_CHUNK, "bytes_per_token": cache.bytes_per_token,
@@ -167,7 +172,18 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per chat prompt (default 32)")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--note", default="", help="what to record about the machine (shared? loaded?)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run (default all: {','.join(PARTS)}), to split the sweep "
+                             "over processes")  # fmt: skip
+    parser.add_argument("--quant", help="semicolon-separated names from QUANT_CONFIGS to run (default all)")
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"--parts: unknown {unknown}, choose from {list(PARTS)}")
+    names = args.quant.split(";") if args.quant else None
+    if names and [n for n in names if n not in QUANT_CONFIGS]:
+        parser.error(f"--quant: unknown {[n for n in names if n not in QUANT_CONFIGS]}, choose from {list(QUANT_CONFIGS)}")
     kvcourse.utils.seed_everything(0)
     model, tok = kvcourse.load_pretrained()
     ids = Q.heldout_ids(tok, args.tokens)
@@ -186,11 +202,15 @@ def main() -> None:
                  "bytes_per_token_fp16": 2 * values_per_token},  # fmt: skip
         "chat": {"prompts": list(Q.CHAT_PROMPTS), "new_tokens": args.new_tokens,
                  "reference": [tok.decode(r) for r in chat_ref]},  # fmt: skip
-        "quantization": quantization(model, ids, ref, chat, chat_ref, args.new_tokens),
-        "window": windows(model, ids, ref, 2 * values_per_token),
-        "dropping": dropping(model, tok, ids, chat, chat_ref, args.new_tokens),
-        "heads": pooled_heads(model, ids, ref, chat, chat_ref, args.new_tokens),
     }
+    if "quantization" in parts:
+        result["quantization"] = quantization(model, ids, ref, chat, chat_ref, args.new_tokens, names)
+    if "window" in parts:
+        result["window"] = windows(model, ids, ref, 2 * values_per_token)
+    if "dropping" in parts:
+        result["dropping"] = dropping(model, tok, ids, chat, chat_ref, args.new_tokens)
+    if "heads" in parts:
+        result["heads"] = pooled_heads(model, ids, ref, chat, chat_ref, args.new_tokens)
     assert math.isfinite(result["full"]["ppl"])
     text = json.dumps(result, indent=1)
     if args.json:
