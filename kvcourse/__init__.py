@@ -5,6 +5,7 @@ Every chapter of the book imports from here; every function here is tested.
 
 from .batch import ForwardBatch, SeqSlice
 from .cache import CacheOverflowError, KVCache
+from .compression import QuantizedKVCache
 from .generate import GenerationResult, generate, generate_paged, stream_generate, timed_generate
 from .kernels.reference import causal_attention, decode_attention_ref
 from .loader import gguf_path, load_pretrained
@@ -20,6 +21,7 @@ __all__ = [
     "KVCache",
     "LlamaConfig",
     "LlamaModel",
+    "QuantizedKVCache",
     "SamplingParams",
     "SeqSlice",
     "Sequence",

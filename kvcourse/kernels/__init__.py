@@ -41,6 +41,7 @@ from .reference import (
     paged_attention,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
+    position_masked_attention,
     repeat_kv,
     reshape_and_cache_ref,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "paged_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention_ref",
+    "position_masked_attention",
     "repeat_kv",
     "reshape_and_cache_ref",
 ]  # the Triton names are left out, so `from kvcourse.kernels import *` works without Triton

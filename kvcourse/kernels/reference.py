@@ -36,6 +36,7 @@ __all__ = [
     "paged_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention_ref",
+    "position_masked_attention",
     "repeat_kv",
     "reshape_and_cache_ref",
 ]
@@ -229,6 +230,50 @@ def causal_attention(
         scores = scores.masked_fill(future, float("-inf"))
     probs = torch.softmax(scores.to(compute_dtype(q.dtype)), dim=-1).to(q.dtype)
     return (probs @ v).reshape(b, hq, t, d)
+
+
+def position_masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    scale: float | None = None,
+    return_probs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over keys that carry their own positions: ``q [B, Hq, T, D]`` -> ``[B, Hq, T, D]``.
+
+    For a cache that keeps only some of the past (a sliding window, attention sinks, dropped tokens),
+    in any order (a ring buffer). Query ``i`` at position ``q_positions[i]`` sees key ``j`` iff
+    ``k_positions[..., j] <= q_positions[i]``. ``k_positions`` is ``[S]`` (one set for every head) or
+    ``[B, Hkv, S]`` (each KV head keeps its own tokens). With ``k_positions = arange(S)`` this is
+    :func:`causal_attention` with ``q_offset = q_positions[0]``. ``return_probs=True`` also returns the
+    attention weights ``[B, Hq, T, S]`` (what H2O and SnapKV score tokens by).
+    """
+    hq, hkv = check_qkv(q, k, v, "[B, Hq, T, D]")
+    b, _, t, d = q.shape
+    s = k.shape[2]
+    for name, pos in (("q_positions", q_positions), ("k_positions", k_positions)):
+        if not isinstance(pos, torch.Tensor) or pos.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name} must be an int64 or int32 torch.Tensor, got {getattr(pos, 'dtype', type(pos))}")
+        _same_place(name, pos, q, "q", dtype=False)
+    if q_positions.shape != (t,):
+        raise ValueError(f"q_positions must have shape [T] = [{t}], got {tuple(q_positions.shape)}")
+    if k_positions.shape not in ((s,), (b, hkv, s)):
+        raise ValueError(f"k_positions must have shape [S] = [{s}] or [B, Hkv, S] = [{b}, {hkv}, {s}], "
+                         f"got {tuple(k_positions.shape)}")  # fmt: skip
+    visible = k_positions[..., None, :] <= q_positions[:, None]  # [T, S] or [B, Hkv, T, S]
+    if not bool(visible.any(-1).all()):
+        raise ValueError("a query sees no key: k_positions must include each query's own position")
+    scale = _default_scale(scale, d)
+    n_rep = hq // hkv
+    q_grouped = (q * scale).reshape(b, hkv, n_rep, t, d)  # query heads grouped by their KV head
+    scores = torch.einsum("bhgtd,bhsd->bhgts", q_grouped, k)
+    hidden = ~visible if visible.ndim == 2 else ~visible[:, :, None]  # broadcast over each KV head's queries
+    scores = scores.masked_fill(hidden, float("-inf"))
+    probs = torch.softmax(scores.to(compute_dtype(q.dtype)), dim=-1).to(q.dtype)
+    out = torch.einsum("bhgts,bhsd->bhgtd", probs, v).reshape(b, hq, t, d)
+    return (out, probs.reshape(b, hq, t, s)) if return_probs else out
 
 
 def decode_attention_ref(

@@ -1,0 +1,149 @@
+"""Chapter 4's paged pool stored in int8, and the torch backend that runs the model on it.
+
+Per layer, vLLM's layout with a scale beside every cached vector (what chapter 5's int8 kernel reads):
+
+    k_cache, v_cache   int8      [num_blocks, block_size, H_kv, D]
+    k_scale, v_scale   float16   [num_blocks, block_size, H_kv]        one per token and head
+
+**Symmetric** quantization, ``x = code * scale`` with ``scale = max|x| / 127`` and codes in
+``-127 .. 127``: no zero point, so a kernel dequantizes with one multiply per value. A token costs
+``D + 2`` bytes per head instead of ``2 D`` in fp16.
+
+``Int8PagedTorchBackend`` (``model.forward_batch(batch, store, backend="paged-int8-torch")``) quantizes
+each new token as it is written and attends over the dequantized blocks: the reference the kernel
+must equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..attention import PAGED_BACKENDS, PagedTorchBackend
+from ..kernels.reference import paged_attention
+from ..paged.kv_store import PagedKVStore
+from ..utils import check_config
+
+__all__ = ["Int8PagedKVStore", "Int8PagedTorchBackend", "dequantize_int8", "quantize_int8"]
+
+INT8_MAX = 127
+SCALE_DTYPE = torch.float16
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per vector (the last axis): codes ``int8 [..., D]`` and scales ``[...]`` (fp16)."""
+    scale = (x.float().abs().amax(-1) / INT8_MAX).to(SCALE_DTYPE)
+    safe = torch.where(scale > 0, scale.float(), 1.0)[..., None]  # an all-zero vector: codes 0
+    codes = torch.clamp(torch.round(x.float() / safe), -INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes, scale
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``codes * scale``, in ``dtype``."""
+    return (codes.float() * scale.float()[..., None]).to(dtype)
+
+
+class Int8PagedKVStore(PagedKVStore):
+    """A :class:`~kvcourse.paged.PagedKVStore` whose blocks hold int8 codes and per-token, per-head scales."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device | str = "cpu") -> None:  # fmt: skip
+        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):  # fmt: skip
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=torch.int8, device=device) for _ in range(num_layers)]
+        self.k_scale = [torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device) for _ in range(num_layers)]
+        self.v_scale = [torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def for_model(cls, config, num_blocks: int, block_size: int = 16,
+                  device: torch.device | str = "cpu") -> Int8PagedKVStore:  # fmt: skip
+        """A pool shaped for ``config`` (``model.config``)."""
+        check_config(config)
+        return cls(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
+                   device)  # fmt: skip
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes one block holds across all layers, K and V: codes and scales."""
+        return 2 * self.num_layers * (self.k_cache[0][0].nbytes + self.k_scale[0][0].nbytes)
+
+    def write(self, layer_idx: int, slots: torch.Tensor | Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Quantize new tokens' ``k, v [T, H_kv, D]`` and scatter them into ``slots [T]`` of layer ``layer_idx``."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise ValueError(f"layer_idx must be an int in [0, {self.num_layers}), got {layer_idx!r}")
+        slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
+        expected = (slots.shape[0], self.num_kv_heads, self.head_dim)
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"k and v must have shape [T, H_kv, D] = {list(expected)}, got {list(k.shape)} and "
+                             f"{list(v.shape)}")  # fmt: skip
+        if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < self.num_blocks * self.block_size):
+            raise ValueError(f"slots must lie in [0, {self.num_blocks * self.block_size}), got {slots.tolist()[:5]}")
+        self.write_unchecked(layer_idx, slots, k, v)
+
+    def write_unchecked(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        for x, cache, scales in ((k, self.k_cache[layer_idx], self.k_scale[layer_idx]),
+                                 (v, self.v_cache[layer_idx], self.v_scale[layer_idx])):  # fmt: skip
+            codes, scale = quantize_int8(x)
+            cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, codes)
+            scales.view(-1, self.num_kv_heads).index_copy_(0, slots, scale)
+
+    def dequantized(self, layer_idx: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s whole pool as floats ``[num_blocks, block_size, H_kv, D]`` (for the reference)."""
+        return (dequantize_int8(self.k_cache[layer_idx], self.k_scale[layer_idx], dtype),
+                dequantize_int8(self.v_cache[layer_idx], self.v_scale[layer_idx], dtype))  # fmt: skip
+
+    def copy_block(self, src_block: int, dst_block: int) -> None:
+        """Copy-on-write: duplicate block ``src_block`` (codes and scales) into ``dst_block`` in every layer."""
+        super().copy_block(src_block, dst_block)
+        for k_scale, v_scale in zip(self.k_scale, self.v_scale):
+            k_scale[dst_block] = k_scale[src_block]
+            v_scale[dst_block] = v_scale[src_block]
+
+    def __repr__(self) -> str:
+        return (f"Int8PagedKVStore(layers={self.num_layers}, num_blocks={self.num_blocks}, "
+                f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"nbytes={self.nbytes:,})")  # fmt: skip
+
+
+class Int8PagedTorchBackend(PagedTorchBackend):
+    """The paged-torch backend on an :class:`Int8PagedKVStore`: quantize on write, dequantize on read."""
+
+    def __init__(self, kv_pool: Int8PagedKVStore, batch) -> None:
+        if not isinstance(kv_pool, Int8PagedKVStore):
+            raise TypeError(f"backend 'paged-int8-torch' needs an Int8PagedKVStore, got {type(kv_pool).__name__}")
+        super().__init__(kv_pool, batch)
+        self._layer, self._pools = -1, (None, None)
+
+    def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.pool.write_unchecked(layer_idx, self.batch.slot_mapping.to(torch.int64), k, v)
+
+    def _layer_pools(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # The reference dequantizes the layer's pool once per layer and step; a kernel reads codes and scales.
+        if self._layer != layer_idx:
+            self._layer, self._pools = layer_idx, self.pool.dequantized(layer_idx, dtype)
+        return self._pools
+
+    def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self._layer_pools(layer_idx, q.dtype)
+        lens = self.decode_lens
+        out = paged_attention(q[:, None], (lens.to(torch.int64) - 1)[:, None], k_cache, v_cache, self.decode_tables,
+                              lens, self.scale, self.decode_max_len)  # fmt: skip
+        return out[:, 0]
+
+    def prefill(self, layer_idx: int, q: torch.Tensor, b: int) -> torch.Tensor:
+        k_cache, v_cache = self._layer_pools(layer_idx, q.dtype)
+        lo, hi = self.batch.query_start_loc_host[b], self.batch.query_start_loc_host[b + 1]
+        out = paged_attention(q[None, lo:hi], self.batch.positions[None, lo:hi], k_cache, v_cache,
+                              self.batch.block_tables[b : b + 1], self.batch.seq_lens[b : b + 1], self.scale,
+                              self.batch.seq_lens_host[b])  # fmt: skip
+        return out[0]
+
+
+PAGED_BACKENDS["paged-int8-torch"] = Int8PagedTorchBackend  # model.forward_batch(..., backend="paged-int8-torch")
