@@ -18,7 +18,7 @@ import torch
 
 from .utils import check_config
 
-__all__ = ["KVCache", "CacheOverflowError"]
+__all__ = ["KVCache", "CacheOverflowError", "check_update"]
 
 
 class CacheOverflowError(ValueError):
@@ -30,6 +30,18 @@ class _Layer:
     k: torch.Tensor  # [B, H_kv, capacity, D]; only the first `length` positions are live
     v: torch.Tensor
     length: int = 0
+
+
+def check_update(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The argument check every cache's ``update`` makes: a layer it has, and ``k, v`` of shape
+    ``[B, H_kv, T, D]`` matching its batch size, KV heads and head dim (chapter 7's caches share it)."""
+    if not 0 <= layer_idx < cache.num_layers:
+        raise ValueError(f"layer_idx must be in [0, {cache.num_layers}), got {layer_idx}")
+    expected = (cache.batch_size, cache.num_kv_heads, k.shape[2], cache.head_dim)
+    if k.shape != expected or v.shape != expected:
+        raise ValueError(
+            f"k and v must have shape [B, H_kv, T, D] = {list(expected)}, got {list(k.shape)} and {list(v.shape)}"
+        )
 
 
 class KVCache:
@@ -107,13 +119,7 @@ class KVCache:
     # ---- what the model calls -------------------------------------------------
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k, v [B, H_kv, T, D]`` to layer ``layer_idx``; return that layer's K, V so far."""
-        if not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx}")
-        expected = (self.batch_size, self.num_kv_heads, k.shape[2], self.head_dim)
-        if k.shape != expected or v.shape != expected:
-            raise ValueError(
-                f"k and v must have shape [B, H_kv, T, D] = {list(expected)}, got {list(k.shape)} and {list(v.shape)}"
-            )
+        check_update(self, layer_idx, k, v)
         layer = self._layers[layer_idx]
         new_len = layer.length + k.shape[2]
         if self.max_seq_len is not None and new_len > self.max_seq_len:

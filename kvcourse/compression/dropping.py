@@ -25,6 +25,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from ..cache import check_update
 from ..utils import check_config
 
 __all__ = ["DroppingKVCache", "METHODS", "compressed_continuation_logits", "generate_compressed", "prefill",
@@ -109,13 +110,7 @@ class DroppingKVCache:
     # ---- what the model calls -------------------------------------------------
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k, v [B, H_kv, T, D]`` after the kept tokens; return what the layer holds."""
-        if not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx}")
-        expected = (self.batch_size, self.num_kv_heads, k.shape[2], self.head_dim)
-        if k.shape != expected or v.shape != expected:
-            raise ValueError(
-                f"k and v must have shape [B, H_kv, T, D] = {list(expected)}, got {list(k.shape)} and {list(v.shape)}"
-            )
+        check_update(self, layer_idx, k, v)
         layer = self._layers[layer_idx]
         b, h, t, _ = k.shape
         new_pos = torch.arange(layer.length, layer.length + t, device=k.device).expand(b, h, t)

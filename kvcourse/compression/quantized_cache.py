@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import CacheOverflowError
+from ..cache import CacheOverflowError, check_update
 from ..utils import check_config
 from .quantize import QuantizedTensor, dequantize, quantize
 
@@ -144,13 +144,7 @@ class QuantizedKVCache:
     # ---- what the model calls -------------------------------------------------
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [B, H_kv, T, D]``; return the layer's whole history, dequantized, in ``k``'s dtype."""
-        if not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx}")
-        expected = (self.batch_size, self.num_kv_heads, k.shape[2], self.head_dim)
-        if k.shape != expected or v.shape != expected:
-            raise ValueError(
-                f"k and v must have shape [B, H_kv, T, D] = {list(expected)}, got {list(k.shape)} and {list(v.shape)}"
-            )
+        check_update(self, layer_idx, k, v)
         layer = self._layers[layer_idx]
         if self.max_seq_len is not None and layer.length + k.shape[2] > self.max_seq_len:
             raise CacheOverflowError(

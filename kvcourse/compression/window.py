@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.reference import repeat_kv
+from ..cache import check_update
 from ..utils import check_config
 
 __all__ = ["SinkKVCache", "WindowSimulation", "ring_slot", "simulate_window_logits", "window_mask"]
@@ -93,13 +94,7 @@ class SinkKVCache:
     # ---- what the model calls -------------------------------------------------
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the held K/V plus ``k, v [B, H_kv, T, D]``; then keep the sinks and the last ``window``."""
-        if not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be in [0, {self.num_layers}), got {layer_idx}")
-        expected = (self.batch_size, self.num_kv_heads, k.shape[2], self.head_dim)
-        if k.shape != expected or v.shape != expected:
-            raise ValueError(
-                f"k and v must have shape [B, H_kv, T, D] = {list(expected)}, got {list(k.shape)} and {list(v.shape)}"
-            )
+        check_update(self, layer_idx, k, v)
         layer = self._layers[layer_idx]
         t = k.shape[2]
         new_pos = torch.arange(layer.length, layer.length + t, device=layer.pos.device)
