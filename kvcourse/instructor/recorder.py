@@ -44,7 +44,7 @@ def install(log_path: str) -> list[str]:
 
     wrapped = []
     for info in pkgutil.iter_modules(exercises.__path__):
-        if not re.fullmatch(r"ch\d\d(_[a-z]+)?", info.name):  # ch07 and ch07_prefix
+        if not re.fullmatch(r"ch\d\d", info.name):
             continue
         try:
             module = importlib.import_module(f"kvcourse.exercises.{info.name}")
