@@ -112,6 +112,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # arrived, no K/V yet
     RUNNING = "running"  # scheduled: its K/V are in the cache
     PREEMPTED = "preempted"  # its blocks were taken back; it will be recomputed
+    SWAPPED = "swapped"  # preempted, its K/V copied to host memory; it will be swapped back in
     FINISHED = "finished"  # hit a stop token or max_new_tokens
     CANCELLED = "cancelled"  # aborted by the caller
 

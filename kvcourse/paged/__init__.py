@@ -4,6 +4,8 @@
   copy-on-write forks. Pure bookkeeping, no tensors.
 * :mod:`.prefix_cache` -- :class:`PrefixCachingBlockManager` (chapter 7): full blocks found again by
   chained block hashes, verified, shared; idle ones evicted least recently used first.
+* :mod:`.offload` -- :class:`HostBlockPool` (chapter 7): host-memory blocks for swapped sequences
+  and a cold tier of evicted cached blocks; :func:`apply_transfers` copies the blocks.
 * :mod:`.kv_store` -- :class:`PagedKVStore`, the block pool: one ``[num_blocks, block_size, H_kv, D]``
   K and V tensor per layer.
 * :mod:`.cache` -- :func:`allocate_slots` (what happens before every forward) and
@@ -17,18 +19,23 @@ from ..batch import slot_mapping
 from .block_manager import BlockManager, CopyOnWrite, NoFreeBlocksError
 from .cache import PagedKVCache, allocate_slots
 from .kv_store import PagedKVStore
+from .offload import BlockTransfer, HostBlockPool, OffloadedBlock, apply_transfers
 from .prefix_cache import CachedBlock, FreeBlockQueue, PrefixCachingBlockManager, hash_block_tokens
 
 __all__ = [
     "BlockManager",
+    "BlockTransfer",
     "CachedBlock",
     "CopyOnWrite",
     "FreeBlockQueue",
+    "HostBlockPool",
     "NoFreeBlocksError",
+    "OffloadedBlock",
     "PagedKVCache",
     "PagedKVStore",
     "PrefixCachingBlockManager",
     "allocate_slots",
+    "apply_transfers",
     "hash_block_tokens",
     "slot_mapping",
 ]

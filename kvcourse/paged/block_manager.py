@@ -16,6 +16,11 @@ copy (**copy-on-write**), and :meth:`append_slot` reports ``(src_block, dst_bloc
 so the caller copies the K/V data too. A block returns to the free list when its
 reference count drops to zero.
 
+With a host pool (``num_host_blocks``, chapter 7), a sequence can be **swapped**: :meth:`swap_out`
+moves its blocks to host memory and frees them here, :meth:`swap_in` brings them back into fresh
+blocks. Each move is recorded as a :class:`~kvcourse.paged.offload.BlockTransfer`; the caller
+takes them with :meth:`take_transfers` and copies the data before the next forward.
+
 This module only does bookkeeping (pure Python, no tensors); the K/V data lives in
 :class:`kvcourse.paged.PagedKVStore`, and the slot a token's K/V goes to is
 :func:`kvcourse.batch.slot_mapping` of its block table. Every operation either succeeds completely
@@ -27,6 +32,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
+
+from .offload import BlockTransfer, HostBlockPool
 
 __all__ = ["BlockManager", "CopyOnWrite", "NoFreeBlocksError"]
 
@@ -57,15 +64,19 @@ class BlockManager:
     Args:
         num_blocks: physical blocks in the pool.
         block_size: token slots per block.
+        num_host_blocks: blocks of host memory for swapped sequences (0: no swapping).
 
     Sequence ids are any hashable value (ints in the course). Unknown ids, reused ids
     and double frees raise ``ValueError``; running out of blocks raises
     :class:`NoFreeBlocksError`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         self.num_blocks = _check_count("num_blocks", num_blocks, 1)
         self.block_size = _check_count("block_size", block_size, 1)
+        self.host = HostBlockPool(_check_count("num_host_blocks", num_host_blocks, 0))
+        self._swapped: dict[Hashable, tuple[list[int], int]] = {}  # seq_id -> (host blocks, num_tokens)
+        self._transfers: list[BlockTransfer] = []  # moves decided since the last take_transfers()
         # A FIFO free list, as in nano-vllm: blocks come back at the tail and are handed out
         # from the head, so a freshly made pool hands out 0, 1, 2, ... (easy to read in a demo).
         self._free: deque[int] = deque(range(num_blocks))
@@ -183,7 +194,67 @@ class BlockManager:
                 self._free.append(block)
         del self._tables[seq_id], self._num_tokens[seq_id]
 
+    # ---- swapping (chapter 7) -----------------------------------------------
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        return seq_id in self._swapped
+
+    def can_swap_out(self, seq_id: Hashable) -> bool:
+        """Whether the host pool can take all of ``seq_id``'s blocks (cold prefix blocks give way)."""
+        return len(self._table(seq_id)) <= self.host.num_available_blocks
+
+    def swap_out(self, seq_id: Hashable) -> list[BlockTransfer]:
+        """Move ``seq_id``'s blocks to the host pool and free them here; the sequence keeps its tokens.
+
+        A shared block is copied like a private one (each owner gets its own host copy).
+        """
+        table = self._table(seq_id)
+        if len(table) > self.host.num_available_blocks:
+            raise NoFreeBlocksError(
+                f"cannot swap out {seq_id!r}: needs {len(table)} host blocks, "
+                f"only {self.host.num_available_blocks} of {self.host.num_blocks} can be freed"
+            )
+        host_table = [self.host.take() for _ in table]
+        moves = [BlockTransfer("to_host", block, host) for block, host in zip(table, host_table)]
+        self._transfers += moves
+        num_tokens = self._num_tokens[seq_id]
+        self.free(seq_id)
+        self._swapped[seq_id] = (host_table, num_tokens)
+        return moves
+
+    def blocks_to_swap_in(self, seq_id: Hashable, num_new_tokens: int = 0) -> int:
+        """Free blocks :meth:`swap_in` would take, and appending ``num_new_tokens`` slots after it."""
+        host_table, num_tokens = self._swapped_table(seq_id)
+        return max(len(host_table), self.blocks_needed(num_tokens + _check_count("num_new_tokens", num_new_tokens, 0)))
+
+    def swap_in(self, seq_id: Hashable) -> list[BlockTransfer]:
+        """Bring a swapped sequence back into fresh blocks; its host blocks are freed."""
+        host_table, num_tokens = self._swapped_table(seq_id)
+        self._require(len(host_table), f"swap in sequence {seq_id!r}")
+        table = [self._take() for _ in host_table]  # may record moves of its own (evictions): they go first
+        moves = [BlockTransfer("to_device", host, block) for host, block in zip(host_table, table)]
+        self._transfers += moves
+        self.host.free(host_table)
+        del self._swapped[seq_id]
+        self._tables[seq_id], self._num_tokens[seq_id] = table, num_tokens
+        return moves
+
+    def free_swapped(self, seq_id: Hashable) -> None:
+        """Drop a swapped sequence (aborted): its host blocks go back."""
+        self.host.free(self._swapped_table(seq_id)[0])
+        del self._swapped[seq_id]
+
+    def take_transfers(self) -> list[BlockTransfer]:
+        """The block moves decided since the last call, in order; copy them before the next forward."""
+        moves, self._transfers = self._transfers, []
+        return moves
+
     # ---- internals ----------------------------------------------------------
+    def _swapped_table(self, seq_id: Hashable) -> tuple[list[int], int]:
+        try:
+            return self._swapped[seq_id]
+        except (KeyError, TypeError):
+            raise ValueError(f"seq_id={seq_id!r} is not swapped out") from None
+
     def _table(self, seq_id: Hashable, name: str = "seq_id") -> list[int]:
         try:
             return self._tables[seq_id]
@@ -197,7 +268,7 @@ class BlockManager:
     def _check_new(self, seq_id: Hashable, name: str) -> None:
         if not isinstance(seq_id, Hashable):
             raise TypeError(f"{name} must be hashable, got {type(seq_id).__name__}")
-        if seq_id in self._tables:
+        if seq_id in self._tables or seq_id in self._swapped:
             raise ValueError(f"{name}={seq_id!r} is already allocated; free it first or pick a new id")
 
     def _needs_copy_on_write(self, table: list[int], num_tokens: int) -> bool:
@@ -225,5 +296,5 @@ class BlockManager:
     def __repr__(self) -> str:
         return (
             f"BlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-            f"free={self.num_free_blocks}, seqs={len(self._tables)})"
+            f"free={self.num_free_blocks}, seqs={len(self._tables)}, swapped={len(self._swapped)})"
         )

@@ -18,6 +18,11 @@ queue**. A fresh block is taken from the other end, and only if that block holds
 it **evicted** (dropped from the cache): eviction of reusable blocks, least recently used first.
 That is not preemption, which takes blocks from a *running* request. Free blocks that hold nothing
 reusable are handed out before any cached block (vLLM keeps one queue in release order instead).
+
+With a host pool (``num_host_blocks``), an evicted block is not lost: its K/V go to the host's
+**cold tier** (:mod:`kvcourse.paged.offload`), and a lookup that misses on the device goes on
+there. A cold hit comes back as an :class:`~kvcourse.paged.offload.OffloadedBlock`; :meth:`allocate`
+gives it a device block and records the copy, which costs a memory transfer instead of a prefill.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
+from .offload import BlockTransfer, OffloadedBlock
 
 __all__ = ["CachedBlock", "FreeBlockQueue", "PrefixCachingBlockManager", "hash_block_tokens"]
 
@@ -63,6 +69,10 @@ class CachedBlock:
     token_ids: tuple[int, ...]
     extra_keys: tuple
     parent: CachedBlock | None
+
+    def holds(self, token_ids: tuple[int, ...], extra_keys: tuple, parent: CachedBlock | None) -> bool:
+        """Whether this entry really is that block: equal hashes are a candidate, not a proof."""
+        return self.token_ids == token_ids and self.extra_keys == extra_keys and self.parent is parent
 
 
 class FreeBlockQueue:
@@ -105,13 +115,17 @@ class PrefixCachingBlockManager(BlockManager):
         num_blocks, block_size: the pool.
         hash_fn: ``hash_fn(parent_block_hash, token_ids, extra_keys) -> hashable``
             (:func:`hash_block_tokens`); tests give a colliding one.
+        num_host_blocks: host blocks for swapped sequences and for the cold tier of evicted cached
+            blocks (0: evicted blocks are dropped).
 
     The scheduler calls :meth:`find_cached_blocks` before admitting a sequence, passes the hits to
     :meth:`allocate`, and after every forward :meth:`cache_full_blocks` for the blocks that filled up.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = hash_block_tokens) -> None:
-        super().__init__(num_blocks, block_size)
+    def __init__(
+        self, num_blocks: int, block_size: int, hash_fn: HashFn = hash_block_tokens, num_host_blocks: int = 0
+    ) -> None:
+        super().__init__(num_blocks, block_size, num_host_blocks)
         if not callable(hash_fn):
             raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
         self.hash_fn = hash_fn
@@ -119,7 +133,9 @@ class PrefixCachingBlockManager(BlockManager):
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, CachedBlock]] = {}
         self._cached: dict[int, CachedBlock] = {}  # block id -> what it holds
         self._num_cached_blocks: dict[Hashable, int] = {}  # seq_id -> leading blocks of its table in the cache
-        self.num_evictions = 0
+        self.num_evictions = 0  # cached blocks given to new tokens (moved to the host tier or dropped)
+        self.num_offloaded_blocks = 0  # of those, kept in the host's cold tier
+        self.num_host_hit_blocks = 0  # cold blocks brought back by a hit
 
     # ---- queries ------------------------------------------------------------
     @property
@@ -131,50 +147,76 @@ class PrefixCachingBlockManager(BlockManager):
         """What ``block`` holds, if it is in the cache."""
         return self._cached.get(block)
 
-    def find_cached_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
-        """The longest run of ``token_ids``' full blocks found in the cache, verified: their block ids."""
+    def find_cached_blocks(
+        self, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[int | OffloadedBlock]:
+        """The longest run of ``token_ids``' full blocks found in the cache, verified: their block ids
+        (an :class:`OffloadedBlock` for a hit in the host's cold tier)."""
         bs, hits, parent = self.block_size, [], None
         for i in range(len(token_ids) // bs):
             tokens, extra = tuple(token_ids[i * bs : (i + 1) * bs]), extra_keys_of(i, cache_salt)
             block_hash = self.hash_fn(None if parent is None else parent.block_hash, tokens, extra)
             candidates = self.cached_block_hash_to_block.get(block_hash, {})
-            # Equal hashes are a candidate, not a proof: compare what the block really holds.
-            verified = (b for b, e in candidates.items()
-                        if e.token_ids == tokens and e.extra_keys == extra and e.parent is parent)  # fmt: skip
-            match = next(verified, None)
-            if match is None:
+            match = next((b for b, e in candidates.items() if e.holds(tokens, extra, parent)), None)
+            if match is not None:
+                hits.append(match)
+                parent = self._cached[match]
+                continue
+            cold = self.host.find_cold(block_hash, tokens, extra, parent)  # the host tier, if any
+            if cold is None:
                 break
-            hits.append(match)
-            parent = self._cached[match]
+            hits.append(OffloadedBlock(cold))
+            parent = self.host.cold_entry(cold)
         return hits
 
-    def blocks_to_allocate(self, num_tokens: int, cached_blocks: Sequence[int] = ()) -> int:
+    def blocks_to_allocate(self, num_tokens: int, cached_blocks: Sequence[int | OffloadedBlock] = ()) -> int:
         """Free blocks ``allocate(seq_id, num_tokens, cached_blocks)`` would take: the new ones, plus
-        each hit that is itself sitting in the free queue."""
+        each hit that is itself sitting in the free queue or in the host tier."""
         new = self.blocks_needed(num_tokens) - len(cached_blocks)
-        return new + sum(1 for b in cached_blocks if self._ref_counts[b] == 0)
+        return new + sum(1 for b in cached_blocks if isinstance(b, OffloadedBlock) or self._ref_counts[b] == 0)
 
     # ---- operations ---------------------------------------------------------
-    def allocate(self, seq_id: Hashable, num_tokens: int, cached_blocks: Sequence[int] = ()) -> list[int]:
+    def allocate(
+        self, seq_id: Hashable, num_tokens: int, cached_blocks: Sequence[int | OffloadedBlock] = ()
+    ) -> list[int]:
         """Create ``seq_id`` with slots for ``num_tokens`` tokens, the first blocks being ``cached_blocks``
-        (hits from :meth:`find_cached_blocks`, shared, not recomputed); return its table."""
+        (hits from :meth:`find_cached_blocks`, shared, not recomputed); return its table.
+
+        A hit in the host tier gets a fresh device block and a recorded copy (:meth:`take_transfers`).
+        """
         self._check_new(seq_id, "seq_id")
         cached = list(cached_blocks)
         if len(cached) > self.blocks_needed(num_tokens):
             raise ValueError(f"cached_blocks: {len(cached)} blocks hold more than num_tokens={num_tokens}")
-        stale = [b for b in cached if b not in self._cached]
+        stale = [b for b in cached if (not self.host.is_cold(b.host_block) if isinstance(b, OffloadedBlock)
+                                       else b not in self._cached)]  # fmt: skip
         if stale:
             raise ValueError(f"cached_blocks {stale} are not in the prefix cache (evicted since the lookup?)")
         self._require(self.blocks_to_allocate(num_tokens, cached), f"allocate {num_tokens} tokens for {seq_id!r}")
-        for block in cached:  # taken first, so the fresh blocks below cannot evict them
+        on_device = [b for b in cached if not isinstance(b, OffloadedBlock)]
+        for block in on_device:  # taken first, so the fresh blocks below cannot evict them
             if self._ref_counts[block] == 0:
                 self._free.remove(block)
             self._ref_counts[block] += 1
-        fresh = [self._take() for _ in range(self.blocks_needed(num_tokens) - len(cached))]
-        self._tables[seq_id] = cached + fresh
+        # Host hits leave the cold tier before any device block is taken: an eviction below moves a
+        # block to the host, and must not land on a hit not yet copied back. Their host blocks are
+        # freed only once their copies are recorded.
+        entries = {b.host_block: self.host.pop_cold(b.host_block) for b in cached if isinstance(b, OffloadedBlock)}
+        table = []
+        for b in cached:
+            if isinstance(b, OffloadedBlock):
+                block = self._take()
+                self._transfers.append(BlockTransfer("to_device", b.host_block, block))
+                self._add_to_cache(block, entries[b.host_block])
+                self.num_host_hit_blocks += 1
+                b = block
+            table.append(b)
+        self.host.free(list(entries))
+        table += [self._take() for _ in range(self.blocks_needed(num_tokens) - len(cached))]
+        self._tables[seq_id] = table
         self._num_tokens[seq_id] = num_tokens
         self._num_cached_blocks[seq_id] = len(cached)
-        return cached + fresh
+        return list(table)
 
     def cache_full_blocks(
         self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int, cache_salt: str | None = None
@@ -193,15 +235,19 @@ class PrefixCachingBlockManager(BlockManager):
             tokens, extra = tuple(token_ids[i * bs : (i + 1) * bs]), extra_keys_of(i, cache_salt)
             block_hash = self.hash_fn(None if parent is None else parent.block_hash, tokens, extra)
             entry = CachedBlock(block_hash, tokens, extra, parent)
-            self._cached[table[i]] = entry
-            # Two requests that computed the same prefix at once both stay cached, as in vLLM.
-            self.cached_block_hash_to_block.setdefault(block_hash, {})[table[i]] = entry
+            self._add_to_cache(table[i], entry)
             parent = entry
         self._num_cached_blocks[seq_id] = max(done, num_full)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         super().fork(parent_id, child_id)
         self._num_cached_blocks[child_id] = self._num_cached_blocks[parent_id]
+
+    def swap_in(self, seq_id: Hashable) -> list[BlockTransfer]:
+        """As :meth:`BlockManager.swap_in`; the fresh blocks join the cache again after the next forward."""
+        moves = super().swap_in(seq_id)
+        self._num_cached_blocks[seq_id] = 0
+        return moves
 
     def free(self, seq_id: Hashable) -> None:
         """Release ``seq_id``. Its cached blocks keep their K/V at the recently-used end of the free queue
@@ -217,32 +263,44 @@ class PrefixCachingBlockManager(BlockManager):
         del self._tables[seq_id], self._num_tokens[seq_id], self._num_cached_blocks[seq_id]
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block that no sequence holds (a benchmark's cold start); return how many."""
+        """Forget every cached block that no sequence holds, the host tier's too (a benchmark's cold
+        start); return how many."""
         idle = [b for b in self._cached if self._ref_counts[b] == 0]
         for block in idle:
             self._evict(block)
             self._free.remove(block)
             self._free.appendleft(block)
-        return len(idle)
+        return len(idle) + self.host.clear_cold()
 
     # ---- internals ----------------------------------------------------------
     def _take(self) -> int:
         block = self._free.popleft()
         if block in self._cached:  # the least recently used reusable block: evict it
-            self._evict(block)
+            entry = self._evict(block)
             self.num_evictions += 1
+            host_block = self.host.put_cold(entry) if self.host.num_blocks else None
+            if host_block is not None:  # keep its K/V in the host tier: copied before anyone writes here
+                self._transfers.append(BlockTransfer("to_host", block, host_block))
+                self.num_offloaded_blocks += 1
         self._ref_counts[block] = 1
         return block
 
-    def _evict(self, block: int) -> None:
+    def _add_to_cache(self, block: int, entry: CachedBlock) -> None:
+        self._cached[block] = entry
+        # Two requests that computed the same prefix at once both stay cached, as in vLLM.
+        self.cached_block_hash_to_block.setdefault(entry.block_hash, {})[block] = entry
+
+    def _evict(self, block: int) -> CachedBlock:
         entry = self._cached.pop(block)
         bucket = self.cached_block_hash_to_block[entry.block_hash]
         del bucket[block]
         if not bucket:
             del self.cached_block_hash_to_block[entry.block_hash]
+        return entry
 
     def __repr__(self) -> str:
         return (
             f"PrefixCachingBlockManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-            f"free={self.num_free_blocks}, cached={self.num_cached_blocks}, seqs={len(self._tables)})"
+            f"free={self.num_free_blocks}, cached={self.num_cached_blocks}, seqs={len(self._tables)}, "
+            f"host_cold={self.host.num_cold_blocks})"
         )

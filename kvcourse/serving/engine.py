@@ -59,6 +59,9 @@ class Engine:
         watermark: fraction of the blocks admission keeps free for running requests to grow into.
         enable_prefix_caching: reuse the K/V of full blocks whose prefix an earlier request computed
             (chapter 7, :mod:`kvcourse.paged.prefix_cache`).
+        num_cpu_blocks: blocks of host memory (chapter 7, :mod:`kvcourse.paged.offload`) for swapped
+            requests and, with prefix caching, a cold tier for evicted cached blocks. 0: none.
+        preemption_mode: ``"recompute"`` (vLLM's default) or ``"swap"`` (needs ``num_cpu_blocks``).
         backend: the paged attention backend (``"paged-torch"``; chapter 5 adds ``"triton"``).
         clock: seconds, for the latency metrics (``time.perf_counter``).
     """
@@ -74,6 +77,8 @@ class Engine:
         enable_chunked_prefill: bool = True,
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
+        num_cpu_blocks: int = 0,
+        preemption_mode: str = "recompute",
         backend: str = "paged-torch",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -88,13 +93,14 @@ class Engine:
                     f"got {max_num_batched_tokens}"
                 )
         self.model = model
-        self.runner = ModelRunner(model, num_blocks, block_size, backend, enable_prefix_caching)
+        self.runner = ModelRunner(model, num_blocks, block_size, backend, enable_prefix_caching, num_cpu_blocks)
         self.scheduler = Scheduler(
             self.runner.block_manager,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
             watermark=watermark,
+            preemption_mode=preemption_mode,
         )
         self.clock = clock
         self.eos_token_ids = tuple(model.config.eos_token_id or ())
@@ -107,7 +113,7 @@ class Engine:
         self._counters = dict.fromkeys(
             ("steps", "preemptions", "prompt_tokens", "recomputed_tokens", "generated_tokens",
              "batched_tokens", "finished", "cancelled", "copy_on_write_copies", "max_blocks_saved_by_sharing",
-             "prefix_cache_queried_tokens", "prefix_cache_hit_tokens"),
+             "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "swapped_out", "swapped_in"),
             0,
         )  # fmt: skip
 
@@ -211,7 +217,7 @@ class Engine:
         for seq in out.preempted:
             self._request_of[seq.seq_id].metrics.num_preemptions += 1
         work = [(s.seq.seq_id, s.token_ids, s.num_computed_tokens) for s in out.scheduled]
-        logits = self.runner.execute(work, out.copies)
+        logits = self.runner.execute(work, out.copies, transfers=out.transfers)
         self.scheduler.advance(out)
         sampled = self._sample(out, logits)
         finished = self.scheduler.append_tokens(sampled)
@@ -242,6 +248,8 @@ class Engine:
         c = self._counters
         c["steps"] += 1
         c["preemptions"] += len(out.preempted)
+        c["swapped_out"] += len(out.swapped_out)
+        c["swapped_in"] += len(out.swapped_in)
         c["copy_on_write_copies"] += len(out.copies)
         c["prefix_cache_queried_tokens"] += out.num_prefix_cache_queried_tokens
         c["prefix_cache_hit_tokens"] += out.num_prefix_cache_hit_tokens
@@ -369,12 +377,21 @@ class Engine:
         parallel samples shared at once (``max_bytes_saved_by_sharing`` the same in bytes).
         With prefix caching, ``prefix_cache_hit_tokens`` of the ``prefix_cache_queried_tokens`` that
         admissions looked up were found cached (``prefix_cache_hit_rate``, NaN if none was looked up),
-        and ``prefix_cache_evictions`` cached blocks were given to new tokens.
+        and ``prefix_cache_evictions`` cached blocks were given to new tokens (``prefix_cache_offloaded_blocks``
+        of them kept in the host tier, from which ``prefix_cache_host_hit_tokens`` hits were copied back).
+        ``swapped_out``/``swapped_in`` count swap-mode preemptions and returns; ``blocks_to_host``,
+        ``blocks_to_device`` and ``transfer_seconds`` the block copies between the pools.
         """
         stats = dict(self._counters)
         queried = stats["prefix_cache_queried_tokens"]
         stats["prefix_cache_hit_rate"] = stats["prefix_cache_hit_tokens"] / queried if queried else math.nan
-        stats["prefix_cache_evictions"] = getattr(self.block_manager, "num_evictions", 0)
+        bm = self.block_manager
+        stats["prefix_cache_evictions"] = getattr(bm, "num_evictions", 0)
+        stats["prefix_cache_offloaded_blocks"] = getattr(bm, "num_offloaded_blocks", 0)
+        stats["prefix_cache_host_hit_tokens"] = getattr(bm, "num_host_hit_blocks", 0) * bm.block_size
+        stats["blocks_to_host"] = self.runner.num_transferred_blocks["to_host"]
+        stats["blocks_to_device"] = self.runner.num_transferred_blocks["to_device"]
+        stats["transfer_seconds"] = self.runner.transfer_seconds
         stats["max_bytes_saved_by_sharing"] = stats["max_blocks_saved_by_sharing"] * self.runner.kv_store.block_nbytes
         stats.update(latency_summary(r.metrics for r in self.requests.values() if not r.cancelled))
         stats["requests"] = {rid: r.metrics for rid, r in self.requests.items()}

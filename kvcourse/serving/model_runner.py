@@ -18,12 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+import time
+
 import torch
 
 from ..attention import PAGED_BACKENDS
 from ..batch import ForwardBatch, SeqSlice
-from ..paged import (BlockManager, CopyOnWrite, NoFreeBlocksError, PagedKVStore, PrefixCachingBlockManager,
-                     allocate_slots)  # fmt: skip
+from ..paged import (BlockManager, BlockTransfer, CopyOnWrite, NoFreeBlocksError, PagedKVStore,
+                     PrefixCachingBlockManager, allocate_slots, apply_transfers)  # fmt: skip
 
 __all__ = ["ModelRunner"]
 
@@ -36,6 +38,8 @@ class ModelRunner:
         num_blocks, block_size: the pool.
         backend: the paged attention backend (``"paged-torch"``; chapter 5 adds ``"triton"``).
         enable_prefix_caching: the pool is a :class:`~kvcourse.paged.PrefixCachingBlockManager` (chapter 7).
+        num_cpu_blocks: a second pool of blocks in host memory, for swapped sequences and (with prefix
+            caching) evicted cached blocks (chapter 7). 0: none.
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class ModelRunner:
         block_size: int = 16,
         backend: str = "paged-torch",
         enable_prefix_caching: bool = False,
+        num_cpu_blocks: int = 0,
     ) -> None:
         if not hasattr(model, "forward_batch") or not hasattr(model, "config"):
             raise TypeError(f"model must be a kvcourse.LlamaModel, got {type(model).__name__}")
@@ -54,9 +59,18 @@ class ModelRunner:
         self.model, self.backend = model, backend
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
-        pool = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
-        self.block_manager = pool(num_blocks, block_size)
+        if isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
+        if enable_prefix_caching:
+            self.block_manager = PrefixCachingBlockManager(num_blocks, block_size, num_host_blocks=num_cpu_blocks)
+        else:
+            self.block_manager = BlockManager(num_blocks, block_size, num_host_blocks=num_cpu_blocks)
         self.kv_store = PagedKVStore.for_model(model.config, num_blocks, block_size, model.dtype, model.device)
+        # The host pool: same layout, in CPU memory (on a CPU-only machine both pools share the same DRAM).
+        self.host_kv_store = (PagedKVStore.for_model(model.config, num_cpu_blocks, block_size, model.dtype, "cpu")
+                              if num_cpu_blocks else None)  # fmt: skip
+        self.num_transferred_blocks = {"to_host": 0, "to_device": 0}
+        self.transfer_seconds = 0.0  # time spent copying blocks between the pools
 
     @property
     def block_size(self) -> int:
@@ -90,19 +104,35 @@ class ModelRunner:
         work: Sequence[tuple[Hashable, Sequence[int], int]],
         copies: Sequence[CopyOnWrite] = (),
         all_logits: bool = False,
+        transfers: Sequence[BlockTransfer] = (),
     ) -> torch.Tensor:
         """Run one step whose slots are already reserved in :attr:`block_manager`.
 
         ``work`` lists ``(seq_id, new_token_ids, num_computed_tokens)``: the new tokens sit at
-        positions ``num_computed_tokens ..``. ``copies`` are the step's copy-on-write block copies,
-        done on the K/V data before anything is written. Returns logits as :meth:`step` does.
+        positions ``num_computed_tokens ..``. ``transfers`` are the step's block moves between the
+        device and host pools (swaps, cold prefix blocks), done first and in order; ``copies`` its
+        copy-on-write block copies, done next. Returns logits as :meth:`step` does.
         """
+        if transfers:
+            self.move_blocks(transfers)
         for cow in copies:
             self.kv_store.copy_block(cow.src_block, cow.dst_block)
         bm = self.block_manager
         slices = [SeqSlice(list(tokens), start, bm.block_table(seq_id)) for seq_id, tokens, start in work]
         batch = ForwardBatch.build(slices, self.block_size, self.kv_store.device)
         return self.model.forward_batch(batch, self.kv_store, self.backend, all_logits=all_logits)
+
+    def move_blocks(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Copy blocks between the device pool and the host pool, in order, and time it."""
+        if self.host_kv_store is None:
+            raise ValueError("transfers need a host pool: make the runner with num_cpu_blocks > 0")
+        start = time.perf_counter()
+        apply_transfers(self.kv_store, self.host_kv_store, transfers)
+        if self.kv_store.device.type == "cuda":
+            torch.cuda.synchronize(self.kv_store.device)  # time the copies, not their launch
+        self.transfer_seconds += time.perf_counter() - start
+        for t in transfers:
+            self.num_transferred_blocks[t.direction] += 1
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """``child_id`` shares every block of ``parent_id`` (copy-on-write on its first write)."""

@@ -10,8 +10,11 @@ the whole batch waiting for its longest member. One step, in vLLM v1's shape:
    If the pool is out of blocks, the **newest** running sequence is **preempted**: its blocks go
    back to the pool, its K/V are forgotten, and it returns to the head of the queue to be
    recomputed later (recompute mode). If the sequence that needs the block is itself the newest,
-   it is the one preempted.
-2. **Then waiting sequences, first come first served** (no overtaking), while the token budget
+   it is the one preempted. In **swap mode** (chapter 7) its K/V are copied to host memory first
+   and it waits in the swapped queue instead (recompute when the host pool is full).
+2. **Then swapped sequences**, oldest first, in a step that preempted nobody: swapped back into
+   fresh blocks, they carry on where they stopped.
+3. **Then waiting sequences, first come first served** (no overtaking), once nobody is swapped out, while the token budget
    (``max_num_batched_tokens``), the sequence cap (``max_num_seqs``) and the free blocks last.
    With **chunked prefill**, a prompt longer than the budget left is admitted with a chunk of it;
    without, it waits for a step with room for the whole prompt. Admission leaves a **watermark**
@@ -30,7 +33,9 @@ pass (chapter 6's :class:`~kvcourse.serving.Engine`), or a trace drives it with 
 
 **Memory.** The scheduler talks to its pool through a few block-manager calls (``blocks_needed``,
 ``num_free_blocks``, ``num_blocks``, ``num_tokens``, ``allocate``, ``blocks_to_append``,
-``append_slots``, ``free``, ``fork``); a :class:`~kvcourse.paged.BlockManager` is the real one.
+``append_slots``, ``free``, ``fork``; swap mode adds ``swap_out``, ``swap_in``); a
+:class:`~kvcourse.paged.BlockManager` is the real one. Its block moves (swaps, prefix blocks moved
+to the host tier and back) are handed to the runner in :attr:`SchedulerOutput.transfers`.
 After a step, a sequence holds slots for every token it has computed, plus
 ``num_lookahead_slots`` for the token it just sampled (0 in the engine, which reserves that slot
 when it feeds the token; 1 in chapter 4, which counts a token's slot from the step that makes it).
@@ -43,7 +48,7 @@ from collections import deque
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
-from ..paged import CopyOnWrite, NoFreeBlocksError, PrefixCachingBlockManager
+from ..paged import BlockTransfer, CopyOnWrite, NoFreeBlocksError, PrefixCachingBlockManager
 from ..sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
@@ -83,6 +88,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # in batch order: running, then admitted
     admitted: list[Sequence] = field(default_factory=list)  # left the queue this step
     preempted: list[Sequence] = field(default_factory=list)  # lost their blocks this step, newest first
+    swapped_out: list[Sequence] = field(default_factory=list)  # of those, the ones swapped to host memory
+    swapped_in: list[Sequence] = field(default_factory=list)  # came back from host memory this step
+    transfers: list[BlockTransfer] = field(default_factory=list)  # block moves, in order, before the copies
     copies: list[CopyOnWrite] = field(default_factory=list)  # copy-on-write block copies, before the forward
     num_prefix_cache_queried_tokens: int = 0  # tokens of the admitted sequences (prefix caching on)
 
@@ -105,7 +113,7 @@ def _limit(name: str, value: int | None, minimum: int) -> int:
 
 
 class Scheduler:
-    """Continuous batching with a token budget, chunked prefill and preemption by recompute.
+    """Continuous batching with a token budget, chunked prefill and preemption by recompute or swap.
 
     Args:
         block_manager: the pool (a :class:`~kvcourse.paged.BlockManager`, or anything with its calls).
@@ -115,6 +123,8 @@ class Scheduler:
         enable_chunked_prefill: split a prompt across steps to fit the budget.
         watermark: fraction of the pool's blocks that admission leaves free (vLLM's default 0.01).
         num_lookahead_slots: slots reserved beyond the computed tokens of a sequence that samples.
+        preemption_mode: ``"recompute"`` (free the blocks, compute them again later) or ``"swap"``
+            (copy them to the block manager's host pool and back; needs ``num_host_blocks > 0``).
     """
 
     def __init__(
@@ -126,6 +136,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         watermark: float = 0.01,
         num_lookahead_slots: int = 0,
+        preemption_mode: str = "recompute",
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = _limit("max_num_seqs", max_num_seqs, 1)
@@ -139,7 +150,13 @@ class Scheduler:
         if isinstance(num_lookahead_slots, bool) or not isinstance(num_lookahead_slots, int) or num_lookahead_slots < 0:
             raise ValueError(f"num_lookahead_slots must be an int >= 0, got {num_lookahead_slots!r}")
         self.num_lookahead_slots = num_lookahead_slots
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        if preemption_mode == "swap" and not getattr(getattr(block_manager, "host", None), "num_blocks", 0):
+            raise ValueError("preemption_mode='swap' needs a block manager with num_host_blocks > 0")
+        self.preemption_mode = preemption_mode
         self.waiting: deque[Sequence] = deque()  # head first; preempted sequences go back to the head
+        self.swapped: deque[Sequence] = deque()  # K/V in host memory, oldest first
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self._seqs: dict[Hashable, Sequence] = {}
         self._lost: dict[Hashable, int] = {}  # seq_id -> most tokens it had computed when preempted
@@ -197,6 +214,9 @@ class Scheduler:
             raise ValueError(f"seq_id={seq_id!r} is not waiting or running (unknown, finished or aborted)")
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.block_manager.free_swapped(seq.seq_id)
         else:
             self.waiting.remove(seq)
         if seq.seq_id in self.block_manager:
@@ -222,7 +242,7 @@ class Scheduler:
         self.running.append(child)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -238,8 +258,25 @@ class Scheduler:
                 break  # seq preempted itself: it was the newest, nobody is left after it
             budget -= n
             i += 1
-        # 2. Waiting sequences, first come first served, none in a step that preempted.
-        while self.waiting and budget > 0 and not out.preempted:
+        # 2. Swapped sequences, oldest first, none in a step that preempted (the pool is too tight).
+        while self.swapped and budget > 0 and not out.preempted:
+            seq = self.swapped[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._seats_used() + 1 > self.max_num_seqs:
+                break
+            keep = self.watermark_blocks if self.running else 0
+            if bm.blocks_to_swap_in(seq.seq_id, n + self.num_lookahead_slots) > bm.num_free_blocks - keep:
+                break
+            bm.swap_in(seq.seq_id)
+            self.swapped.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.swapped_in.append(seq)
+            self._reserve(seq, n, out)  # cannot preempt: the blocks were checked above
+            budget -= n
+        # 3. Waiting sequences, first come first served, none in a step that preempted or while
+        # someone is swapped out (they came first).
+        while self.waiting and budget > 0 and not out.preempted and not self.swapped:
             seq = self.waiting[0]
             if self._seats_used() + self._seats(seq) > self.max_num_seqs:
                 break
@@ -267,6 +304,8 @@ class Scheduler:
             out.scheduled.append(self._scheduled(seq, n, num_cached))
             out.num_prefix_cache_queried_tokens += seq.num_tokens if self.enable_prefix_caching else 0
             budget -= n
+        if hasattr(bm, "take_transfers"):
+            out.transfers = bm.take_transfers()
         return out
 
     def advance(self, out: SchedulerOutput) -> None:
@@ -308,7 +347,8 @@ class Scheduler:
                 break
             except NoFreeBlocksError:  # nothing changed: free the newest sequence's blocks and retry
                 victim = self.running.pop()
-                self._preempt(victim)
+                if self._preempt(victim):
+                    out.swapped_out.append(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     return False
@@ -317,15 +357,23 @@ class Scheduler:
         out.scheduled.append(s)
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute mode: free the blocks, forget the K/V, back to the head of the queue."""
+    def _preempt(self, seq: Sequence) -> bool:
+        """Swap mode, if the host pool has room: the K/V go to host memory, the sequence to the head
+        of the swapped queue (True). Otherwise recompute: free the blocks, forget the K/V, back to
+        the head of the waiting queue (False)."""
+        if self.preemption_mode == "swap" and self.block_manager.can_swap_out(seq.seq_id):
+            self.block_manager.swap_out(seq.seq_id)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq)
+            return True
         self._lost[seq.seq_id] = max(self._lost.get(seq.seq_id, 0), seq.num_computed_tokens)
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
+        return False
 
-    def _find_cached_blocks(self, seq: Sequence) -> list[int]:
+    def _find_cached_blocks(self, seq: Sequence) -> list:
         if not self.enable_prefix_caching:
             return []
         # One token short: the last token is always fed, its logits give the next token.
@@ -354,4 +402,7 @@ class Scheduler:
         return sum(self._seats(s) for s in self.running)
 
     def __repr__(self) -> str:
-        return f"Scheduler(waiting={len(self.waiting)}, running={len(self.running)}, {self.block_manager!r})"
+        return (
+            f"Scheduler(waiting={len(self.waiting)}, running={len(self.running)}, swapped={len(self.swapped)}, "
+            f"{self.block_manager!r})"
+        )
