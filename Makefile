@@ -19,7 +19,7 @@ help:
 	@echo "make book       build the HTML book into _build/html (from committed outputs)"
 	@echo "make test       unit tests + nbval over every notebook"
 	@echo "make notebooks  re-execute every notebook in place"
-	@echo "make bench      benchmarks: CPU decode (ours vs Hugging Face, naive vs cached), batched decode, serving, prefix caching, compressed caches; GPU kernels if a GPU is present"
+	@echo "make bench      benchmarks: CPU decode (ours vs Hugging Face, naive vs cached), batched decode, serving, prefix caching, offloading, compressed caches; GPU kernels if a GPU is present"
 	@echo "make student    student copies of the notebooks, solutions removed, in _build/student"
 	@echo "make check-book build the book and open every page in headless Chromium (screenshots in _build/screenshots)"
 	@echo "make published  reader and student copies for Colab in _build/published (make book runs it)"
@@ -84,6 +84,7 @@ bench: setup
 	$(PY) benchmarks/bench_batch.py --json benchmarks/results/cpu-batch-$$(date +%F).json
 	$(PY) benchmarks/bench_serving.py --json benchmarks/results/cpu-serving-$$(date +%F).json
 	$(PY) benchmarks/bench_prefix.py --json benchmarks/results/cpu-prefix-$$(date +%F).json
+	$(PY) benchmarks/bench_offload.py --json benchmarks/results/cpu-offload-$$(date +%F).json
 	$(PY) -m kvcourse.bench kernels
 	$(PY) benchmarks/bench_compression.py --json benchmarks/results/cpu-compression-$$(date +%F).json
 

@@ -333,3 +333,20 @@ def test_prefix_caching_with_a_host_tier_and_swapping_leaves_outputs_as_if_alone
     # Every block swapped out came back: moves to the host less cold ones = moves back less cold hits.
     swapped_blocks = stats["blocks_to_host"] - stats["prefix_cache_offloaded_blocks"]
     assert swapped_blocks == stats["blocks_to_device"] - stats["prefix_cache_host_hit_tokens"] // block_size
+
+
+def test_the_swap_benchmark_times_every_block_size_and_checks_the_round_trip(tiny):  # noqa: F811
+    from kvcourse.bench.swap import time_swap_vs_recompute
+
+    rows = time_swap_vs_recompute(tiny, 20, [1, 8], repeats=1)
+    assert [r["block_size"] for r in rows] == [1, 8] and [r["num_blocks"] for r in rows] == [20, 3]
+    per_token = 2 * tiny.config.num_hidden_layers * tiny.config.num_key_value_heads * tiny.config.head_dim * 4
+    assert rows[0]["bytes"] == 20 * per_token and rows[1]["bytes"] == 24 * per_token
+    keys = ("recompute_s", "swap_out_s", "swap_in_s", "swap_out_per_block_s", "swap_in_per_block_s")
+    assert all(r[k] > 0 for r in rows for k in keys)
+    for bad, name in ((dict(num_tokens=0, block_sizes=[4]), "num_tokens"),
+                      (dict(num_tokens=8, block_sizes=[]), "block_sizes"),
+                      (dict(num_tokens=8, block_sizes=[0]), "block_sizes"),
+                      (dict(num_tokens=8, block_sizes=[4], repeats=0), "repeats")):  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            time_swap_vs_recompute(tiny, **bad)
