@@ -19,7 +19,7 @@ import kvcourse
 from kvcourse import SamplingParams
 from kvcourse.paged import (BlockManager, BlockTransfer, HostBlockPool, NoFreeBlocksError, OffloadedBlock,
                             PagedKVStore, PrefixCachingBlockManager, apply_transfers)  # fmt: skip
-from kvcourse.paged.prefix_cache import CachedBlock
+from kvcourse.paged.block_hash import CachedBlock
 from kvcourse.serving import Engine
 
 from .test_prefix_cache import shared_prefix_workload

@@ -2,6 +2,8 @@
 
 * :mod:`.block_manager` -- :class:`BlockManager`: free list, reference counts, block tables,
   copy-on-write forks. Pure bookkeeping, no tensors.
+* :mod:`.block_hash` -- :func:`hash_block_tokens` and :class:`CachedBlock` (chapter 7): what
+  identifies a full block's contents, its whole prefix included.
 * :mod:`.prefix_cache` -- :class:`PrefixCachingBlockManager` (chapter 7): full blocks found again by
   chained block hashes, verified, shared; idle ones evicted least recently used first.
 * :mod:`.offload` -- :class:`HostBlockPool` (chapter 7): host-memory blocks for swapped sequences
@@ -20,7 +22,8 @@ from .block_manager import BlockManager, CopyOnWrite, NoFreeBlocksError
 from .cache import PagedKVCache, allocate_slots
 from .kv_store import PagedKVStore
 from .offload import BlockTransfer, HostBlockPool, OffloadedBlock, apply_transfers
-from .prefix_cache import CachedBlock, FreeBlockQueue, PrefixCachingBlockManager, hash_block_tokens
+from .block_hash import CachedBlock, hash_block_tokens
+from .prefix_cache import FreeBlockQueue, PrefixCachingBlockManager
 
 __all__ = [
     "BlockManager",

@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from .block_hash import CachedBlock
+
 if TYPE_CHECKING:
     from .kv_store import PagedKVStore
-    from .prefix_cache import CachedBlock
 
 __all__ = ["BlockTransfer", "HostBlockPool", "OffloadedBlock", "apply_transfers"]
 

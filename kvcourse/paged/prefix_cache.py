@@ -27,53 +27,14 @@ gives it a device block and records the copy, which costs a memory transfer inst
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 
+from .block_hash import BlockHash, CachedBlock, HashFn, extra_keys_of, hash_block_tokens
 from .block_manager import BlockManager
 from .offload import BlockTransfer, OffloadedBlock
 
 __all__ = ["CachedBlock", "FreeBlockQueue", "PrefixCachingBlockManager", "hash_block_tokens"]
-
-BlockHash = Hashable
-HashFn = Callable[[BlockHash | None, tuple[int, ...], tuple], BlockHash]
-
-
-def hash_block_tokens(parent_block_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
-    """SHA-256 of (the parent block's hash, this block's token ids, its extra keys).
-
-    ``parent_block_hash`` is ``None`` for the first block. Python's ``hash()`` would be faster but is
-    salted per process for strings and easy to collide on purpose; SHA-256 is what vLLM defaults to.
-    """
-    payload = pickle.dumps((parent_block_hash, tuple(token_ids), tuple(extra_keys)), protocol=4)
-    return hashlib.sha256(payload).digest()
-
-
-def extra_keys_of(block_index: int, cache_salt: str | None) -> tuple:
-    """The extra keys of block ``block_index``: the salt goes into the first block only (the chain carries it on)."""
-    return (cache_salt,) if block_index == 0 and cache_salt is not None else ()
-
-
-@dataclass(frozen=True, eq=False)
-class CachedBlock:
-    """What a cached block holds, kept to verify a hit: the hash says "probably", these say "surely".
-
-    ``parent`` is the entry of the block before it (``None`` for a first block). It is compared by
-    identity: a parent block evicted and filled again is a new entry, so its old children never match.
-    """
-
-    block_hash: BlockHash
-    token_ids: tuple[int, ...]
-    extra_keys: tuple
-    parent: CachedBlock | None
-
-    def holds(self, token_ids: tuple[int, ...], extra_keys: tuple, parent: CachedBlock | None) -> bool:
-        """Whether this entry really is that block: equal hashes are a candidate, not a proof."""
-        return self.token_ids == token_ids and self.extra_keys == extra_keys and self.parent is parent
-
 
 class FreeBlockQueue:
     """Free block ids, the next one to hand out first (vLLM's ``FreeKVCacheBlockQueue``).
