@@ -179,6 +179,10 @@ def paged_backend(name: str, kv_pool, batch: ForwardBatch) -> AttentionBackend:
         from .kernels.triton_backend import TritonBackend
 
         PAGED_BACKENDS[name] = TritonBackend
+    if name == "triton-int8" and name not in PAGED_BACKENDS:  # chapter 7's int8 pool through chapter 5's kernels
+        from .compression.triton_int8 import TritonInt8Backend
+
+        PAGED_BACKENDS[name] = TritonInt8Backend
     if name not in PAGED_BACKENDS:
-        raise ValueError(f"backend must be one of {sorted({*PAGED_BACKENDS, 'triton'})}, got {name!r}")
+        raise ValueError(f"backend must be one of {sorted({*PAGED_BACKENDS, 'triton', 'triton-int8'})}, got {name!r}")
     return PAGED_BACKENDS[name](kv_pool, batch)

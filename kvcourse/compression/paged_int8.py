@@ -1,17 +1,19 @@
 """Chapter 4's paged pool stored in int8, and the torch backend that runs the model on it.
 
-Per layer, vLLM's layout with a scale beside every cached vector (what chapter 5's int8 kernel reads):
+Per layer, vLLM's layout with a scale beside every cached vector, exactly what chapter 5's int8
+kernels write and read (:mod:`kvcourse.kernels.int8`, whose quantizer this module uses):
 
     k_cache, v_cache   int8      [num_blocks, block_size, H_kv, D]
-    k_scale, v_scale   float16   [num_blocks, block_size, H_kv]        one per token and head
+    k_scale, v_scale   float32   [num_blocks, block_size, H_kv]        one per token and head
 
 **Symmetric** quantization, ``x = code * scale`` with ``scale = max|x| / 127`` and codes in
 ``-127 .. 127``: no zero point, so a kernel dequantizes with one multiply per value. A token costs
-``D + 2`` bytes per head instead of ``2 D`` in fp16.
+``D + 4`` bytes per head instead of ``2 D`` in fp16.
 
 ``Int8PagedTorchBackend`` (``model.forward_batch(batch, store, backend="paged-int8-torch")``) quantizes
 each new token as it is written and attends over the dequantized blocks: the reference the kernel
-must equal.
+must equal. With a GPU, ``backend="triton-int8"`` (:mod:`.triton_int8`) writes and decodes through
+chapter 5's kernels instead.
 """
 
 from __future__ import annotations
@@ -21,27 +23,14 @@ from collections.abc import Sequence
 import torch
 
 from ..attention import PAGED_BACKENDS, PagedTorchBackend
+from ..kernels.int8 import dequantize_int8, quantize_int8
 from ..kernels.reference import paged_attention
 from ..paged.kv_store import PagedKVStore
 from ..utils import check_config
 
 __all__ = ["Int8PagedKVStore", "Int8PagedTorchBackend", "dequantize_int8", "quantize_int8"]
 
-INT8_MAX = 127
-SCALE_DTYPE = torch.float16
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per vector (the last axis): codes ``int8 [..., D]`` and scales ``[...]`` (fp16)."""
-    scale = (x.float().abs().amax(-1) / INT8_MAX).to(SCALE_DTYPE)
-    safe = torch.where(scale > 0, scale.float(), 1.0)[..., None]  # an all-zero vector: codes 0
-    codes = torch.clamp(torch.round(x.float() / safe), -INT8_MAX, INT8_MAX).to(torch.int8)
-    return codes, scale
-
-
-def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``codes * scale``, in ``dtype``."""
-    return (codes.float() * scale.float()[..., None]).to(dtype)
+SCALE_DTYPE = torch.float32  # chapter 5's kernels read fp32 scales
 
 
 class Int8PagedKVStore(PagedKVStore):
