@@ -22,16 +22,13 @@ copy, not a PCIe transfer, so these numbers say nothing about a GPU (see the cha
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 from bench_prefix import QUESTIONS, SYSTEM_PROMPT, TEXT
-from machine import machine_info
+from machine import finish, machine_info
 
 import kvcourse
 from kvcourse import SamplingParams
@@ -136,14 +133,7 @@ def main() -> None:
                                      / engine_res["recompute"]["output_tokens_per_s"], 3),  # fmt: skip
         "cold_tier_ttft_speedup": round(cold["recompute"]["ttft_s"] / cold["host"]["ttft_s"], 2),
     }
-    res["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    for name, v in res["targets"].items():
-        print(f"  {name}: {v}")
-    out = Path(args.json or f"benchmarks/results/cpu-offload-{res['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
-
+    finish(res, args.json, "offload")
 
 if __name__ == "__main__":
     main()

@@ -22,17 +22,14 @@ is also checked equal with and without.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-from machine import machine_info
+from machine import finish, machine_info
 
 import kvcourse
 from kvcourse import SamplingParams
@@ -210,16 +207,9 @@ def main() -> None:
         "sequential_ttft_speedup": round(seq["off"]["ttft_rest_mean_s"] / seq["on"]["ttft_rest_mean_s"], 2),
         "outputs_equal": seq["outputs_equal"] and res["burst"]["outputs_equal"] and equal,
     }
-    res["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"0% hits: {off:.1f} tok/s off, {on:.1f} on: {loss:+.1%} throughput lost (medians of {args.repeats}); "
           f"lookup + registration took {max(fractions):.2%} of the time at most")
-    for name, v in res["targets"].items():
-        print(f"  {name}: {v}")
-    out = Path(args.json or f"benchmarks/results/cpu-prefix-{res['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
-
+    finish(res, args.json, "prefix")
 
 if __name__ == "__main__":
     main()

@@ -24,17 +24,14 @@ of static batching and of HF on the trace, and a lower p99 TTFT than static batc
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-from machine import machine_info
+from machine import finish, machine_info
 
 import kvcourse
 from kvcourse import SamplingParams
@@ -177,15 +174,8 @@ def main() -> None:
         "continuous_ahead_of_hf": None if args.skip_hf else best > m["hf_padded"]["output_tokens_per_s"],
         "lower_p99_ttft_than_static": m["continuous_chunked"]["ttft_p99"] < m["static"]["ttft_p99"],
     }
-    res["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     print(f"first 16 requests: continuous (chunked) {speedup16:.1f}x one-at-a-time throughput")
-    for name, ok in res["targets"].items():
-        print(f"  {name}: {ok}")
-    out = Path(args.json or f"benchmarks/results/cpu-serving-{res['date']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {out}", file=sys.stderr)
-
+    finish(res, args.json, "serving")
 
 if __name__ == "__main__":
     main()

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import platform
+import sys
+from pathlib import Path
 
 import torch
 
@@ -28,3 +32,16 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "date": datetime.date.today().isoformat(),
     }
+
+
+def finish(res: dict, json_path: str | None, name: str) -> Path:
+    """Record the load at the end, print the targets, write ``res`` to ``json_path`` (default
+    ``benchmarks/results/cpu-NAME-DATE.json``) and return the path."""
+    res["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    for target, value in res.get("targets", {}).items():
+        print(f"  {target}: {value}")
+    out = Path(json_path or f"benchmarks/results/cpu-{name}-{res['date']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return out
