@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 
-
 import kvcourse
 from kvcourse import quality as Q
 from kvcourse.compression import (
