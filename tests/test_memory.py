@@ -358,6 +358,14 @@ def test_kv_budget_is_what_the_weights_leave():
         budget = kv_budget_bytes("qwen2.5-7b", 80 * 10**9, gpu_memory_utilization=0.9)
         assert max_concurrent_sequences("qwen2.5-7b", 80 * 10**9, seq_len, gpu_memory_utilization=0.9) == fit
         assert fit * per_seq <= budget < (fit + 1) * per_seq
+    # An int8 cache with an fp16 scale and zero point per 128-value vector: 132 bytes where bf16 takes 256.
+    int8_per_seq = 32768 * 28 * 2 * 4 * (128 + 4)
+    assert kv_cache_bytes("qwen2.5-7b", 32768, dtype="int8", quant_group_size=128) == int8_per_seq
+    budget = kv_budget_bytes("qwen2.5-7b", 80 * 10**9, "bf16", gpu_memory_utilization=0.9)
+    assert max_concurrent_sequences("qwen2.5-7b", 80 * 10**9, 32768, "int8", weight_dtype="bf16",
+                                    gpu_memory_utilization=0.9, quant_group_size=128) == budget // int8_per_seq == 58
+    with pytest.raises(ValueError, match="quant_group_size"):
+        max_concurrent_sequences("qwen2.5-7b", 80 * 10**9, 32768, "bf16", quant_group_size=128)
     for bad in (0, -1, True, "80GB"):
         with pytest.raises(ValueError, match="gpu_bytes"):
             kv_budget_bytes("qwen2.5-7b", bad)

@@ -56,15 +56,17 @@ def max_concurrent_sequences(
     dtype: Any = "bf16",
     weight_dtype: Any | None = None,
     gpu_memory_utilization: float = 1.0,
+    quant_group_size: int | None = None,
 ) -> int:
     """How many ``seq_len``-token sequences fit in one GPU's KV budget after the weights (0 if none).
 
     The budget is :func:`kv_budget_bytes`; the weights are stored at ``dtype`` unless ``weight_dtype`` is given.
+    ``quant_group_size`` counts a quantized cache's scales and zero points, as in :func:`kv_cache_bytes`.
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     budget = kv_budget_bytes(model, gpu_bytes, dtype if weight_dtype is None else weight_dtype, gpu_memory_utilization)
-    return budget // kv_cache_bytes(model, seq_len, dtype=dtype)
+    return budget // kv_cache_bytes(model, seq_len, dtype=dtype, quant_group_size=quant_group_size)
 
 
 def crossover_tokens(model: str, dtype: Any = "bf16", weight_dtype: Any = "bf16") -> int | None:
