@@ -16,6 +16,7 @@ from kvcourse.memory import (
     GiB,
     catalog_names,
     format_bytes,
+    kv_budget_bytes,
     kv_bytes_per_token,
     kv_cache_bytes,
     kv_layout,
@@ -343,6 +344,34 @@ def test_weight_bytes_and_gpu_fit():
     assert max_concurrent_sequences("llama-3-70b", 80 * 10**9, 8192) == 0  # 141 GB of weights do not fit
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         max_concurrent_sequences("llama-3-8b", 80 * 10**9, 8192, gpu_memory_utilization=1.5)
+
+
+def test_kv_budget_is_what_the_weights_leave():
+    # Qwen2.5-7B in bf16: 15.23 GB of weights; vLLM's 90% of an 80 GB GPU is 72 GB, so 56.77 GB are left.
+    assert kv_budget_bytes("qwen2.5-7b", 80 * 10**9, gpu_memory_utilization=0.9) == 72 * 10**9 - 2 * 7_615_616_512
+    assert kv_budget_bytes("qwen2.5-7b", 80 * 10**9, "int8") == 80 * 10**9 - 7_615_616_512  # 1-byte weights
+    assert kv_budget_bytes("llama-3-70b", 80 * 10**9) == 0  # the weights alone overflow the GPU
+    # The sequences that fit are the budget over one sequence's cache, rounded down: 966 of 1k, 30 of 32k.
+    for seq_len, fit in ((1024, 966), (32768, 30)):
+        per_seq = kv_cache_bytes("qwen2.5-7b", seq_len)
+        assert per_seq == seq_len * 28 * 2 * 4 * 128 * 2
+        budget = kv_budget_bytes("qwen2.5-7b", 80 * 10**9, gpu_memory_utilization=0.9)
+        assert max_concurrent_sequences("qwen2.5-7b", 80 * 10**9, seq_len, gpu_memory_utilization=0.9) == fit
+        assert fit * per_seq <= budget < (fit + 1) * per_seq
+    # An int8 cache with an fp16 scale and zero point per 128-value vector: 132 bytes where bf16 takes 256.
+    int8_per_seq = 32768 * 28 * 2 * 4 * (128 + 4)
+    assert kv_cache_bytes("qwen2.5-7b", 32768, dtype="int8", quant_group_size=128) == int8_per_seq
+    budget = kv_budget_bytes("qwen2.5-7b", 80 * 10**9, "bf16", gpu_memory_utilization=0.9)
+    assert max_concurrent_sequences("qwen2.5-7b", 80 * 10**9, 32768, "int8", weight_dtype="bf16",
+                                    gpu_memory_utilization=0.9, quant_group_size=128) == budget // int8_per_seq == 58
+    with pytest.raises(ValueError, match="quant_group_size"):
+        max_concurrent_sequences("qwen2.5-7b", 80 * 10**9, 32768, "bf16", quant_group_size=128)
+    for bad in (0, -1, True, "80GB"):
+        with pytest.raises(ValueError, match="gpu_bytes"):
+            kv_budget_bytes("qwen2.5-7b", bad)
+    for bad in (0, 1.5, True, "0.9"):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            kv_budget_bytes("qwen2.5-7b", 80 * 10**9, gpu_memory_utilization=bad)
 
 
 def test_format_bytes_shows_both_units():

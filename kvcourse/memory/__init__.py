@@ -37,7 +37,7 @@ One job per module: :mod:`.config` reads a config, :mod:`.formula` is the formul
 weighs it against a GPU, :mod:`.units` holds dtypes and units, :mod:`.catalog` the models.
 """
 
-from .budget import crossover_tokens, max_concurrent_sequences, prefill_flops, weight_bytes
+from .budget import crossover_tokens, kv_budget_bytes, max_concurrent_sequences, prefill_flops, weight_bytes
 from .catalog import CATALOG, CatalogEntry, catalog_names, get_entry
 from .config import KVLayout, kv_layout, load_config
 from .formula import kv_bytes_per_token, kv_cache_bytes
@@ -55,6 +55,7 @@ __all__ = [
     "dtype_bytes",
     "format_bytes",
     "get_entry",
+    "kv_budget_bytes",
     "kv_bytes_per_token",
     "kv_cache_bytes",
     "kv_layout",

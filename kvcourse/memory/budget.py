@@ -11,7 +11,7 @@ from .config import kv_layout
 from .formula import kv_cache_bytes
 from .units import dtype_bytes
 
-__all__ = ["crossover_tokens", "max_concurrent_sequences", "prefill_flops", "weight_bytes"]
+__all__ = ["crossover_tokens", "kv_budget_bytes", "max_concurrent_sequences", "prefill_flops", "weight_bytes"]
 
 
 def weight_bytes(model: Any, dtype: Any = "bf16", tp_size: int = 1) -> int:
@@ -33,6 +33,22 @@ def weight_bytes(model: Any, dtype: Any = "bf16", tp_size: int = 1) -> int:
     return math.ceil(params * dtype_bytes(dtype) / tp_size)
 
 
+def kv_budget_bytes(
+    model: Any, gpu_bytes: int | float, weight_dtype: Any = "bf16", gpu_memory_utilization: float = 1.0
+) -> int:
+    """Bytes one GPU has left for the KV cache once the weights are loaded (0 if the weights do not fit).
+
+    budget = ``gpu_memory_utilization x gpu_bytes - weight bytes``; vLLM's default utilization is 0.9.
+    Activations and CUDA graphs also take a share in a real engine; this budget leaves them out.
+    """
+    if not isinstance(gpu_bytes, (int, float)) or isinstance(gpu_bytes, bool) or gpu_bytes <= 0:
+        raise ValueError(f"gpu_bytes must be a positive number, got {gpu_bytes!r}")
+    if (isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float))
+            or not 0 < gpu_memory_utilization <= 1):
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    return max(0, int(gpu_memory_utilization * gpu_bytes) - weight_bytes(model, weight_dtype))
+
+
 def max_concurrent_sequences(
     model: str,
     gpu_bytes: int,
@@ -40,20 +56,17 @@ def max_concurrent_sequences(
     dtype: Any = "bf16",
     weight_dtype: Any | None = None,
     gpu_memory_utilization: float = 1.0,
+    quant_group_size: int | None = None,
 ) -> int:
     """How many ``seq_len``-token sequences fit in one GPU's KV budget after the weights (0 if none).
 
-    budget = ``gpu_memory_utilization x gpu_bytes - weight bytes``; vLLM's default utilization is 0.9.
+    The budget is :func:`kv_budget_bytes`; the weights are stored at ``dtype`` unless ``weight_dtype`` is given.
+    ``quant_group_size`` counts a quantized cache's scales and zero points, as in :func:`kv_cache_bytes`.
     """
-    if not isinstance(gpu_bytes, (int, float)) or isinstance(gpu_bytes, bool) or gpu_bytes <= 0:
-        raise ValueError(f"gpu_bytes must be a positive number, got {gpu_bytes!r}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-    budget = gpu_memory_utilization * gpu_bytes - weight_bytes(model, dtype if weight_dtype is None else weight_dtype)
-    per_seq = kv_cache_bytes(model, seq_len, dtype=dtype)
-    return max(0, int(budget // per_seq))
+    budget = kv_budget_bytes(model, gpu_bytes, dtype if weight_dtype is None else weight_dtype, gpu_memory_utilization)
+    return budget // kv_cache_bytes(model, seq_len, dtype=dtype, quant_group_size=quant_group_size)
 
 
 def crossover_tokens(model: str, dtype: Any = "bf16", weight_dtype: Any = "bf16") -> int | None:
