@@ -1,9 +1,11 @@
 """Serving many requests at once (chapter 6), one file per job as nano-vllm lays it out.
 
 * :mod:`.scheduler` -- :class:`Scheduler`: continuous batching under a token budget, chunked
-  prefill, admission by free blocks with a watermark, preemption by recompute; prefix-cache hits
-  at admission (chapter 7, on a :class:`~kvcourse.paged.PrefixCachingBlockManager`).
-* :mod:`.model_runner` -- :class:`ModelRunner`: a scheduled step as one ``ForwardBatch`` and one forward.
+  prefill, admission by free blocks with a watermark, preemption by recompute or by swap to host
+  memory (chapter 7); prefix-cache hits at admission (chapter 7, on a
+  :class:`~kvcourse.paged.PrefixCachingBlockManager`).
+* :mod:`.model_runner` -- :class:`ModelRunner`: a scheduled step as one ``ForwardBatch`` and one forward,
+  after the step's block moves between the device and host pools.
 * :mod:`.request` -- :class:`Request` (a prompt, its samples, its :class:`RequestMetrics`).
 * :mod:`.engine` -- :class:`Engine`: ``generate``, ``add_request`` / ``step`` / ``abort``, ``stream``, ``stats``.
 * :mod:`.stats` -- the per-step event log and latency percentiles.
