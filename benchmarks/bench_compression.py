@@ -33,6 +33,7 @@ from kvcourse.compression import (
     compressed_continuation_logits,
     generate_compressed,
     prefill,
+    prefill_prompt,
     simulate_window_logits,
 )
 from kvcourse.mla import pooled_kv_heads
@@ -121,14 +122,14 @@ def dropping(model, tok, ids, chat, chat_ref, new_tokens) -> dict:
     context, continuation = ids[:n_context], ids[n_context:]
     prefilled = prefill(model, context)
     ref = compressed_continuation_logits(model, context, continuation, None, prefilled=prefilled)
-    chat_prefilled = [prefill(model, p[:-1]) for p in chat]
+    chat_prefilled = [prefill_prompt(model, p) for p in chat]
     rows = []
     for frac in DROP_FRACTIONS:
         for method in DROP_METHODS:
             budget = int(n_context * frac)
             logits = compressed_continuation_logits(model, context, continuation, budget, method, prefilled)
             greedy = Q.GreedyAgreement([list(r) for r in chat_ref], [
-                generate_compressed(model, p, max(1, int((len(p) - 1) * frac)), method, new_tokens, c)
+                generate_compressed(model, p, max(1, int(len(p) * frac)), method, new_tokens, c)
                 for p, c in zip(chat, chat_prefilled)])
             rows.append({"method": method, "budget_frac": frac, "budget": budget, "greedy": _greedy(greedy),
                          **_quality(Q.compare(logits[:-1], ref[:-1], continuation[1:]))})  # fmt: skip
@@ -140,11 +141,11 @@ def dropping(model, tok, ids, chat, chat_ref, new_tokens) -> dict:
         want = tok.encode(" " + secret)
         for depth in NEEDLE_DEPTHS:
             prompt = Q.needle_prompt(tok, hay, depth, secret)
-            prefilled = prefill(model, prompt[:-1])
+            prefilled = prefill_prompt(model, prompt)
             found["full"] += generate_compressed(model, prompt, None, max_new_tokens=len(want), prefilled=prefilled) == want
             for frac in DROP_FRACTIONS:
                 for method in DROP_METHODS:
-                    out = generate_compressed(model, prompt, int((len(prompt) - 1) * frac), method, len(want), prefilled)
+                    out = generate_compressed(model, prompt, int(len(prompt) * frac), method, len(want), prefilled)
                     found[f"{method} {frac:.0%}"] += out == want
     trials = len(NEEDLE_SECRETS) * len(NEEDLE_DEPTHS)
     print("needle found:", found, "of", trials, flush=True)

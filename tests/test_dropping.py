@@ -73,3 +73,21 @@ def test_a_budget_of_everything_changes_nothing_and_a_smaller_one_runs(model):
         pos = small.key_positions(5)
         assert pos.shape == (1, 3, 7) and pos[..., 4:].tolist() == [[[9, 10, 11]] * 3]
         assert small.nbytes == 30 * 2 * 3 * 7 * 64 * 4
+
+
+def test_generate_compressed_takes_its_first_token_from_the_full_prompt(model, tok):
+    """SnapKV's protocol: the prefill sees every prompt token, so the first answer token is the full
+    cache's whatever the budget; with no budget, every token is plain greedy generation's."""
+    from kvcourse.compression import generate_compressed, prefill_prompt
+
+    prompt = tok.encode_chat("Name three primary colours.")
+    want = kvcourse.generate(model, prompt, 6)
+    prefilled = prefill_prompt(model, prompt)
+    assert prefilled[1] == want[0] and prefilled[0].num_held == len(prompt)
+    assert generate_compressed(model, prompt, None, max_new_tokens=6, prefilled=prefilled) == want
+    for budget in (4, len(prompt) // 2):
+        out = generate_compressed(model, prompt, budget, "snapkv", 6, prefilled)
+        assert out[0] == want[0] and len(out) <= 6
+    assert prefilled[0].num_held == len(prompt)  # the prefilled cache was copied, not compressed
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_compressed(model, prompt, 4, max_new_tokens=0)

@@ -29,7 +29,7 @@ from ..cache import check_update
 from ..utils import check_config
 
 __all__ = ["DroppingKVCache", "METHODS", "compressed_continuation_logits", "generate_compressed", "prefill",
-           "select_tokens"]
+           "prefill_prompt", "select_tokens"]
 
 METHODS = ("h2o", "snapkv", "streaming")
 
@@ -203,16 +203,31 @@ def compressed_continuation_logits(model, context, continuation, budget: int | N
     return model(torch.tensor([list(continuation)], device=model.device), cache=cache)[0].float()
 
 
-def generate_compressed(model, prompt, budget: int | None, method: str = "snapkv", max_new_tokens: int = 16,
-                        prefilled: DroppingKVCache | None = None) -> list[int]:  # fmt: skip
-    """Greedy tokens after prefilling all of ``prompt`` but its last token and keeping ``budget`` of them.
+@torch.inference_mode()
+def prefill_prompt(model, prompt, observation_window: int = 32) -> tuple[DroppingKVCache, int]:
+    """Prefill all of ``prompt`` with the full cache: the cache (attention recorded) and the greedy first
+    token, which the full prompt's own logits give before anything is dropped (SnapKV's protocol)."""
+    cache = DroppingKVCache.for_model(model.config, observation_window=observation_window)
+    logits = model(torch.tensor([list(prompt)], device=model.device), cache=cache)
+    return cache, int(logits[0, -1].argmax())
 
-    The last prompt token is then fed as the first decode step, so it reads the compressed cache.
-    ``prefilled``: ``prefill(model, prompt[:-1])``, done once for several budgets (copied, not changed).
+
+def generate_compressed(model, prompt, budget: int | None, method: str = "snapkv", max_new_tokens: int = 16,
+                        prefilled: tuple[DroppingKVCache, int] | None = None) -> list[int]:  # fmt: skip
+    """Greedy tokens: prefill all of ``prompt``, take the first token from its logits, keep ``budget`` of
+    the prompt's tokens (``None``: all), and decode the rest on the compressed cache.
+
+    The first token is the full cache's (the prefill saw every token); compression costs only the
+    tokens after it. ``prefilled``: ``prefill_prompt(model, prompt)``, done once for several budgets
+    (copied, not changed).
     """
     from ..generate import generate
 
-    cache = prefill(model, prompt[:-1]) if prefilled is None else copy.deepcopy(prefilled)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    cache, first = prefill_prompt(model, prompt) if prefilled is None else copy.deepcopy(prefilled)
     if budget is not None:
         cache.compress(min(budget, cache.num_held), method)
-    return generate(model, list(prompt[-1:]), max_new_tokens, cache=cache)
+    if max_new_tokens == 1 or first in (model.config.eos_token_id or ()):
+        return [first]
+    return [first] + generate(model, [first], max_new_tokens - 1, cache=cache)
