@@ -31,10 +31,12 @@ from ._core import (
     tensor_diff,
 )
 
-# The prefix-caching checks live in their own module (one job each) and are chapter 7 checks all the same.
+# The prefix-caching and offloading checks live in their own modules (one job each) and are chapter 7
+# checks all the same.
+from .ch07_offload import check_replay
 from .ch07_prefix import check_block_hashes, check_lru_takes
 
-__all__ = ["check_block_hashes", "check_lru_takes", "check_quantizer", "check_ring_slot"]
+__all__ = ["check_block_hashes", "check_lru_takes", "check_quantizer", "check_replay", "check_ring_slot"]
 
 
 # --- Exercise 1: a quantizer ---------------------------------------------------------------------
