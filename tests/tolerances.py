@@ -14,3 +14,19 @@ def assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
     """``got`` equals ``want`` to ``LOGIT_REL_TOL`` of ``want``'s largest magnitude."""
     scale = float(want.abs().max())
     torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_REL_TOL * max(scale, 1.0))
+
+
+def top1_margins(logits: torch.Tensor) -> torch.Tensor:
+    """The gap between the largest and the second-largest logit, per row of ``logits [..., vocab]``."""
+    top2 = logits.topk(2, dim=-1).values
+    return top2[..., 0] - top2[..., 1]
+
+
+def decided_steps(margins: torch.Tensor, shift: float) -> torch.Tensor:
+    """Which greedy decisions no perturbation of at most ``shift`` per logit can flip.
+
+    Moving every logit by at most ``shift`` changes the gap between any two by at most ``2 * shift``, so an argmax
+    whose margin exceeds that is the same on any CPU and through any quantizer that stays within ``shift``; a closer
+    call may go either way and proves nothing about the code under test.
+    """
+    return margins > 2 * shift
