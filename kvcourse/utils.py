@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-__all__ = ["check_config", "seed_everything", "default_device", "glue", "in_colab"]
+__all__ = ["approx", "check_config", "seed_everything", "default_device", "glue", "in_colab"]
 
 
 def seed_everything(seed: int = 0) -> None:
@@ -30,18 +30,35 @@ def in_colab() -> bool:
     return "COLAB_RELEASE_TAG" in os.environ or "google.colab" in sys.modules
 
 
-def glue(name: str, value, display: bool = False):
+def glue(name: str, value, display: bool = False) -> None:
     """Make ``value`` quotable in the notebook's markdown as ``{glue:text}`name```.
 
-    Uses myst-nb's ``glue`` when it is installed (building the book); elsewhere
-    (Colab) it just returns the value, so notebooks run unchanged.
+    Uses myst-nb's ``glue`` when it is installed (building the book); elsewhere (Colab) it does
+    nothing, so notebooks run unchanged. It returns nothing: a cell that ends with it shows no
+    ``Out:`` value outside the book.
     """
     try:
         from myst_nb import glue as _glue
     except ImportError:
-        return value
+        return
     _glue(name, value, display=display)
-    return value
+
+
+# Marks a number whose last digits depend on the CPU: see approx(). book/nbval-sanitize.cfg's
+# [cpu-dependent-digits] rule replaces what follows it, so nbval compares the rest of the line.
+APPROX_MARK = "≈"
+
+
+def approx(value: float, spec: str = ".3g") -> str:
+    """``value`` formatted with ``spec`` behind a ``≈``: its last digits may differ on another CPU.
+
+    Use it for numbers measured *through a discontinuity*: a quantizer, an argmax, a top-k or a threshold.
+    Two CPUs (AMD and Intel; or one CPU given another batch shape) round a matmul's last bit differently;
+    that is invisible in fp32 logits, but a value one ulp from a quantization step then lands in the next
+    bucket, and a perplexity, a top-1 agreement or a greedy continuation moves in its last printed digit.
+    The notebook asserts such numbers with a tolerance for that, and nbval skips the digits behind the mark.
+    """
+    return APPROX_MARK + format(value, spec)
 
 
 _CONFIG_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim", "max_position_embeddings")

@@ -75,12 +75,3 @@ def test_needle_prompt(tok):
     assert Q.needle_prompt(tok, hay, 1.0, "1")[:100] == hay
     with pytest.raises(ValueError, match="depth"):
         Q.needle_prompt(tok, hay, 1.5, "1")
-
-
-def test_committed_results_are_read_from_the_checkout():
-    from kvcourse.compression.results import RESULTS_FILE, load_results
-
-    bench = load_results(RESULTS_FILE)
-    assert bench["benchmark"] == "bench_compression" and bench["text"]["tokens"] == 1024
-    with pytest.raises(FileNotFoundError, match="not installed from a git repository"):
-        load_results("no-such-file.json")  # an editable install records no git commit to fetch from

@@ -157,3 +157,25 @@ def test_animation_is_readable_and_ends_with_the_bill():
     assert anim.to_jshtml().count("data:image/png") == frames
     with pytest.raises(ValueError, match="or none of them"):
         cache_grid_animation(kv_bytes_per_token=10)
+
+
+def test_the_sanitizer_hides_exactly_the_digits_approx_marks():
+    """kvcourse.utils.approx marks CPU-dependent numbers; book/nbval-sanitize.cfg must hide each of them whole."""
+    from pathlib import Path
+
+    from nbval.plugin import get_sanitize_patterns
+
+    from kvcourse.utils import approx
+
+    text = (Path(__file__).parents[1] / "book" / "nbval-sanitize.cfg").read_text(encoding="utf-8")
+    patterns = get_sanitize_patterns(text)  # as nbval does, whatever the locale
+
+    def sanitize(s: str) -> str:
+        for regex, replace in patterns:
+            s = re.sub(regex, replace, s)
+        return s
+
+    for value, spec in ((13.97, ".2f"), (-0.0014, "+.2%"), (0.988, ".1%"), (12073.9, ",.1f"), (5e-4, ".1e"), (1, "d")):
+        line = f"perplexity {approx(value, spec)} (of 1024 tokens)"
+        assert sanitize(line) == "perplexity APPROX_NUM (of 1024 tokens)", line
+    assert sanitize("13.97 vs 13.99 (-0.1%)") == "13.97 vs 13.99 (-0.1%)"  # unmarked digits stay

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import random
+import traceback
 import types
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 __all__ = [
     "ExerciseError",
+    "Passed",
     "passed",
     "fail",
     "describe",
@@ -38,6 +41,9 @@ __all__ = [
 ]
 
 
+_CHECKS_DIR = os.path.dirname(os.path.abspath(__file__))  # frames here are the check's, not the learner's
+
+
 class ExerciseError(AssertionError):
     """A wrong answer: the message says what was expected, what came back, and gives a hint.
 
@@ -49,10 +55,44 @@ class ExerciseError(AssertionError):
         super().__init__(message)
         self.case, self.expected, self.got, self.hint = case, expected, got, hint
 
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows: the message alone for a wrong answer or an unwritten stub; for a crash in
+        the learner's code, that code's own frames first (never the check's, which would bury the
+        one sentence that matters under a screen of traceback)."""
+        lines = []
+        cause = self.__cause__
+        if cause is not None and not isinstance(cause, NotImplementedError):
+            frames = [f for f in traceback.extract_tb(cause.__traceback__) if _CHECKS_DIR not in f.filename]
+            if frames:
+                lines.append("Traceback of your code (most recent call last):")
+                lines += "".join(traceback.format_list(frames)).rstrip("\n").split("\n")
+        lines.append(f"{type(self).__name__}: {self}")
+        return lines
 
-def passed(message: str) -> bool:
+
+class Passed:
+    """What a check returns when the answer is right: true, and silent in a notebook.
+
+    The check has already printed what it verified; IPython would echo a plain ``True`` after it
+    as ``Out: True``, which says nothing. ``_ipython_display_`` shows nothing instead.
+    """
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"Passed({self.message!r})"
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def passed(message: str) -> Passed:
     print(f"Correct: {message}")
-    return True
+    return Passed(message)
 
 
 def describe(value: Any, limit: int = 12) -> str:

@@ -1,0 +1,45 @@
+"""How checks and glue look in a plain notebook (Colab, JupyterLab): no bare values, short failures."""
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+CELLS = [
+    # 0: glue outside the book build shows nothing
+    "from kvcourse.utils import glue\nglue('x', '0.83')",
+    # 1: a right answer: the check says so in words, and no `Out: True` follows
+    "import torch\nfrom kvcourse.exercises import ch01\n"
+    "def causal_mask(t, s):\n    return torch.ones(t, s, dtype=torch.bool).tril(s - t)\n"
+    "ch01.check_causal_mask(causal_mask)",
+    # 2: an unwritten stub: the message and the hint, not the check's frames
+    "def causal_mask(t, s):\n    raise NotImplementedError('build the lower triangle')\nch01.check_causal_mask(causal_mask)",
+    # 3: a crash in the learner's code: its own frame is shown, the check's are not
+    "def causal_mask(t, s):\n    return [][0]\nch01.check_causal_mask(causal_mask)",
+]
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in CELLS])
+    NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True).execute()
+    return nb.cells
+
+
+def test_glue_and_a_passing_check_echo_no_bare_value(executed):
+    for cell in executed[:2]:
+        assert [o for o in cell.outputs if o.output_type == "execute_result"] == []
+    assert executed[1].outputs[0].text.startswith("Correct:")
+
+
+def test_an_unwritten_stub_shows_one_message_with_its_hint(executed):
+    (error,) = [o for o in executed[2].outputs if o.output_type == "error"]
+    text = "\n".join(error.traceback)
+    assert error.ename == "ExerciseError" and "build the lower triangle" in text
+    assert len(error.traceback) == 1 and "_core.py" not in text and "ch01.py" not in text
+
+
+def test_a_crash_in_the_learners_code_shows_the_learners_frame_only(executed):
+    (error,) = [o for o in executed[3].outputs if o.output_type == "error"]
+    text = "\n".join(error.traceback)
+    assert "return [][0]" in text and "IndexError" in text
+    assert "_core.py" not in text and "exercises/ch01.py" not in text

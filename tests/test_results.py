@@ -1,0 +1,58 @@
+"""The committed benchmark results travel with the package: read offline, never from the network."""
+
+import json
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kvcourse import results
+from kvcourse.compression.results import RESULTS_FILE, load_results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_find_load_and_newest():
+    names = results.find()
+    assert RESULTS_FILE in names and names == sorted(names)
+    assert results.newest("cpu-decode-*.json") == "cpu-decode-2026-11-22.json"  # the later of two dates
+    assert results.newest("no-such-*.json") is None
+    bench = load_results()
+    assert bench["benchmark"] == "bench_compression" and bench["text"]["tokens"] == 1024
+    assert results.load("cpu-serving-2026-11-22.json") == json.loads(
+        (ROOT / "kvcourse" / "results" / "cpu-serving-2026-11-22.json").read_text())
+
+
+def test_bad_names_are_refused_clearly():
+    with pytest.raises(FileNotFoundError, match="no committed result 'no-such-file.json'.*cpu-compression"):
+        results.load("no-such-file.json")
+    for bad in ("../pyproject.toml", "x.txt", 3, ""):
+        with pytest.raises(ValueError, match="name must be"):
+            results.load(bad)
+    with pytest.raises(ValueError, match="pattern"):
+        results.find("")
+
+
+def test_benchmarks_results_is_the_package_folder():
+    # Benchmarks write to benchmarks/results/; the book reads kvcourse/results/: one folder, two names.
+    assert (ROOT / "benchmarks" / "results").resolve() == (ROOT / "kvcourse" / "results").resolve()
+
+
+def test_the_wheel_ships_every_result(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+                    str(ROOT)], check=True, capture_output=True)  # fmt: skip
+    (wheel,) = tmp_path.glob("kvcourse-*.whl")
+    shipped = {Path(n).name for n in zipfile.ZipFile(wheel).namelist() if n.startswith("kvcourse/results/")}
+    assert set(results.find()) <= shipped and "__init__.py" in shipped
+
+
+def test_no_chapter_reads_results_from_the_network_or_the_checkout():
+    for nb_path in sorted((ROOT / "book").glob("[0-9][0-9]_*.ipynb")):
+        for cell in json.loads(nb_path.read_text())["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            code = "".join(cell["source"])
+            assert not re.search(r"urlopen|requests\.get|/raw/|Path\([\"']\.\./benchmarks", code), (nb_path.name, code[:200])
