@@ -44,3 +44,20 @@ class KVPins:
             torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_REL_TOL * scale,
                                        msg=lambda m, n=name: f"layer {layer_idx} {n} differs from the reference: {m}")
         return pinned_k, pinned_v
+
+
+class PinnedUpdates:
+    """Mixin for a contiguous cache whose ``update(layer_idx, k, v)`` (``[1, H_kv, T, D]``) stores pinned K/V.
+
+    ``cache = Cls.for_model(config, ...).pin(pins)``; list it before the cache class so its ``update`` runs first.
+    """
+
+    def pin(self, pins: KVPins):
+        self.pins, self.fed = pins, [0] * self.num_layers
+        return self
+
+    def update(self, layer_idx, k, v):
+        start, t = self.fed[layer_idx], k.shape[2]
+        self.fed[layer_idx] += t
+        k, v = self.pins(layer_idx, range(start, start + t), k[0].transpose(0, 1), v[0].transpose(0, 1))
+        return super().update(layer_idx, k.transpose(0, 1)[None], v.transpose(0, 1)[None])

@@ -6,7 +6,7 @@ import torch
 import kvcourse
 from kvcourse import QuantizedKVCache
 from kvcourse.compression.quantize import dequantize, fake_quantize, pack_codes, quantize, unpack_codes
-from tests.pinned_kv import KVPins
+from tests.pinned_kv import KVPins, PinnedUpdates
 from tests.tolerances import assert_logits_close, decided_steps, top1_margins
 
 
@@ -192,21 +192,9 @@ def test_the_model_runs_on_it_and_keeps_every_clear_greedy_token(model, tok, sch
     assert got[:n] == want[:n]
 
 
-class _PinnedQuantizedCache(QuantizedKVCache):
+class _PinnedQuantizedCache(PinnedUpdates, QuantizedKVCache):
     """A quantized cache whose inputs are pinned (``tests.pinned_kv``): each position quantizes the same floats in
     every run, whatever shape of batch the CPU computed them in."""
-
-    @classmethod
-    def pinned(cls, config, pins: KVPins, **kwargs) -> "_PinnedQuantizedCache":
-        cache = cls.for_model(config, **kwargs)
-        cache.pins, cache.fed = pins, [0] * cache.num_layers
-        return cache
-
-    def update(self, layer_idx, k, v):
-        start, t = self.fed[layer_idx], k.shape[2]
-        self.fed[layer_idx] += t
-        k, v = self.pins(layer_idx, range(start, start + t), k[0].transpose(0, 1), v[0].transpose(0, 1))
-        return super().update(layer_idx, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
 
 
 def test_per_token_quantization_does_not_depend_on_the_chunks(model):
@@ -215,9 +203,9 @@ def test_per_token_quantization_does_not_depend_on_the_chunks(model):
     # and a value at a 4-bit step boundary would then move by a whole step (issue: red on an AMD EPYC).
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 17, 30, 2045, 1099, 28, 253, 1183, 314]])
     pins = KVPins()
-    whole = _PinnedQuantizedCache.pinned(model.config, pins, bits=4)
+    whole = _PinnedQuantizedCache.for_model(model.config, bits=4).pin(pins)
     one = model(ids, cache=whole)
-    cache = _PinnedQuantizedCache.pinned(model.config, pins, bits=4)
+    cache = _PinnedQuantizedCache.for_model(model.config, bits=4).pin(pins)
     chunked = torch.cat([model(ids[:, a:b], cache=cache) for a, b in ((0, 5), (5, 6), (6, 13), (13, 14))], 1)
     for layer in range(model.config.num_hidden_layers):  # the very same codes, scales and zero points, bit for bit
         assert torch.equal(cache.keys(layer), whole.keys(layer)) and torch.equal(cache.values(layer), whole.values(layer))

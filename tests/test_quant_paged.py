@@ -6,7 +6,7 @@ import torch
 import kvcourse
 from kvcourse.compression.paged_int8 import Int8PagedKVStore, dequantize_int8, quantize_int8
 from kvcourse.paged import BlockManager, PagedKVCache, PagedKVStore
-from tests.pinned_kv import KVPins
+from tests.pinned_kv import KVPins, PinnedUpdates
 from tests.tolerances import assert_logits_close
 
 
@@ -37,19 +37,15 @@ def test_store_layout_bytes_and_copy_on_write():
         store.write(0, [0, 1, 8], k, k)
 
 
-class _Int8Reference(kvcourse.KVCache):
-    """The contiguous reference: every stored vector through the pool's int8 format, from pinned K/V."""
-
-    def pin(self, pins: KVPins) -> "_Int8Reference":
-        self.pins, self.fed = pins, [0] * self.num_layers
-        return self
+class _Int8RoundTrip(kvcourse.KVCache):
+    """A contiguous cache that stores every vector through the pool's int8 format."""
 
     def update(self, layer_idx, k, v):
-        start, t = self.fed[layer_idx], k.shape[2]
-        self.fed[layer_idx] += t
-        k, v = self.pins(layer_idx, range(start, start + t), k[0].transpose(0, 1), v[0].transpose(0, 1))
-        k, v = (dequantize_int8(*quantize_int8(x)).transpose(0, 1)[None] for x in (k, v))
-        return super().update(layer_idx, k, v)
+        return super().update(layer_idx, *(dequantize_int8(*quantize_int8(x)) for x in (k, v)))
+
+
+class _Int8Reference(PinnedUpdates, _Int8RoundTrip):
+    """The contiguous reference: the int8 round trip of pinned K/V."""
 
 
 class _PinnedInt8Store(Int8PagedKVStore):
