@@ -330,7 +330,7 @@ def test_no_reference_answers_are_public():
             assert name.startswith("check_"), f"ch04.{name} is public but not a check"
 
 
-def test_student_copy_fails_every_check_with_its_label():
+def test_student_copy_fails_every_check_with_its_label(capsys):
     """The chapter's student copy: each exercise's stub reaches its check, which fails saying it is not written."""
     import json
     from collections import deque
@@ -346,6 +346,9 @@ def test_student_copy_fails_every_check_with_its_label():
     for exercise in exercises:
         namespace = {"ch04": ch04, "deque": deque, "BlockManager": BlockManager, "make_trace": make_trace,
                      "block_size_sweep": block_size_sweep}
-        with pytest.raises((ExerciseError, NotImplementedError), match=exercise.label):
-            for i in exercise.code_cells:  # the bug hunt's own code cell runs first, then the stub
-                exec(cell_source(student["cells"][i]), namespace)
+        for i in exercise.code_cells:  # the bug hunt's own code cell runs first, then the stub
+            exec(cell_source(student["cells"][i]), namespace)  # nothing raises: "Run all" goes on
+        said = capsys.readouterr().out
+        assert "Not done yet" in said and "Correct" not in said, (exercise.label, said)
+        stub = cell_source(student["cells"][exercise.code_cells[-1]])
+        assert exercise.label in said or f"= NotImplemented  # {exercise.label}" in stub, (exercise.label, said)

@@ -11,10 +11,12 @@ CELLS = [
     "import torch\nfrom kvcourse.exercises import ch01\n"
     "def causal_mask(t, s):\n    return torch.ones(t, s, dtype=torch.bool).tril(s - t)\n"
     "ch01.check_causal_mask(causal_mask)",
-    # 2: an unwritten stub: the message and the hint, not the check's frames
+    # 2: an unwritten stub: "Not done yet" and the hint, no error, so "Run all" goes on
     "def causal_mask(t, s):\n    raise NotImplementedError('build the lower triangle')\nch01.check_causal_mask(causal_mask)",
     # 3: a crash in the learner's code: its own frame is shown, the check's are not
     "def causal_mask(t, s):\n    return [][0]\nch01.check_causal_mask(causal_mask)",
+    # 4: a wrong answer: the check's message alone
+    "def causal_mask(t, s):\n    return torch.ones(t, s, dtype=torch.bool)\nch01.check_causal_mask(causal_mask)",
 ]
 
 
@@ -31,11 +33,15 @@ def test_glue_and_a_passing_check_echo_no_bare_value(executed):
     assert executed[1].outputs[0].text.startswith("Correct:")
 
 
-def test_an_unwritten_stub_shows_one_message_with_its_hint(executed):
-    (error,) = [o for o in executed[2].outputs if o.output_type == "error"]
-    text = "\n".join(error.traceback)
-    assert error.ename == "ExerciseError" and "build the lower triangle" in text
-    assert len(error.traceback) == 1 and "_core.py" not in text and "ch01.py" not in text
+def test_an_unwritten_stub_is_reported_not_raised(executed):
+    outputs = executed[2].outputs
+    assert [o.output_type for o in outputs] == ["stream"], outputs  # no error, no Out: a "Run all" goes on
+    assert outputs[0].text.startswith("Not done yet:") and "build the lower triangle" in outputs[0].text
+
+
+def test_a_wrong_answer_shows_one_message(executed):
+    (error,) = [o for o in executed[4].outputs if o.output_type == "error"]
+    assert error.ename == "ExerciseError" and len(error.traceback) == 1 and "_core.py" not in error.traceback[0]
 
 
 def test_a_crash_in_the_learners_code_shows_the_learners_frame_only(executed):

@@ -14,6 +14,7 @@ random state: a check gives the same cases on every machine and in every order.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -25,8 +26,12 @@ from typing import Any, NoReturn
 
 __all__ = [
     "ExerciseError",
+    "NotDone",
     "Passed",
+    "Unfinished",
     "passed",
+    "reports_unfinished",
+    "wrap_checks",
     "fail",
     "describe",
     "tensor_diff",
@@ -93,6 +98,65 @@ class Passed:
 def passed(message: str) -> Passed:
     print(f"Correct: {message}")
     return Passed(message)
+
+
+class Unfinished(ExerciseError):
+    """The learner has not written the answer yet: a stub raised ``NotImplementedError``."""
+
+
+class NotDone:
+    """What a check returns for an exercise not done yet: false, so a grader counts it as failed, and
+    silent in a notebook (the check printed its message), so "Run all" goes on to the next cell."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"NotDone({self.message!r})"
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def reports_unfinished(check: Callable) -> Callable:
+    """Wrap ``check`` so that an unwritten answer is reported, not raised.
+
+    A student copy's stubs raise ``NotImplementedError`` (functions) or leave the answer
+    ``NotImplemented`` (values). Raising would stop a notebook's "Run all" at the first exercise
+    not done; instead the check prints "Not done yet" with the stub's hint and returns a false
+    :class:`NotDone`. A wrong answer still raises :class:`ExerciseError`.
+    """
+    if getattr(check, "reports_unfinished", False):
+        return check
+
+    @functools.wraps(check)
+    def wrapper(*args, **kwargs):
+        if any(arg is NotImplemented for arg in (*args, *kwargs.values())):
+            return _not_done(f"{check.__name__}: your answer is not written yet (it is still NotImplemented): see the exercise")
+        try:
+            return check(*args, **kwargs)
+        except Unfinished as exc:
+            return _not_done(str(exc))
+        except NotImplementedError as exc:  # a stub called outside call_learner
+            return _not_done(f"{check.__name__}: {exc}")
+
+    wrapper.reports_unfinished = True
+    return wrapper
+
+
+def _not_done(message: str) -> NotDone:
+    print(f"Not done yet: {message}")
+    return NotDone(message)
+
+
+def wrap_checks(namespace: dict) -> None:
+    """Apply :func:`reports_unfinished` to every ``check_*`` function of a chapter module's ``namespace``."""
+    for name, value in list(namespace.items()):
+        if name.startswith("check_") and callable(value):
+            namespace[name] = reports_unfinished(value)
 
 
 def describe(value: Any, limit: int = 12) -> str:
@@ -208,7 +272,7 @@ def call_learner(name: str, fn, *args, **kwargs):
     except ExerciseError:
         raise
     except NotImplementedError as exc:
-        raise ExerciseError(f"{name} is not written yet (it raised NotImplementedError: {exc})") from exc
+        raise Unfinished(f"{name} is not written yet (it raised NotImplementedError: {exc})") from exc
     except Exception as exc:  # the learner's code failed: say where, not the answer
         shown = ", ".join([describe(a, limit=4) for a in args] + [f"{k}={describe(v, limit=4)}" for k, v in kwargs.items()])
         raise ExerciseError(f"{name}({shown}) raised {type(exc).__name__}: {exc}") from exc

@@ -22,17 +22,18 @@ import torch
 import kvcourse
 
 from ._core import (
-    Diagnosis,
-    ExerciseError,
     call_learner,
     case_generator,
     case_rng,
     describe,
+    Diagnosis,
+    ExerciseError,
     expect_tensor,
     fail,
     passed,
     refuse_references,
     tensor_diff,
+    wrap_checks,
 )
 
 __all__ = [
@@ -407,3 +408,6 @@ def check_tokens_to_outweigh(fn: Callable[[dict, int], int], seed: int = 0) -> b
     smol = -(-configs[0]["num_parameters"] // (2 * 30 * 3 * 64))
     return passed(f"SmolLM2-135M's cache outweighs its weights at {smol:,} tokens, more than its 8,192-token "
                   "context: one sequence never gets there, two long ones do.")
+
+
+wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

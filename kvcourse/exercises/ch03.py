@@ -20,7 +20,17 @@ from typing import Any
 
 from .. import memory
 from ..memory import CATALOG, GB, kv_cache_bytes
-from ._core import Diagnosis, ExerciseError, call_learner, case_rng, describe, fail, passed, refuse_references
+from ._core import (
+    call_learner,
+    case_rng,
+    describe,
+    Diagnosis,
+    ExerciseError,
+    fail,
+    passed,
+    refuse_references,
+    wrap_checks,
+)
 
 __all__ = ["check_bytes_per_token", "check_bytes_per_rank", "check_quantized_bytes", "check_max_sequences"]
 
@@ -337,3 +347,6 @@ def check_max_sequences(n: int) -> bool:
              hint=hint)
     per_seq = kv_cache_bytes(_FIT["model"], _FIT["seq_len"], dtype="fp8")
     return passed(f"{want} sequences of 32k tokens fit; each holds {per_seq / 2**30:.3f} GiB of fp8 K/V.")
+
+
+wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -22,7 +22,17 @@ import torch
 from ..kernels.reference import paged_decode_attention_ref
 from ..kernels.testing import random_paged_case
 from ..kernels.triton_runtime import triton  # noqa: F401  (settles where kernels run before the learner's are launched)
-from ._core import Diagnosis, ExerciseError, call_learner, case_generator, case_rng, fail, passed, tensor_diff
+from ._core import (
+    call_learner,
+    case_generator,
+    case_rng,
+    Diagnosis,
+    ExerciseError,
+    fail,
+    passed,
+    tensor_diff,
+    wrap_checks,
+)
 
 __all__ = ["check_kv_bytes", "check_masked_decode", "check_online_softmax", "check_paged_offsets"]
 
@@ -315,3 +325,6 @@ def check_kv_bytes(fn: Callable[[list[int], int, int, int], int], seed: int = 0)
     step = 32 * _kv_bytes([4096] * 32, 8, 128, 2)
     return passed(f"32 layers x 32 sequences x 4096 tokens of Llama-3-8B's fp16 K/V is {step / 1e9:.1f} GB a step: at "
                   f"least {step / 320e9 * 1e3:.0f} ms on a T4 (320 GB/s), whatever the kernel.")  # fmt: skip
+
+
+wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -18,17 +18,18 @@ import torch
 from ..compression import window as _window
 from ..compression.quantize import fake_quantize
 from ._core import (
-    Diagnosis,
-    ExerciseError,
     call_learner,
     case_generator,
     case_rng,
     describe,
+    Diagnosis,
+    ExerciseError,
     expect_tensor,
     fail,
     passed,
     refuse_references,
     tensor_diff,
+    wrap_checks,
 )
 
 # The prefix-caching and offloading checks live in their own modules (one job each) and are chapter 7
@@ -223,3 +224,6 @@ def _ring_on_the_model(slot_for: Callable[[int, int, int], int], model) -> None:
              f"window={window})", expected="the logits of exact sliding-window attention with sinks",
              got=tensor_diff(got, want), hint="The positions held look right; check the slot is an int for every "
              "position and that nothing else writes into the sinks.")  # fmt: skip
+
+
+wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

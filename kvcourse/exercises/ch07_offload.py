@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from ..paged.offload import apply_transfers
-from ._core import Diagnosis, ExerciseError, call_learner, case_rng, describe, passed, refuse_references
+from ._core import call_learner, case_rng, describe, Diagnosis, ExerciseError, passed, refuse_references, wrap_checks
 
 __all__ = ["check_replay"]
 
@@ -111,3 +111,6 @@ def check_replay(replay: Callable, seed: int = 0) -> bool:
     diagnosis.raise_if_wrong()
     return passed("every move reads what the moves before it left, so a block reused within a step holds the "
                   "right data.")
+
+
+wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

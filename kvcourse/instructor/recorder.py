@@ -27,7 +27,8 @@ def _recording(name: str, check, log_path: str):
             message = str(exc) if type(exc).__name__ == "ExerciseError" else f"{type(exc).__name__}: {exc}"
             _write(log_path, name, False, message)
             raise
-        _write(log_path, name, result is not False, "" if result is not False else "the check returned False")
+        ok = bool(result)  # a NotDone (an exercise not written yet) is false, like False
+        _write(log_path, name, ok, "" if ok else getattr(result, "message", "the check returned False"))
         return result
 
     return wrapper

@@ -79,10 +79,20 @@ class _Stubber(ast.NodeTransformer):
         return node
 
 
+def _answer_names(node: ast.stmt, assigned: set[str]) -> list[str]:
+    """The computed names a check call passes as arguments (``ch03.check_x(n)`` -> ``["n"]``)."""
+    names = []
+    for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+        for arg in [*call.args, *(k.value for k in call.keywords)]:
+            if isinstance(arg, ast.Name) and arg.id in assigned and arg.id not in names:
+                names.append(arg.id)
+    return names
+
+
 def make_stub(source: str, label: str, hint: str | None = None) -> str:
     """The student's starting point for a solution cell ``source`` of exercise ``label``."""
     hint = f"{label}: {hint}" if hint else f"{label}: write your answer here (see the exercise above)"
-    header = f"# Exercise {label}: replace each NotImplementedError with your code, then run this cell.\n"
+    header = f"# Exercise {label}: replace each NotImplementedError (or NotImplemented) with your code, then run this cell.\n"
     try:
         tree = ast.parse(source)
     except SyntaxError:  # IPython magics or the like: keep only the checks
@@ -91,6 +101,7 @@ def make_stub(source: str, label: str, hint: str | None = None) -> str:
     stubber = _Stubber(hint)
     blocks: list[str] = []
     defines = False
+    assigned: set[str] = set()  # names the solution computes at the top level
     for node in tree.body:
         segment = ast.get_source_segment(source, node) or ""
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -99,10 +110,15 @@ def make_stub(source: str, label: str, hint: str | None = None) -> str:
             blocks.append(ast.unparse(stubber.visit(node)))
             defines = True
         elif checks_called(segment):
-            if not defines and not any(b.startswith("raise ") for b in blocks):
-                blocks.append(f"raise NotImplementedError({hint!r})")
+            if not defines:  # a value to compute: its name starts as NotImplemented, which the check reports
+                for name in _answer_names(node, assigned):
+                    if not any(b.startswith(f"{name} = NotImplemented") for b in blocks):
+                        blocks.append(f"{name} = NotImplemented  # {hint}")
             blocks.append(segment)
-    if not any("NotImplementedError" in b for b in blocks):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            assigned |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    if not any("NotImplemented" in b for b in blocks):
         blocks.append(f"raise NotImplementedError({hint!r})")
     out: list[str] = []
     for block in blocks:  # a blank line around definitions, as in the chapters
