@@ -23,6 +23,16 @@ PROMPTS = [
 ]
 
 
+def pytest_collection_modifyitems(config, items):
+    """The full native-compile sweep (minutes of ptxas) runs only when asked for: ``-m native_full``."""
+    if "native_full" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="the full native-compile sweep: make test-kernels-native")
+    for item in items:
+        if "native_full" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def model_and_tok():
     torch.manual_seed(0)

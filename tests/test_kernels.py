@@ -151,15 +151,22 @@ def test_split_kv_in_half_precision(dtype):
     torch.testing.assert_close(got, case.expected(), **tolerance(dtype))
 
 
+@pytest.mark.parametrize("capability", [75, 80, 90])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-def test_gpu_tiles_are_legal_and_fit_a_t4(head_dim, dtype):
-    cfg = tile_config(head_dim, dtype, torch.device("cuda"))  # only reads device.type: no GPU needed
+@pytest.mark.parametrize("kv_int8", [False, True], ids=["kv-float", "kv-int8"])
+def test_gpu_tiles_are_legal_and_fit_a_t4(head_dim, dtype, capability, kv_int8):
+    cfg = tile_config(head_dim, dtype, capability, torch.int8 if kv_int8 else dtype)  # no GPU needed
     n, d = cfg["BLOCK_N"], cfg["BLOCK_D"]
     assert n >= 16 and d >= 16 and n & (n - 1) == 0 and d & (d - 1) == 0  # tl.dot's minimum, powers of two
-    smem = cfg["num_stages"] * 2 * n * d * torch.finfo(dtype).bits // 8  # K and V tiles, every stage
+    smem = cfg["num_stages"] * 2 * n * d * torch.finfo(dtype).bits // 8  # K and V tiles in the dots' dtype
     assert smem <= 32 * 1024 or (n == 16 and head_dim == 256 and dtype == torch.float32)
     assert group_rows(3) == 16 and group_rows(32) == 32  # GQA groups padded to tl.dot's 16 rows
+    if capability < 80:  # a T4: FMA dots, no cp.async (tests/test_kernels_native.py compiles these)
+        assert cfg["num_stages"] == 1 and cfg["num_warps"] == 8 and n <= 32
+    if kv_int8:
+        assert cfg["num_warps"] == 8 and (cfg["num_stages"] == 1 or dtype != torch.float32)
+    assert tile_config(head_dim, dtype, None)["BLOCK_N"] == 128  # the interpreter: wide tiles
 
 
 def test_choose_num_splits():

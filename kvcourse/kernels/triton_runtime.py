@@ -13,7 +13,9 @@ decides how kernels run:
 A kernel that cannot compile on the reader's GPU (too much shared memory on a T4, an instruction an
 old architecture lacks) must not end the chapter: :func:`launch_or_fallback` catches *compilation*
 failures, warns once in one line saying why, and runs the torch reference instead. Any other error
-(a bug, bad input) propagates.
+(a bug, bad input) propagates. A fallback must never pass for the kernel: every launch is counted by
+how it ran (:func:`kernel_runs`: ``"compiled"``, ``"interpreter"`` or ``"fallback"``), and the
+chapter, the ``triton`` backends and ``python -m kvcourse.bench kernels`` read those counts.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from __future__ import annotations
 import os
 import traceback
 import warnings
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -42,10 +46,14 @@ from triton.runtime.interpreter import InterpretedFunction
 __all__ = [
     "KernelFallbackWarning",
     "check_kernel_device",
+    "compute_capability",
+    "counting_runs",
     "fallbacks",
     "interpreting",
+    "kernel_runs",
     "launch_or_fallback",
     "reset_fallbacks",
+    "reset_kernel_runs",
     "tl",
     "triton",
 ]
@@ -88,6 +96,19 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def compute_capability(device: torch.device) -> int | None:
+    """The CUDA compute capability kernels compile for on ``device`` as one int (75 for sm_75, a T4);
+    ``None`` when they run in Triton's interpreter.
+
+    Launch parameters depend on it (:func:`~kvcourse.kernels.triton_decode.tile_config`): a T4 has
+    64 KiB of shared memory per block and no tensor-core path for these dots in Triton.
+    """
+    if interpreting() or device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
 def check_kernel_device(name: str, t: torch.Tensor) -> None:
     """Raise ``ValueError`` unless ``t`` lives where this process runs kernels (CPU if interpreting, else CUDA)."""
     if interpreting():
@@ -120,6 +141,45 @@ def reset_fallbacks() -> None:
     _FALLBACKS.clear()
 
 
+RUN_KINDS = ("compiled", "interpreter", "fallback")
+_RUNS: Counter = Counter()  # (kernel, how it ran) -> launches in this process
+
+
+def kernel_runs() -> dict[str, dict[str, int]]:
+    """How each kernel launched in this process ran: ``{kernel: {"compiled" | "interpreter" | "fallback": count}}``.
+
+    ``"compiled"``: Triton machine code on the GPU; ``"interpreter"``: the same kernel in Triton's CPU
+    interpreter; ``"fallback"``: the kernel could not compile and the torch reference computed the result.
+    """
+    out: dict[str, dict[str, int]] = {}
+    for (kernel, how), n in sorted(_RUNS.items()):
+        out.setdefault(kernel, {})[how] = n
+    return out
+
+
+def reset_kernel_runs() -> None:
+    """Start counting :func:`kernel_runs` afresh."""
+    _RUNS.clear()
+
+
+_COLLECTORS: list[Counter] = []
+
+
+@contextmanager
+def counting_runs(runs: Counter) -> Iterator[Counter]:
+    """Inside the block, also count every launch in ``runs`` (``(kernel, how) -> launches``): one step's record."""
+    _COLLECTORS.append(runs)
+    try:
+        yield runs
+    finally:
+        _COLLECTORS.remove(runs)
+
+
+def how_kernels_run() -> str:
+    """``"compiled"`` on a GPU, ``"interpreter"`` in Triton's CPU interpreter."""
+    return "interpreter" if interpreting() else "compiled"
+
+
 _COMPILE_ERRORS = (CompilationError, OutOfResources, PTXASError)
 _COMPILER_DIRS = (f"{os.sep}triton{os.sep}compiler{os.sep}", f"{os.sep}triton{os.sep}backends{os.sep}")
 
@@ -142,18 +202,31 @@ def _device_name(device: torch.device) -> str:
 
 
 def launch_or_fallback(
-    kernel: str, device: torch.device, config: tuple, launch: Callable[[], T], reference: Callable[[], T]
+    kernel: str,
+    device: torch.device,
+    config: tuple,
+    launch: Callable[[], T],
+    reference: Callable[[], T],
 ) -> T:
     """Run ``launch()``; if the kernel cannot compile, warn once and return ``reference()`` instead.
 
     ``config`` names what the compiled code depends on (dtype, head dim, tile sizes...), so a kernel
-    that fails for one configuration still runs natively for the others.
+    that fails for one configuration still runs natively for the others. Each call is counted in
+    :func:`kernel_runs` (and in every ``Counter`` a :func:`counting_runs` block has open).
     """
     key = (kernel, str(device), *config)
+
+    def count(how: str) -> None:
+        for counter in (_RUNS, *_COLLECTORS):
+            counter[(kernel, how)] += 1
+
     if key in _FALLBACKS:
+        count("fallback")
         return reference()
     try:
-        return launch()
+        out = launch()
+        count(how_kernels_run())
+        return out
     except Exception as exc:
         if not is_compile_failure(exc):
             raise
@@ -165,4 +238,5 @@ def launch_or_fallback(
             KernelFallbackWarning,
             stacklevel=3,
         )
+        count("fallback")
         return reference()
