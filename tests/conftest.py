@@ -44,6 +44,28 @@ def model(model_and_tok):
     return model_and_tok[0]
 
 
+# Tests that take ``device`` run on the CPU always and on CUDA when a GPU is present
+# (``python -m kvcourse.gpu_check`` runs the cuda ones: ``-k cuda``).
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+_GPU_MODELS: dict[str, object] = {}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
+@pytest.fixture
+def model_on(model, device):
+    """The real model on ``device``: the session's CPU model, or the same weights loaded once onto the GPU."""
+    if device.type == "cpu":
+        return model
+    if str(device) not in _GPU_MODELS:
+        torch.manual_seed(0)
+        _GPU_MODELS[str(device)] = kvcourse.load_pretrained(device=device)[0]
+    return _GPU_MODELS[str(device)]
+
+
 @pytest.fixture(scope="session")
 def tok(model_and_tok):
     return model_and_tok[1]

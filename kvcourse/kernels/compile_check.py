@@ -224,6 +224,7 @@ class Compiled:
     shared: int  # bytes per block: Triton's dynamic shared memory + any static
     num_warps: int
     mma: bool  # tensor-core instructions (mma.sync / wgmma) in the PTX
+    dots: str  # what the tl.dots became: "wgmma", "mma.sync" (tensor cores) or "fma" (CUDA cores only)
     fma: int  # fp32 fused multiply-adds in the PTX (the dots' only form without tensor cores)
     seconds: float
     constants: dict  # the constexprs: BLOCK_N, BLOCK_H...
@@ -281,6 +282,7 @@ def compile_launch(launch: Launch, target: Target) -> Compiled:
         shared=compiled.metadata.shared + usage["static_shared"],
         num_warps=compiled.metadata.num_warps,
         mma="mma.sync" in ptx or "wgmma" in ptx,
+        dots="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma",
         fma=len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
         seconds=seconds,
         constants={names[path[0]]: value for path, value in constexprs.items() if isinstance(value, (int, bool))},
@@ -478,7 +480,7 @@ def report(results: list[Result], quick: bool, choice_rows: list[dict] | None = 
             rows.append(dict(
                 gpu=r.target.gpu, capability=r.target.capability, config=r.config.describe(),
                 model=r.config.model, kernel=c.kernel, registers=c.registers, stack_bytes=c.stack,
-                shared_bytes=c.shared, num_warps=c.num_warps, mma=c.mma, fma=c.fma,
+                shared_bytes=c.shared, num_warps=c.num_warps, mma=c.mma, dots=c.dots, fma=c.fma,
                 BLOCK_N=c.constants.get("BLOCK_N"), BLOCK_H=c.constants.get("BLOCK_H"),
             ))  # fmt: skip
         if r.error:

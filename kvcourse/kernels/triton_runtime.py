@@ -4,6 +4,8 @@ Every ``triton_*`` module of :mod:`kvcourse.kernels` imports Triton through this
 decides how kernels run:
 
 * **On a CUDA GPU** Triton compiles each kernel to machine code the first time it is launched.
+  (Verified without a GPU only: the kernels compile for sm_75, sm_80 and sm_90 on a CPU, see
+  :mod:`~kvcourse.kernels.compile_check`; none has yet run or been timed on a GPU.)
 * **Without a CUDA device** (a laptop, CI) ``import kvcourse`` has set ``TRITON_INTERPRET=1`` before
   anything imported Triton (:mod:`kvcourse.kernels` explains why it happens there). Triton then
   decorates every ``@triton.jit`` function as an *interpreted* function: each program of the grid
@@ -81,8 +83,10 @@ def upcast(dtype: torch.dtype) -> bool:
     """Whether a kernel must convert its loads to float32 before computing on them.
 
     Triton's interpreter stores bfloat16 as raw 16-bit integers and its arithmetic on them gives
-    wrong numbers (triton issue 11584). Kernels load bf16 and compute in fp32 there; on a GPU they
-    keep bf16 operands (tensor cores) with fp32 accumulation, as they do for fp16.
+    wrong numbers (triton issue 11584). Kernels load bf16 and compute in fp32 there; compiled, they
+    keep bf16 operands with fp32 accumulation, as they do for fp16. Those dots become tensor-core
+    ``mma`` instructions on sm_80 and newer; on sm_75 (a T4, which has no bf16 arithmetic) Triton
+    compiles them to fp32 FMA instructions (:mod:`~kvcourse.kernels.compile_check` reads the PTX).
     """
     return dtype == torch.bfloat16 and interpreting()
 
