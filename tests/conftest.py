@@ -23,6 +23,16 @@ PROMPTS = [
 ]
 
 
+def pytest_collection_modifyitems(config, items):
+    """The full native-compile sweep (minutes of ptxas) runs only when asked for: ``-m native_full``."""
+    if "native_full" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="the full native-compile sweep: make test-kernels-native")
+    for item in items:
+        if "native_full" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def model_and_tok():
     torch.manual_seed(0)
@@ -32,6 +42,28 @@ def model_and_tok():
 @pytest.fixture(scope="session")
 def model(model_and_tok):
     return model_and_tok[0]
+
+
+# Tests that take ``device`` run on the CPU always and on CUDA when a GPU is present
+# (``python -m kvcourse.gpu_check`` runs the cuda ones: ``-k cuda``).
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+_GPU_MODELS: dict[str, object] = {}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
+@pytest.fixture
+def model_on(model, device):
+    """The real model on ``device``: the session's CPU model, or the same weights loaded once onto the GPU."""
+    if device.type == "cpu":
+        return model
+    if str(device) not in _GPU_MODELS:
+        torch.manual_seed(0)
+        _GPU_MODELS[str(device)] = kvcourse.load_pretrained(device=device)[0]
+    return _GPU_MODELS[str(device)]
 
 
 @pytest.fixture(scope="session")

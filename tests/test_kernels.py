@@ -23,9 +23,12 @@ from kvcourse.kernels.reference import decode_attention_ref, paged_decode_attent
 from kvcourse.kernels.testing import random_paged_case, repage, tolerance
 from kvcourse.kernels.triton_decode import group_rows, tile_config
 from kvcourse.kernels.triton_paged import MAX_SPLITS, choose_num_splits
-from kvcourse.kernels.triton_runtime import fallbacks, reset_fallbacks
+from kvcourse.kernels.triton_runtime import fallbacks, interpreting, reset_fallbacks
 
 FULL_GRID = os.environ.get("KVCOURSE_FULL_KERNEL_GRID") == "1"
+# Where the kernels run in this process: the CPU (Triton's interpreter), or the GPU when Triton compiles
+# (``python -m kvcourse.gpu_check`` runs these tests there).
+DEVICE = "cpu" if interpreting() else "cuda"
 SEQ_LENS = [1, 17, 255, 1027]
 HEADS = [(9, 3), (4, 4), (8, 1), (32, 8)]
 HEAD_DIMS = [64, 128]
@@ -73,7 +76,7 @@ def _seed(*params) -> int:
 @pytest.mark.parametrize("heads, head_dim, dtype", CONTIGUOUS_GRID, ids=[_id(p) for p in CONTIGUOUS_GRID])
 def test_decode_attention_equals_reference(heads, head_dim, dtype):
     case = random_paged_case(_seed(heads, head_dim, dtype), SEQ_LENS, num_q_heads=heads[0], num_kv_heads=heads[1],
-                             head_dim=head_dim, block_size=16, dtype=dtype)  # fmt: skip
+                             head_dim=head_dim, block_size=16, dtype=dtype, device=DEVICE)  # fmt: skip
     k, v = case.k.clone(), case.v.clone()
     for b, n in enumerate(SEQ_LENS):  # padding past each seq_len must never be read
         k[b, :, n:], v[b, :, n:] = float("nan"), float("nan")
@@ -85,7 +88,7 @@ def test_decode_attention_equals_reference(heads, head_dim, dtype):
 
 def test_decode_attention_defaults_and_scale():
     g = torch.Generator().manual_seed(5)
-    q, k, v = torch.randn(2, 6, 64, generator=g), torch.randn(2, 2, 40, 64, generator=g), torch.randn(2, 2, 40, 64, generator=g)
+    q, k, v = (torch.randn(shape, generator=g).to(DEVICE) for shape in ((2, 6, 64), (2, 2, 40, 64), (2, 2, 40, 64)))
     torch.testing.assert_close(decode_attention(q, k, v), decode_attention_ref(q, k, v), **tolerance(torch.float32))
     torch.testing.assert_close(
         decode_attention(q, k, v, [3, 40], scale=0.3), decode_attention_ref(q, k, v, [3, 40], scale=0.3), rtol=1e-5, atol=1e-5
@@ -98,7 +101,7 @@ def test_decode_attention_defaults_and_scale():
 @pytest.mark.parametrize("heads, head_dim, block_size, dtype", PAGED_GRID, ids=[_id(p) for p in PAGED_GRID])
 def test_paged_decode_attention_equals_reference(heads, head_dim, block_size, dtype):
     case = random_paged_case(_seed(heads, head_dim, block_size, dtype), SEQ_LENS, num_q_heads=heads[0],
-                             num_kv_heads=heads[1], head_dim=head_dim, block_size=block_size, dtype=dtype)  # fmt: skip
+                             num_kv_heads=heads[1], head_dim=head_dim, block_size=block_size, dtype=dtype, device=DEVICE)  # fmt: skip
     got = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
     assert got.dtype == dtype and got.shape == case.q.shape
     torch.testing.assert_close(got, case.expected(), **tolerance(dtype))
@@ -106,14 +109,14 @@ def test_paged_decode_attention_equals_reference(heads, head_dim, block_size, dt
 
 def test_paged_decode_with_shared_blocks_and_a_custom_scale():
     case = random_paged_case(11, [70, 33, 64, 40], num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
-                             shared_blocks=2, scale=0.05)  # fmt: skip
+                             shared_blocks=2, scale=0.05, device=DEVICE)  # fmt: skip
     assert case.block_tables[1, :2].tolist() == case.block_tables[0, :2].tolist()  # blocks really shared
     got = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale=0.05)
     torch.testing.assert_close(got, case.expected(), **tolerance(torch.float32))
 
 
 def test_block_size_16_equals_block_size_1_exactly():
-    case16 = random_paged_case(3, SEQ_LENS, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    case16 = random_paged_case(3, SEQ_LENS, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, device=DEVICE)
     case1 = repage(case16, block_size=1, seed=4)
     assert case1.k_cache.shape[1] == 1 and case1.block_tables.shape[1] == max(SEQ_LENS) + 1
     out16 = paged_decode_attention(case16.q, case16.k_cache, case16.v_cache, case16.block_tables, case16.seq_lens)
@@ -126,7 +129,7 @@ def test_block_size_16_equals_block_size_1_exactly():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("num_splits", [2, 4, 8])
 def test_split_kv_equals_unsplit(num_splits):
-    case = random_paged_case(20 + num_splits, SEQ_LENS, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    case = random_paged_case(20 + num_splits, SEQ_LENS, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, device=DEVICE)
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
     unsplit = paged_decode_attention(*args, num_splits=1)
     split = paged_decode_attention(*args, num_splits=num_splits)  # seq_len 1: num_splits - 1 empty splits
@@ -136,7 +139,7 @@ def test_split_kv_equals_unsplit(num_splits):
 
 @pytest.mark.parametrize("seq_lens, num_splits", [([3, 17, 40], 8), ([40], MAX_SPLITS)], ids=["8", "max"])
 def test_more_splits_than_blocks_and_tokens(seq_lens, num_splits):
-    case = random_paged_case(8, seq_lens, num_q_heads=8, num_kv_heads=1, head_dim=64, block_size=32)
+    case = random_paged_case(8, seq_lens, num_q_heads=8, num_kv_heads=1, head_dim=64, block_size=32, device=DEVICE)
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
     got = paged_decode_attention(*args, num_splits=num_splits)  # 2 blocks and 40 tokens at most
     torch.testing.assert_close(got, paged_decode_attention(*args, num_splits=1), rtol=1e-5, atol=1e-5)
@@ -145,21 +148,28 @@ def test_more_splits_than_blocks_and_tokens(seq_lens, num_splits):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_split_kv_in_half_precision(dtype):
-    case = random_paged_case(30, SEQ_LENS, num_q_heads=8, num_kv_heads=1, head_dim=128, block_size=16, dtype=dtype)
+    case = random_paged_case(30, SEQ_LENS, num_q_heads=8, num_kv_heads=1, head_dim=128, block_size=16, dtype=dtype, device=DEVICE)
     got = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, num_splits=4)
     assert got.dtype == dtype
     torch.testing.assert_close(got, case.expected(), **tolerance(dtype))
 
 
+@pytest.mark.parametrize("capability", [75, 80, 90])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
-def test_gpu_tiles_are_legal_and_fit_a_t4(head_dim, dtype):
-    cfg = tile_config(head_dim, dtype, torch.device("cuda"))  # only reads device.type: no GPU needed
+@pytest.mark.parametrize("kv_int8", [False, True], ids=["kv-float", "kv-int8"])
+def test_gpu_tiles_are_legal_and_fit_a_t4(head_dim, dtype, capability, kv_int8):
+    cfg = tile_config(head_dim, dtype, capability, torch.int8 if kv_int8 else dtype)  # no GPU needed
     n, d = cfg["BLOCK_N"], cfg["BLOCK_D"]
     assert n >= 16 and d >= 16 and n & (n - 1) == 0 and d & (d - 1) == 0  # tl.dot's minimum, powers of two
-    smem = cfg["num_stages"] * 2 * n * d * torch.finfo(dtype).bits // 8  # K and V tiles, every stage
+    smem = cfg["num_stages"] * 2 * n * d * torch.finfo(dtype).bits // 8  # K and V tiles in the dots' dtype
     assert smem <= 32 * 1024 or (n == 16 and head_dim == 256 and dtype == torch.float32)
     assert group_rows(3) == 16 and group_rows(32) == 32  # GQA groups padded to tl.dot's 16 rows
+    if capability < 80:  # a T4: FMA dots, no cp.async (tests/test_kernels_native.py compiles these)
+        assert cfg["num_stages"] == 1 and cfg["num_warps"] == 8 and n <= 32
+    if kv_int8:
+        assert cfg["num_warps"] == 8 and (cfg["num_stages"] == 1 or dtype != torch.float32)
+    assert tile_config(head_dim, dtype, None)["BLOCK_N"] == 128  # the interpreter: wide tiles
 
 
 def test_choose_num_splits():
@@ -181,7 +191,7 @@ def test_choose_num_splits():
 # ---------------------------------------------------------------------------------------------
 def _int8_case(seed, dtype, heads=(9, 3), head_dim=64, block_size=16):
     case = random_paged_case(seed, SEQ_LENS, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
-                             block_size=block_size, dtype=dtype)  # fmt: skip
+                             block_size=block_size, dtype=dtype, device=DEVICE)  # fmt: skip
     k8, ks = quantize_int8(case.k_cache.nan_to_num(0.0))  # unused slots: zeros (int8 has no NaN)
     v8, vs = quantize_int8(case.v_cache.nan_to_num(0.0))
     return case, (k8, v8, ks, vs)
@@ -218,7 +228,7 @@ def test_int8_attention_error_against_full_precision_is_small():
 # Bad input: clear errors naming the argument
 # ---------------------------------------------------------------------------------------------
 def _small_case():
-    return random_paged_case(0, [5, 20], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+    return random_paged_case(0, [5, 20], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, device=DEVICE)
 
 
 def test_paged_bad_input_names_the_argument():

@@ -15,7 +15,14 @@ from kvcourse.batch import ForwardBatch, SeqSlice
 from kvcourse.kernels import triton_backend, triton_cache, triton_decode, triton_paged
 from kvcourse.kernels.reference import decode_attention_ref
 from kvcourse.kernels.testing import model_decode_case, paged_from_contiguous, random_paged_case, tolerance
-from kvcourse.kernels.triton_runtime import KernelFallbackWarning, OutOfResources, fallbacks, reset_fallbacks
+from kvcourse.kernels.triton_runtime import (
+    KernelFallbackWarning,
+    OutOfResources,
+    fallbacks,
+    kernel_runs,
+    reset_fallbacks,
+    reset_kernel_runs,
+)
 from kvcourse.paged import PagedKVStore
 from kvcourse.serving import ModelRunner
 
@@ -30,8 +37,10 @@ def no_fallback():
 @pytest.fixture
 def clean_fallbacks():
     reset_fallbacks()
+    reset_kernel_runs()
     yield
     reset_fallbacks()
+    reset_kernel_runs()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,9 +119,13 @@ def _copy(store: PagedKVStore) -> PagedKVStore:
 def test_triton_backend_equals_torch_backend_on_a_mixed_step(dtype, no_fallback):
     store, batch, (q, k, v) = _synthetic_step(1, dtype)
     twin = _copy(store)
-    got = triton_backend.TritonBackend(store, batch)(0, q, k, v)
+    backend = triton_backend.TritonBackend(store, batch)
+    got = backend(0, q, k, v)
     want = PagedTorchBackend(twin, batch)(0, q, k, v)
     torch.testing.assert_close(got, want, **tolerance(dtype))
+    # The step says how its kernels ran: in the interpreter here, one write and one decode, no fallback.
+    assert dict(backend.runs) == {("reshape_and_cache", "interpreter"): 1, ("paged_decode_attention", "interpreter"): 1}
+    assert backend.fell_back == []
     assert torch.equal(store.k_cache[0], twin.k_cache[0]) and torch.equal(store.v_cache[0], twin.v_cache[0])
 
 
@@ -191,10 +204,16 @@ def test_every_kernel_falls_back(monkeypatch, clean_fallbacks):
     assert torch.equal(k_cache.view(-1, 2, 64)[3], new[0])
     store, batch, (q, k, v) = _synthetic_step(5)
     twin = _copy(store)
+    backend = triton_backend.TritonBackend(store, batch)
     with pytest.warns(KernelFallbackWarning):
-        got = triton_backend.TritonBackend(store, batch)(0, q, k, v)
+        got = backend(0, q, k, v)
     torch.testing.assert_close(got, PagedTorchBackend(twin, batch)(0, q, k, v), rtol=0, atol=0)
     assert {key[0] for key in fallbacks()} == {"decode_attention", "reshape_and_cache", "paged_decode_attention"}
+    # Nothing hides it: the step names both kernels, and the process-wide count has only fallbacks.
+    assert backend.fell_back == ["paged_decode_attention", "reshape_and_cache"]
+    runs = kernel_runs()
+    assert set(runs) == {"decode_attention", "reshape_and_cache", "paged_decode_attention"}
+    assert all(set(hows) == {"fallback"} for hows in runs.values()), runs
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ def test_run_on_cpu_with_a_stand_in_timer(tmp_path):
     variants = ("paged", "paged-unsplit", "paged-int8", "contiguous", "sdpa")
     rows = bench.run([(2, 48)], torch.device("cpu"), timer, variants, log=lambda line: None)
     assert [r["variant"] for r in rows] == list(variants) and len(calls) == len(variants)
+    assert [r["ran"] for r in rows] == ["interpreter"] * 4 + ["torch"]
     paged = rows[0]
     # K and V: 2 x 96 tokens x 8 heads x 128 x 2 bytes; q and out: 2 x 2 x 32 x 128 x 2; tables: 2 x 3 x 4.
     assert paged["bytes"] == 2 * 96 * 8 * 128 * 2 + 2 * 2 * 32 * 128 * 2 + 2 * 3 * 4
@@ -49,6 +50,38 @@ def test_run_on_cpu_with_a_stand_in_timer(tmp_path):
     assert {t["name"]: t["met"] for t in saved["targets"]} == dict(
         paged_peak=None, paged_vs_contiguous=True, split_peak=None, split_speedup=None, int8_speedup=None
     )
+
+
+def test_a_fallback_is_never_timed_as_the_kernel(monkeypatch):
+    """A kernel that cannot compile falls back to torch in the wrappers: the benchmark refuses to time it."""
+    from kvcourse.kernels import triton_decode, triton_paged
+    from kvcourse.kernels.triton_runtime import OutOfResources, reset_fallbacks
+
+    class Uncompilable:  # a kernel whose compilation fails, as one over a T4's shared memory would
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise OutOfResources(98304, 65536, "shared memory")
+
+            return launch
+
+    monkeypatch.setattr(triton_decode, "_decode_kernel", Uncompilable())
+    monkeypatch.setattr(triton_paged, "_paged_decode_kernel", Uncompilable())
+    timed = []
+
+    def timer(fn):
+        timed.append(fn)
+        return 2.0
+
+    reset_fallbacks()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not compile"):  # the wrapper's one-line warning
+            rows = bench.run([(2, 48)], torch.device("cpu"), timer, ("paged", "contiguous", "sdpa"), log=lambda _: None)
+    finally:
+        reset_fallbacks()
+    by = {r["variant"]: r for r in rows}
+    assert "ms" not in by["contiguous"] and "fell back to the torch reference" in by["contiguous"]["skipped"]
+    assert "ms" not in by["paged"] and "did not compile" in by["paged"]["skipped"]
+    assert by["sdpa"]["ms"] == 2.0 and by["sdpa"]["ran"] == "torch" and len(timed) == 1  # only SDPA was timed
 
 
 def test_targets_read_the_rows():

@@ -53,20 +53,21 @@ def test_greedy_generation_matches_hugging_face(model, tok, hf_model, prompt):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_cached_equals_naive_token_for_token(model, tok, prompt):
+def test_cached_equals_naive_token_for_token(model_on, tok, prompt):
     ids = tok.encode(prompt)
-    cached = kvcourse.generate(model, ids, max_new_tokens=40, use_cache=True, eos_token_ids=())
-    naive = kvcourse.generate(model, ids, max_new_tokens=40, use_cache=False, eos_token_ids=())
+    cached = kvcourse.generate(model_on, ids, max_new_tokens=40, use_cache=True, eos_token_ids=())
+    naive = kvcourse.generate(model_on, ids, max_new_tokens=40, use_cache=False, eos_token_ids=())
     assert cached == naive and len(cached) == 40
 
 
-def test_cached_logits_equal_full_recompute_and_cache_holds_the_same_kv(model, tok):
+def test_cached_logits_equal_full_recompute_and_cache_holds_the_same_kv(model_on, tok, device):
+    model = model_on
     ids = tok.encode(LONG_PROMPT)
-    cache = KVCache.for_model(model.config)
-    prefix = model(torch.tensor([ids[:30]]), cache=cache)
-    steps = [model(torch.tensor([[t]]), cache=cache) for t in ids[30:40]]
-    full_cache = KVCache.for_model(model.config)
-    full = model(torch.tensor([ids[:40]]), cache=full_cache)
+    cache = KVCache.for_model(model.config, device=device)
+    prefix = model(torch.tensor([ids[:30]], device=device), cache=cache)
+    steps = [model(torch.tensor([[t]], device=device), cache=cache) for t in ids[30:40]]
+    full_cache = KVCache.for_model(model.config, device=device)
+    full = model(torch.tensor([ids[:40]], device=device), cache=full_cache)
     assert (prefix[0] - full[0, :30]).abs().max() < 1e-4
     for i, step in enumerate(steps):
         assert (step[0, 0] - full[0, 30 + i]).abs().max() < 1e-4

@@ -61,6 +61,18 @@ def test_sixteen_requests_equal_each_request_alone(model, workload, budget, num_
     assert eng.block_manager.num_free_blocks == num_blocks
 
 
+def test_engine_on_device_equals_each_request_alone(model_on, tok, device):
+    """The engine with chunked prefill beside decodes, on the CPU (and on the GPU when there is one)."""
+    ids = tok.encode(TEXT)
+    prompts = [ids[:n] for n in (3, 20, 41)]
+    solo = [kvcourse.generate(model_on, p, max_new_tokens=6, eos_token_ids=()) for p in prompts]
+    eng = Engine(model_on, num_blocks=32, block_size=16, max_num_batched_tokens=24)
+    outs = eng.generate(prompts, [SamplingParams(max_new_tokens=6, stop_token_ids=())] * 3)
+    for p, got, want in zip(prompts, outs, solo):
+        assert_greedy_equal(model_on, p, got, want)
+    assert eng.runner.kv_store.k_cache[0].device.type == device.type
+
+
 # ---- prefix caching (chapter 7) ------------------------------------------------------------------
 SYSTEM_PROMPT = (
     "You are a careful assistant for a public library. Answer in one or two short sentences, in plain "

@@ -18,7 +18,9 @@ batch {1, 8, 32, 64, 128} x context {512, 2k, 8k, 32k}, and batch 1 at 64k. Each
 * ``flex``: FlexAttention (compiled) on the contiguous cache, where torch provides it.
 
 Times are ``triton.testing.do_bench`` medians. Every kernel's output is first checked against SDPA on
-the same shape (the int8 kernel against its own reference, on a small shape). Without a GPU this
+the same shape (the int8 kernel against its own reference, on a small shape). A kernel that did not
+compile, or that fell back to the torch reference, is refused: its row says so and carries no time
+(a fallback timed under the kernel's name would be torch's speed). Each row says how it ran. Without a GPU this
 benchmark refuses: the interpreter measures Python, not memory. ``--smoke`` then runs one tiny shape
 through the same code for correctness only and prints no speed.
 """
@@ -136,11 +138,37 @@ def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable
             fns["flex"] = (fn, "FlexAttention, torch.compile")
         except Exception as exc:  # an unsupported GPU or torch build: report, do not crash the benchmark
             fns["flex"] = (None, f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
-    # Correctness before speed: every float variant equals SDPA on this very shape.
+    # A fallback is not a kernel timing: each kernel runs once first, and a variant whose kernel did
+    # not compile, or was computed by the torch reference instead, is refused (reported, never timed).
+    for name in [n for n in ("paged", "paged-unsplit", "paged-int8", "contiguous") if n in fns]:
+        fns[name] = _first_run(name, *fns[name])
+    # Correctness before speed: every float variant that ran equals SDPA on this very shape.
     want = fns["sdpa"][0]()
     for name in ("paged", "paged-unsplit", "contiguous"):
-        torch.testing.assert_close(fns[name][0](), want, rtol=2e-3, atol=2e-3, msg=lambda m, n=name: f"{n}: {m}")
+        if fns[name][0] is not None:
+            torch.testing.assert_close(fns[name][0](), want, rtol=2e-3, atol=2e-3, msg=lambda m, n=name: f"{n}: {m}")
     return {name: fns[name] for name in variants if name in fns}
+
+
+def _first_run(name: str, fn: Callable[[], torch.Tensor], note: str) -> tuple[Callable[[], torch.Tensor] | None, str]:
+    """``(fn, note)`` if ``fn``'s kernel ran as Triton code; ``(None, why)`` if it could not compile or fell back."""
+    from collections import Counter
+
+    from ..kernels.triton_runtime import counting_runs, is_compile_failure
+
+    runs: Counter = Counter()
+    try:
+        with counting_runs(runs):
+            fn()
+    except Exception as exc:
+        if not is_compile_failure(exc):
+            raise
+        return None, f"refused: {name} did not compile ({type(exc).__name__}), so there is no kernel to time"
+    fell_back = sorted(kernel for kernel, how in runs if how == "fallback")
+    if fell_back:
+        return None, (f"refused: {', '.join(fell_back)} fell back to the torch reference here; "
+                      "timing it would label torch as the kernel")  # fmt: skip
+    return fn, note
 
 
 def run(
@@ -151,6 +179,8 @@ def run(
     log: Callable[[str], None] = print,
 ) -> list[dict]:
     """Time every variant on every shape; one row per (shape, variant)."""
+    from ..kernels.triton_runtime import how_kernels_run
+
     peak = peak_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     rows = []
     for batch, context in shape_list:
@@ -164,7 +194,8 @@ def run(
         with torch.inference_mode():
             p = Problem(batch, context, device)
             for name, (fn, note) in variant_fns(p, variants).items():
-                row = dict(batch=batch, context=context, tokens=batch * context, variant=name, note=note)
+                ran = "torch" if name in ("sdpa", "flex") else how_kernels_run()
+                row = dict(batch=batch, context=context, tokens=batch * context, variant=name, note=note, ran=ran)
                 if fn is None:
                     rows.append({**row, "skipped": note})
                     log(f"batch {batch:4d} x context {context:6d} {name:14s} {note}")
@@ -264,9 +295,13 @@ def smoke() -> int:
     with torch.inference_mode():
         p = Problem(2, 100, torch.device("cpu"), dtype=torch.float32, heads=(4, 2, 64))
         fns = variant_fns(p, ("paged", "paged-unsplit", "contiguous", "sdpa"))
-    print(f"smoke run in Triton's interpreter: {', '.join(fns)} agree with SDPA on batch 2 x context 100 "
+    ran = [name for name, (fn, _) in fns.items() if fn is not None]
+    print(f"smoke run in Triton's interpreter: {', '.join(ran)} agree with SDPA on batch 2 x context 100 "
           "(correctness only; no speed is reported without a GPU)")  # fmt: skip
-    return 0
+    for name, (fn, note) in fns.items():
+        if fn is None:
+            print(f"  {name}: {note}")
+    return 0 if len(ran) == len(fns) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
               "Triton's CPU interpreter would time Python, not the kernels, so no figure is produced.")  # fmt: skip
         return smoke() if args.smoke else 0
     import triton.testing
+
+    from ..kernels.triton_runtime import kernel_runs
 
     device = torch.device("cuda")
 
@@ -307,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                    dtype="float16"),  # fmt: skip
         rows=rows,
         targets=targets(rows),
+        kernel_runs=kernel_runs(),  # how every kernel launch ran: "compiled" only, or a fallback shows here
     )
     for t in result["targets"]:
         value = "not measured" if t["value"] is None else f"{t['value']:.2f}"

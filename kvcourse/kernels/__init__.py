@@ -13,7 +13,10 @@ Chapter 5's Triton kernels, each beside the reference it must equal:
 * :mod:`.triton_paged` -- :func:`paged_decode_attention` through block tables, split-KV, int8 reads;
 * :mod:`.triton_cache` -- :func:`reshape_and_cache`, the K/V write (float and int8);
 * :mod:`.triton_backend` -- the ``"triton"`` attention backend of ``model.forward_batch``;
-* :mod:`.triton_runtime` -- where Triton runs (GPU, or its CPU interpreter) and the torch fallback.
+* :mod:`.triton_runtime` -- where Triton runs (GPU, or its CPU interpreter), the torch fallback, and
+  :func:`kernel_runs`: how every launch ran (compiled, interpreted, or fell back to torch);
+* :mod:`.compile_check` -- the kernels compiled for a T4, an A100 and an H100 without a GPU: registers,
+  spills, shared memory, tensor-core instructions or not.
 
 The Triton names are loaded on first use, so ``import kvcourse`` works without Triton installed
 (chapters 1-4).
@@ -57,6 +60,7 @@ _TRITON_NAMES = {
     "TritonBackend": ".triton_backend",
     "fallbacks": ".triton_runtime",
     "interpreting": ".triton_runtime",
+    "kernel_runs": ".triton_runtime",
 }
 
 __all__ = [

@@ -12,16 +12,22 @@ of its three operations replaced:
 
 The step's metadata was validated when the :class:`~kvcourse.batch.ForwardBatch` was built, so the
 kernels launch without checks and without asking the device for anything.
+
+``backend.runs`` counts how each kernel ran in this step (``(kernel, "compiled" | "interpreter" |
+"fallback") -> launches``), and ``backend.fell_back`` names the kernels the torch reference stood in for:
+a kernel that cannot compile here falls back with a warning, never silently.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
 from ..attention import PagedTorchBackend
 from .triton_cache import reshape_and_cache
 from .triton_paged import choose_num_splits, num_sms, paged_decode
-from .triton_runtime import check_kernel_device, launch_or_fallback
+from .triton_runtime import check_kernel_device, counting_runs, launch_or_fallback
 
 __all__ = ["TritonBackend"]
 
@@ -32,6 +38,7 @@ class TritonBackend(PagedTorchBackend):
     def __init__(self, kv_pool, batch) -> None:
         super().__init__(kv_pool, batch)
         check_kernel_device("kv_pool", kv_pool.k_cache[0])
+        self.runs: Counter = Counter()  # (kernel, how it ran) -> launches, this step
         self.num_splits = 1
         if self.decode_seqs:
             device = kv_pool.k_cache[0].device
@@ -40,15 +47,23 @@ class TritonBackend(PagedTorchBackend):
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
-        reshape_and_cache(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, self.batch.slot_mapping,
-                          check=False)  # fmt: skip
+        with counting_runs(self.runs):
+            reshape_and_cache(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, self.batch.slot_mapping,
+                              check=False)  # fmt: skip
 
     def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
         q = q if q.stride(-1) == 1 else q.contiguous()
         config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.shape[1], self.num_splits)
-        return launch_or_fallback(
-            "paged_decode_attention", q.device, config,
-            lambda: paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens, self.scale, self.num_splits),
-            lambda: super(TritonBackend, self).decode(layer_idx, q),
-        )  # fmt: skip
+        with counting_runs(self.runs):
+            return launch_or_fallback(
+                "paged_decode_attention", q.device, config,
+                lambda: paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens, self.scale,
+                                     self.num_splits),
+                lambda: super(TritonBackend, self).decode(layer_idx, q),
+            )  # fmt: skip
+
+    @property
+    def fell_back(self) -> list[str]:
+        """The kernels that could not compile in this step (the torch reference computed their results)."""
+        return sorted({kernel for kernel, how in self.runs if how == "fallback"})

@@ -25,29 +25,51 @@ from __future__ import annotations
 import torch
 
 from .reference import _default_scale, check_qkv, check_seq_lens, decode_attention_ref
-from .triton_runtime import check_kernel_device, dot_precision, launch_or_fallback, tl, triton, upcast
+from .triton_runtime import check_kernel_device, compute_capability, dot_precision, launch_or_fallback, tl, triton, upcast
 
-__all__ = ["decode_attention", "tile_config"]
+__all__ = ["decode", "decode_attention", "tile_config"]
 
 LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * LOG2E)
 SMEM_BUDGET = 32 * 1024  # bytes of shared memory the K/V tiles of the default launch may use
 
 
-def tile_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+def tile_config(
+    head_dim: int, dtype: torch.dtype, capability: int | None, kv_dtype: torch.dtype | None = None
+) -> dict[str, int]:
     """Launch parameters for the decode kernels: tile width, warps, pipeline stages.
 
-    On a GPU a K tile and a V tile of ``BLOCK_N x D`` elements sit in shared memory per pipeline stage.
-    Two stages of both within 32 KiB (half a T4's 64 KiB) gives ``BLOCK_N = 32`` at ``D = 128`` in fp16,
-    64 at ``D = 64``; ``tl.dot`` needs at least 16. In the interpreter every loop iteration costs
-    Python time, so tiles are as wide as practical.
+    ``dtype`` is the query's, ``kv_dtype`` the cache's when it differs (int8); ``capability`` the GPU's
+    compute capability as one int (75 = sm_75, a T4; 80 = A100; 90 = H100), or ``None`` for Triton's
+    interpreter, where every loop iteration costs Python time and tiles are as wide as practical.
+
+    On a GPU a K tile and a V tile of ``BLOCK_N x D`` elements, in the query's dtype (int8 is converted
+    before the dots, which see the converted tiles), sit in shared memory per pipeline stage. Two stages
+    of both within 32 KiB (half a T4's 64 KiB) gives ``BLOCK_N = 32`` at ``D = 128`` in fp16, 64 at
+    ``D = 64``; ``tl.dot`` needs at least 16. Two exceptions, each measured by
+    :mod:`~kvcourse.kernels.compile_check` (registers per thread from the compiled cubins):
+
+    * **sm_75 (T4)**: Triton lowers these dots to fused multiply-adds, not tensor cores, and an FMA dot
+      keeps slices of both operands in registers. 64-wide tiles at 4 warps used all 255 registers and
+      spilled (SmolLM2, fp16); 32-wide tiles over 8 warps use 98. A T4 has no ``cp.async`` to
+      pipeline loads with, so one stage.
+    * **int8 K/V**: converting each tile to the query's dtype keeps both copies live. At 4 warps and
+      2 stages, D = 128, that took 128-136 registers with bf16/fp16 queries (8 bytes spilled on
+      sm_90) and spilled 136-248 bytes with fp32 queries. 8 warps halve the tile per thread (76-108
+      registers); fp32 queries also drop to one stage (about 50-65).
     """
     block_d = triton.next_power_of_2(head_dim)
-    if device.type != "cuda":  # the interpreter: fewer, wider iterations
+    if capability is None:  # the interpreter: fewer, wider iterations
         return dict(BLOCK_N=128, BLOCK_D=block_d, num_warps=4, num_stages=1)
     elem = torch.finfo(dtype).bits // 8
-    stages = 2
+    stages, warps = 2, 4
     block_n = max(16, min(64, SMEM_BUDGET // (stages * 2 * block_d * elem)))  # 2 = a K tile and a V tile
-    return dict(BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=stages)  # powers of two, all
+    if capability < 80:
+        stages, warps, block_n = 1, 8, min(block_n, 32)
+    if kv_dtype == torch.int8:
+        warps = 8
+        if dtype == torch.float32:
+            stages = 1
+    return dict(BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)  # powers of two, all
 
 
 def group_rows(group: int) -> int:
@@ -128,22 +150,34 @@ def decode_attention(
     lens = check_seq_lens(seq_lens, q.shape[0], k.shape[2], q.device).to(torch.int32)
     scale = _default_scale(scale, q.shape[-1])
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # the kernel walks D with stride 1
-    cfg = tile_config(q.shape[-1], q.dtype, q.device)
     group = hq // hkv
-
-    def launch() -> torch.Tensor:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        _decode_kernel[(q.shape[0], hkv)](
-            q, k, v, lens, out, scale * LOG2E,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
-            GROUP=group, BLOCK_H=group_rows(group), HEAD_DIM=q.shape[-1], BLOCK_D=cfg["BLOCK_D"],
-            BLOCK_N=cfg["BLOCK_N"], UPCAST=upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )  # fmt: skip
-        return out
-
     config = (q.dtype, q.shape[-1], group)
     return launch_or_fallback(
-        "decode_attention", q.device, config, launch, lambda: decode_attention_ref(q, k, v, lens, scale)
-    )
+        "decode_attention", q.device, config, lambda: decode(q, k, v, lens, scale),
+        lambda: decode_attention_ref(q, k, v, lens, scale),
+    )  # fmt: skip
+
+
+def decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    capability: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Launch the kernel on inputs already checked (``seq_lens`` int32 on ``q``'s device).
+
+    ``capability`` picks the launch parameters (:func:`tile_config`); default: the device's.
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    if capability is None:
+        capability = compute_capability(q.device)
+    cfg = tile_config(q.shape[-1], q.dtype, capability)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _decode_kernel[(q.shape[0], hkv)](
+        q, k, v, seq_lens, out, scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_H=group_rows(group), HEAD_DIM=q.shape[-1], BLOCK_D=cfg["BLOCK_D"],
+        BLOCK_N=cfg["BLOCK_N"], UPCAST=upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return out

@@ -30,7 +30,7 @@ import torch
 from .int8 import check_paged_int8, paged_decode_attention_int8_ref
 from .reference import _default_scale, check_block_tables, check_paged, paged_attention
 from .triton_decode import LOG2E, group_rows, tile_config
-from .triton_runtime import check_kernel_device, dot_precision, launch_or_fallback, tl, triton, upcast
+from .triton_runtime import check_kernel_device, compute_capability, dot_precision, launch_or_fallback, tl, triton, upcast
 
 __all__ = ["MAX_SPLITS", "choose_num_splits", "paged_decode", "paged_decode_attention", "paged_decode_attention_int8"]
 
@@ -185,16 +185,20 @@ def paged_decode(
     num_splits: int,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    capability: int | None = None,
 ) -> torch.Tensor:
     """Launch the kernels on inputs already checked: no validation, no host-device synchronisation.
 
     The attention backend calls this once per layer; :func:`paged_decode_attention` checks, then calls it.
+    ``capability`` picks the launch parameters (:func:`~.triton_decode.tile_config`); default: the device's.
     """
     batch, hq, head_dim = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    cfg = tile_config(head_dim, q.dtype, q.device)
     int8 = k_scale is not None
+    if capability is None:
+        capability = compute_capability(q.device)
+    cfg = tile_config(head_dim, q.dtype, capability, k_cache.dtype)
     scales = (k_scale, v_scale) if int8 else (q, q)  # unused pointers when not int8
     s_strides = k_scale.stride() if int8 else (0, 0, 0)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -4,6 +4,8 @@ Every ``triton_*`` module of :mod:`kvcourse.kernels` imports Triton through this
 decides how kernels run:
 
 * **On a CUDA GPU** Triton compiles each kernel to machine code the first time it is launched.
+  (Verified without a GPU only: the kernels compile for sm_75, sm_80 and sm_90 on a CPU, see
+  :mod:`~kvcourse.kernels.compile_check`; none has yet run or been timed on a GPU.)
 * **Without a CUDA device** (a laptop, CI) ``import kvcourse`` has set ``TRITON_INTERPRET=1`` before
   anything imported Triton (:mod:`kvcourse.kernels` explains why it happens there). Triton then
   decorates every ``@triton.jit`` function as an *interpreted* function: each program of the grid
@@ -13,7 +15,9 @@ decides how kernels run:
 A kernel that cannot compile on the reader's GPU (too much shared memory on a T4, an instruction an
 old architecture lacks) must not end the chapter: :func:`launch_or_fallback` catches *compilation*
 failures, warns once in one line saying why, and runs the torch reference instead. Any other error
-(a bug, bad input) propagates.
+(a bug, bad input) propagates. A fallback must never pass for the kernel: every launch is counted by
+how it ran (:func:`kernel_runs`: ``"compiled"``, ``"interpreter"`` or ``"fallback"``), and the
+chapter, the ``triton`` backends and ``python -m kvcourse.bench kernels`` read those counts.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ from __future__ import annotations
 import os
 import traceback
 import warnings
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -42,10 +48,14 @@ from triton.runtime.interpreter import InterpretedFunction
 __all__ = [
     "KernelFallbackWarning",
     "check_kernel_device",
+    "compute_capability",
+    "counting_runs",
     "fallbacks",
     "interpreting",
+    "kernel_runs",
     "launch_or_fallback",
     "reset_fallbacks",
+    "reset_kernel_runs",
     "tl",
     "triton",
 ]
@@ -73,8 +83,10 @@ def upcast(dtype: torch.dtype) -> bool:
     """Whether a kernel must convert its loads to float32 before computing on them.
 
     Triton's interpreter stores bfloat16 as raw 16-bit integers and its arithmetic on them gives
-    wrong numbers (triton issue 11584). Kernels load bf16 and compute in fp32 there; on a GPU they
-    keep bf16 operands (tensor cores) with fp32 accumulation, as they do for fp16.
+    wrong numbers (triton issue 11584). Kernels load bf16 and compute in fp32 there; compiled, they
+    keep bf16 operands with fp32 accumulation, as they do for fp16. Those dots become tensor-core
+    ``mma`` instructions on sm_80 and newer; on sm_75 (a T4, which has no bf16 arithmetic) Triton
+    compiles them to fp32 FMA instructions (:mod:`~kvcourse.kernels.compile_check` reads the PTX).
     """
     return dtype == torch.bfloat16 and interpreting()
 
@@ -86,6 +98,19 @@ def dot_precision(dtype: torch.dtype) -> str:
     error: too coarse for the 1e-5 the fp32 tests ask. fp16/bf16 inputs are multiplied exactly.
     """
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def compute_capability(device: torch.device) -> int | None:
+    """The CUDA compute capability kernels compile for on ``device`` as one int (75 for sm_75, a T4);
+    ``None`` when they run in Triton's interpreter.
+
+    Launch parameters depend on it (:func:`~kvcourse.kernels.triton_decode.tile_config`): a T4 has
+    64 KiB of shared memory per block and no tensor-core path for these dots in Triton.
+    """
+    if interpreting() or device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def check_kernel_device(name: str, t: torch.Tensor) -> None:
@@ -120,6 +145,45 @@ def reset_fallbacks() -> None:
     _FALLBACKS.clear()
 
 
+RUN_KINDS = ("compiled", "interpreter", "fallback")
+_RUNS: Counter = Counter()  # (kernel, how it ran) -> launches in this process
+
+
+def kernel_runs() -> dict[str, dict[str, int]]:
+    """How each kernel launched in this process ran: ``{kernel: {"compiled" | "interpreter" | "fallback": count}}``.
+
+    ``"compiled"``: Triton machine code on the GPU; ``"interpreter"``: the same kernel in Triton's CPU
+    interpreter; ``"fallback"``: the kernel could not compile and the torch reference computed the result.
+    """
+    out: dict[str, dict[str, int]] = {}
+    for (kernel, how), n in sorted(_RUNS.items()):
+        out.setdefault(kernel, {})[how] = n
+    return out
+
+
+def reset_kernel_runs() -> None:
+    """Start counting :func:`kernel_runs` afresh."""
+    _RUNS.clear()
+
+
+_COLLECTORS: list[Counter] = []
+
+
+@contextmanager
+def counting_runs(runs: Counter) -> Iterator[Counter]:
+    """Inside the block, also count every launch in ``runs`` (``(kernel, how) -> launches``): one step's record."""
+    _COLLECTORS.append(runs)
+    try:
+        yield runs
+    finally:
+        _COLLECTORS.remove(runs)
+
+
+def how_kernels_run() -> str:
+    """``"compiled"`` on a GPU, ``"interpreter"`` in Triton's CPU interpreter."""
+    return "interpreter" if interpreting() else "compiled"
+
+
 _COMPILE_ERRORS = (CompilationError, OutOfResources, PTXASError)
 _COMPILER_DIRS = (f"{os.sep}triton{os.sep}compiler{os.sep}", f"{os.sep}triton{os.sep}backends{os.sep}")
 
@@ -142,18 +206,31 @@ def _device_name(device: torch.device) -> str:
 
 
 def launch_or_fallback(
-    kernel: str, device: torch.device, config: tuple, launch: Callable[[], T], reference: Callable[[], T]
+    kernel: str,
+    device: torch.device,
+    config: tuple,
+    launch: Callable[[], T],
+    reference: Callable[[], T],
 ) -> T:
     """Run ``launch()``; if the kernel cannot compile, warn once and return ``reference()`` instead.
 
     ``config`` names what the compiled code depends on (dtype, head dim, tile sizes...), so a kernel
-    that fails for one configuration still runs natively for the others.
+    that fails for one configuration still runs natively for the others. Each call is counted in
+    :func:`kernel_runs` (and in every ``Counter`` a :func:`counting_runs` block has open).
     """
     key = (kernel, str(device), *config)
+
+    def count(how: str) -> None:
+        for counter in (_RUNS, *_COLLECTORS):
+            counter[(kernel, how)] += 1
+
     if key in _FALLBACKS:
+        count("fallback")
         return reference()
     try:
-        return launch()
+        out = launch()
+        count(how_kernels_run())
+        return out
     except Exception as exc:
         if not is_compile_failure(exc):
             raise
@@ -165,4 +242,5 @@ def launch_or_fallback(
             KernelFallbackWarning,
             stacklevel=3,
         )
+        count("fallback")
         return reference()
