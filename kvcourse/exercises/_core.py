@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 __all__ = [
     "ExerciseError",
+    "CheckResult",
     "NotDone",
     "Passed",
     "Unfinished",
@@ -145,6 +146,10 @@ def reports_unfinished(check: Callable) -> Callable:
 
     wrapper.reports_unfinished = True
     return wrapper
+
+
+# What a chapter's check returns (it raises ExerciseError for a wrong answer).
+CheckResult = Passed | NotDone
 
 
 def _not_done(message: str) -> NotDone:

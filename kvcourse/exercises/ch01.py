@@ -24,6 +24,7 @@ from ._core import (
     call_learner,
     case_generator,
     case_rng,
+    CheckResult,
     describe,
     Diagnosis,
     ExerciseError,
@@ -66,7 +67,7 @@ _MASK_MISTAKES = [
 ]
 
 
-def check_causal_mask(fn: Callable[[int, int], torch.Tensor], seed: int = 0) -> bool:
+def check_causal_mask(fn: Callable[[int, int], torch.Tensor], seed: int = 0) -> CheckResult:
     """``fn(num_queries, num_keys)`` -> bool ``[num_queries, num_keys]``, True where the query may attend.
 
     The queries are the *last* ``num_queries`` of the ``num_keys`` positions (a whole sequence when
@@ -131,7 +132,7 @@ _ATTENTION_MISTAKES = [
 ]
 
 
-def check_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], seed: int = 0) -> bool:
+def check_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], seed: int = 0) -> CheckResult:
     """``fn(q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, D])`` -> ``[B, Hq, T, D]``.
 
     Causal softmax attention where the ``T`` queries are the last ``T`` of the ``S`` positions, and
@@ -175,7 +176,7 @@ def _pairs(prompt_len: int, new_tokens: int, per_step: Callable[[int], int], fir
     return sum(per_step(prompt_len + i) for i in range(first, new_tokens + first))
 
 
-def check_naive_attention_pairs(fn: Callable[[int, int], int], seed: int = 0) -> bool:
+def check_naive_attention_pairs(fn: Callable[[int, int], int], seed: int = 0) -> CheckResult:
     """``fn(prompt_len, new_tokens)`` -> the (query, key) pairs the causal mask allows, summed over
     every step of the naive loop (for one head in one layer)."""
     if not callable(fn):
@@ -235,7 +236,7 @@ _FROZEN_HINTS = {
 }
 
 
-def check_frozen_tensors(answer: set[str] | list[str] | tuple[str, ...]) -> bool:
+def check_frozen_tensors(answer: set[str] | list[str] | tuple[str, ...]) -> CheckResult:
     """``answer``: the keys of :data:`FROZEN_CHOICES` that are identical at every naive step (up to rounding)."""
     if isinstance(answer, str) or not isinstance(answer, (set, list, tuple, frozenset)):
         raise ExerciseError(f"answer should be a set of keys from FROZEN_CHOICES, got {type(answer).__name__}")

@@ -25,6 +25,7 @@ from ._core import (
     call_learner,
     case_generator,
     case_rng,
+    CheckResult,
     describe,
     Diagnosis,
     ExerciseError,
@@ -47,7 +48,7 @@ __all__ = [
 
 # --- Exercise 1: positions of the new tokens -----------------------------------------------------
 
-def check_new_positions(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int = 0) -> bool:
+def check_new_positions(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int = 0) -> CheckResult:
     """``fn(seq_lens [B], num_new)`` -> integer ``[B, num_new]``: the positions RoPE gives the new tokens.
 
     Sequence ``b`` already has ``seq_lens[b]`` tokens in its cache (positions ``0 .. seq_lens[b]-1``).
@@ -108,7 +109,7 @@ def _read_seq_len(cache: Any) -> Any:
     return value
 
 
-def check_cache_update(cache_cls: type, model=None, seed: int = 0) -> bool:
+def check_cache_update(cache_cls: type, model=None, seed: int = 0) -> CheckResult:
     """``cache_cls(num_layers, batch_size, num_kv_heads, head_dim, max_seq_len)``: a cache that allocates
     ``max_seq_len`` positions per layer up front and writes into them.
 
@@ -232,7 +233,7 @@ def _generate_with(cache_cls: type, model, seed: int, steps: int = 6) -> None:
 
 # --- Exercise 3 (bug hunt): prefill a chunk at a time --------------------------------------------
 
-def check_chunked_prefill(fn: Callable, model=None, seed: int = 0) -> bool:
+def check_chunked_prefill(fn: Callable, model=None, seed: int = 0) -> CheckResult:
     """``fn(model, ids, chunk_size)`` -> ``(logits, cache)``: prefill ``ids`` into a new cache with forward
     passes of at most ``chunk_size`` tokens; ``logits`` are the last prompt token's ``[vocab]`` scores.
 
@@ -294,7 +295,7 @@ def _decode(q, k, v, lens, *, scale=None, heads="grouped", softmax=True):
     return torch.einsum("bhs,bhsd->bhd", weights, v)
 
 
-def check_decode_attention(attend: Callable, seed: int = 0) -> bool:
+def check_decode_attention(attend: Callable, seed: int = 0) -> CheckResult:
     """``attend(q [B, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], seq_lens [B])`` -> ``[B, Hq, D]``.
 
     One decode step for a batch whose caches are padded to ``S`` positions: sequence ``b`` has only
@@ -349,7 +350,7 @@ def check_decode_attention(attend: Callable, seed: int = 0) -> bool:
 
 # --- Exercise 5: when the cache outweighs the weights --------------------------------------------
 
-def check_tokens_to_outweigh(fn: Callable[[dict, int], int], seed: int = 0) -> bool:
+def check_tokens_to_outweigh(fn: Callable[[dict, int], int], seed: int = 0) -> CheckResult:
     """``fn(config, batch_size)`` -> the fewest tokens per sequence at which the KV cache of ``batch_size``
     sequences holds at least as many bytes as the weights, both stored in the same dtype.
 

@@ -23,6 +23,7 @@ from ..memory import CATALOG, GB, kv_cache_bytes
 from ._core import (
     call_learner,
     case_rng,
+    CheckResult,
     describe,
     Diagnosis,
     ExerciseError,
@@ -106,7 +107,7 @@ def _llama_style_cases(rng) -> list[tuple[dict, int]]:
     return cases
 
 
-def check_bytes_per_token(fn: Callable[[dict, int], float], seed: int = 0) -> bool:
+def check_bytes_per_token(fn: Callable[[dict, int], float], seed: int = 0) -> CheckResult:
     """``fn(config, bytes_per_value)`` -> bytes of K/V one more token adds to one sequence.
 
     ``config`` is a Llama-style ``config.json`` dict: ``num_hidden_layers``, ``num_attention_heads``,
@@ -185,7 +186,7 @@ def _tp_cases(rng) -> list[tuple[dict, int, int, int]]:
     return cases
 
 
-def check_bytes_per_rank(fn: Callable[[dict, int, int, int], float], seed: int = 0) -> bool:
+def check_bytes_per_rank(fn: Callable[[dict, int, int, int], float], seed: int = 0) -> CheckResult:
     """``fn(config, seq_len, tp_size, bytes_per_value)`` -> bytes of K/V that one of ``tp_size``
     tensor-parallel ranks holds for one sequence of ``seq_len`` tokens.
 
@@ -267,7 +268,7 @@ def _quant_cases(rng) -> list[tuple[dict, int, int, int, int]]:
     return cases
 
 
-def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed: int = 0) -> bool:
+def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed: int = 0) -> CheckResult:
     """``fn(config, seq_len, bits, group_size, residual_len)`` -> bytes of one sequence's K/V, quantized the
     KIVI way.
 
@@ -326,7 +327,7 @@ def _fit(weight_bytes_per_value: float = 2, kv_bytes_per_value: float = 1, gpu_b
     return int(rounding(budget / per_seq))
 
 
-def check_max_sequences(n: int) -> bool:
+def check_max_sequences(n: int) -> CheckResult:
     """Qwen2.5-7B, weights in bf16, KV cache in fp8, sequences of 32,768 tokens, one 80 GB GPU (80 x 10^9
     bytes) of which the engine may use 90% (vLLM's ``gpu_memory_utilization=0.9``)."""
     if isinstance(n, bool) or not isinstance(n, int):

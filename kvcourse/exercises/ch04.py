@@ -23,6 +23,7 @@ from ..paged import BlockManager
 from ._core import (
     call_learner,
     case_rng,
+    CheckResult,
     describe,
     Diagnosis,
     ExerciseError,
@@ -114,7 +115,7 @@ def _as_int_list(case: str, got: Any, length: int) -> list[int]:
     return values
 
 
-def check_slot_mapping(fn: Callable[[list[list[int]], list[int], list[int], int], list[int]], seed: int = 0) -> bool:
+def check_slot_mapping(fn: Callable[[list[list[int]], list[int], list[int], int], list[int]], seed: int = 0) -> CheckResult:
     """``fn(block_tables, seq_lens, query_lens, block_size)`` -> the pool slot of every new token of a step.
 
     Sequence ``b`` has block table ``block_tables[b]``, holds ``seq_lens[b]`` tokens after this step, and
@@ -263,7 +264,7 @@ def _run_op(manager: Any, op: tuple) -> Any:
     return call_learner(f"{kind}{op[1:]}", method, *op[1:])
 
 
-def check_block_manager(cls: type, seed: int = 0) -> bool:
+def check_block_manager(cls: type, seed: int = 0) -> CheckResult:
     """``cls(num_blocks, block_size)``: a block allocator with ``allocate(seq_id, num_tokens)``,
     ``append_slot(seq_id)`` (returns ``None`` or the copy-on-write ``(src_block, dst_block)``),
     ``fork(parent_id, child_id)``, ``free(seq_id)``, ``block_table(seq_id)`` and ``num_free_blocks``.
@@ -386,7 +387,7 @@ def _sharing_blocks(prompt_len: int, n: int, new_tokens: int, block_size: int) -
     return bm.num_used_blocks
 
 
-def check_parallel_sampling_blocks(blocks_with_sharing: Callable[[int, int, int, int], int], seed: int = 0) -> bool:
+def check_parallel_sampling_blocks(blocks_with_sharing: Callable[[int, int, int, int], int], seed: int = 0) -> CheckResult:
     """``blocks_with_sharing(prompt_len, n, new_tokens, block_size)`` (``new_tokens >= 1``): blocks in use
     once ``n`` samples forked from one prefilled prompt have each appended ``new_tokens`` tokens."""
     if not callable(blocks_with_sharing):
@@ -446,7 +447,7 @@ def _largest_block_size(threshold: float = 0.9) -> int:
     return max(ok)
 
 
-def check_largest_block_size(answer: int) -> bool:
+def check_largest_block_size(answer: int) -> CheckResult:
     """``answer``: the largest power-of-two block size (1..256) keeping the live fraction >= 0.9 for
     ``make_trace(300, seed=0)`` in a pool of 16,384 slots."""
     if isinstance(answer, bool) or not isinstance(answer, int):

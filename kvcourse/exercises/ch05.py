@@ -26,6 +26,7 @@ from ._core import (
     call_learner,
     case_generator,
     case_rng,
+    CheckResult,
     Diagnosis,
     ExerciseError,
     fail,
@@ -82,7 +83,7 @@ def _per_sequence(q, k, v, lens, scale, extra: int = 0) -> torch.Tensor:
 MASK_BLOCK_S, MASK_D = 64, 16
 
 
-def check_masked_decode(kernel, seed: int = 0) -> bool:
+def check_masked_decode(kernel, seed: int = 0) -> CheckResult:
     """``masked_decode_kernel(Q, K, V, Seq_lens, Out, scale, BLOCK_S, D)``, grid ``(B,)``.
 
     ``Q [B, D]``, ``K, V [B, BLOCK_S, D]`` (sequence ``b`` owns the first ``Seq_lens[b]`` slots),
@@ -159,7 +160,7 @@ def _online(q, k, v, lens, scale, mistake: str = "") -> torch.Tensor:
     return out
 
 
-def check_online_softmax(kernel, seed: int = 0) -> bool:
+def check_online_softmax(kernel, seed: int = 0) -> CheckResult:
     """``online_decode_kernel(Q, K, V, Seq_lens, Out, scale, S_MAX, BLOCK_N, D)``, grid ``(B,)``.
 
     ``Q [B, D]``, ``K, V [B, S_MAX, D]``, ``Out [B, D]``, fp32, contiguous. The kernel reads K and V in
@@ -221,7 +222,7 @@ def _read_as(case, block_size: int, slots_of: Callable) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def check_paged_offsets(kernel, seed: int = 0) -> bool:
+def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
     """``paged_decode_kernel(Q, K_cache, V_cache, Block_tables, Seq_lens, Out, scale, stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh, stride_bt, GROUP, BLOCK_SIZE, BLOCK_N, D)``, grid ``(B, Hq)``.
 
@@ -294,7 +295,7 @@ def _kv_bytes(seq_lens: list[int], num_kv_heads: int, head_dim: int, bytes_per_v
     return 2 * sum(seq_lens) * num_kv_heads * head_dim * bytes_per_value
 
 
-def check_kv_bytes(fn: Callable[[list[int], int, int, int], int], seed: int = 0) -> bool:
+def check_kv_bytes(fn: Callable[[list[int], int, int, int], int], seed: int = 0) -> CheckResult:
     """``fn(seq_lens, num_kv_heads, head_dim, bytes_per_value)``: bytes of K and V one layer's decode step reads."""
     if not callable(fn):
         raise ExerciseError(f"pass your function fn(seq_lens, num_kv_heads, head_dim, bytes_per_value), "

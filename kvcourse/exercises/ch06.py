@@ -19,7 +19,17 @@ from collections.abc import Callable
 from ..paged import BlockManager
 from ..sequence import SamplingParams, Sequence
 from ..serving.scheduler import Scheduler
-from ._core import call_learner, case_rng, describe, Diagnosis, ExerciseError, passed, refuse_references, wrap_checks
+from ._core import (
+    call_learner,
+    case_rng,
+    CheckResult,
+    describe,
+    Diagnosis,
+    ExerciseError,
+    passed,
+    refuse_references,
+    wrap_checks,
+)
 
 __all__ = ["check_admit", "check_chunk_size", "check_victims"]
 
@@ -89,7 +99,7 @@ def _admit_cases(rng) -> list[tuple[list[int], int, int, int]]:
     return cases
 
 
-def check_admit(admit: Callable[[list[int], int, int, int], list[int]], seed: int = 0) -> bool:
+def check_admit(admit: Callable[[list[int], int, int, int], list[int]], seed: int = 0) -> CheckResult:
     """``admit(prompt_lens, token_budget, free_blocks, block_size)`` -> tokens per admitted request, in order."""
     refuse_references(admit, {"Scheduler": Scheduler}, "walk the queue yourself.")
     diagnosis = Diagnosis(_ADMIT_MISTAKES, same=_same, default=(
@@ -182,7 +192,7 @@ def _victim_cases(rng) -> list[tuple[list[tuple[str, int, int]], int]]:
     return cases
 
 
-def check_victims(preempt: Callable[[list[tuple[str, int, int]], int], list[str]], seed: int = 0) -> bool:
+def check_victims(preempt: Callable[[list[tuple[str, int, int]], int], list[str]], seed: int = 0) -> CheckResult:
     """``preempt(running, free_blocks)`` -> names of the preempted requests, in the order preempted."""
     diagnosis = Diagnosis(_VICTIM_MISTAKES, same=_same, default=(
         "Serve the oldest first; while it is short of blocks, pop the newest running request and free its blocks; "
@@ -229,7 +239,7 @@ def _chunk_cases(rng) -> list[tuple[float, float, int, float]]:
     return cases
 
 
-def check_chunk_size(chunk_size: Callable[[float, float, int, float], int], seed: int = 0) -> bool:
+def check_chunk_size(chunk_size: Callable[[float, float, int, float], int], seed: int = 0) -> CheckResult:
     """``chunk_size(fixed_ms, per_token_ms, num_decodes, tpot_ms)`` -> the largest chunk (tokens, >= 0)."""
     diagnosis = Diagnosis(_CHUNK_MISTAKES, same=_same, default=(
         "Solve fixed_ms + per_token_ms * (num_decodes + chunk) <= tpot_ms for the largest whole chunk."))

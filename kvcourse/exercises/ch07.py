@@ -21,6 +21,7 @@ from ._core import (
     call_learner,
     case_generator,
     case_rng,
+    CheckResult,
     describe,
     Diagnosis,
     ExerciseError,
@@ -104,7 +105,7 @@ def _same_codes(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, bits: in
     return bool((close | (tie & (diff <= step * 1.001))).all())
 
 
-def check_quantizer(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int = 0) -> bool:
+def check_quantizer(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int = 0) -> CheckResult:
     """``fn(x, bits)`` -> the values ``x`` comes back as after ``bits``-bit asymmetric quantization of each row.
 
     Every row (the last axis) is one group: zero point = the row's minimum, scale = its range over
@@ -167,7 +168,7 @@ _RING_MISTAKES = [
 ]
 
 
-def check_ring_slot(slot_for: Callable[[int, int, int], int], model=None, seed: int = 0) -> bool:
+def check_ring_slot(slot_for: Callable[[int, int, int], int], model=None, seed: int = 0) -> CheckResult:
     """``slot_for(pos, num_sinks, window)`` -> the slot, in ``0 .. num_sinks + window - 1``, where the token at
     position ``pos`` is written, so that after tokens ``0 .. n-1`` are written in order the cache holds the first
     ``num_sinks`` and the last ``window`` of them. With ``model``, the check also decodes text through a ring

@@ -16,7 +16,17 @@ from collections.abc import Callable
 import torch
 
 from ..paged.offload import apply_transfers
-from ._core import call_learner, case_rng, describe, Diagnosis, ExerciseError, passed, refuse_references, wrap_checks
+from ._core import (
+    call_learner,
+    case_rng,
+    CheckResult,
+    describe,
+    Diagnosis,
+    ExerciseError,
+    passed,
+    refuse_references,
+    wrap_checks,
+)
 
 __all__ = ["check_replay"]
 
@@ -87,7 +97,7 @@ def _cases(rng) -> list[tuple[torch.Tensor, torch.Tensor, list[tuple[str, int, i
     return cases
 
 
-def check_replay(replay: Callable, seed: int = 0) -> bool:
+def check_replay(replay: Callable, seed: int = 0) -> CheckResult:
     """``replay(device, host, transfers)`` copies blocks in place: ``transfers`` lists ``(direction, src,
     dst)`` with ``direction`` ``"to_host"`` (device block ``src`` into host block ``dst``) or
     ``"to_device"`` (host block ``src`` into device block ``dst``); ``device``, ``host`` are

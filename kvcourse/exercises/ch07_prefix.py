@@ -15,7 +15,17 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from ..paged.prefix_cache import FreeBlockQueue, PrefixCachingBlockManager, hash_block_tokens
-from ._core import call_learner, case_rng, describe, Diagnosis, ExerciseError, passed, refuse_references, wrap_checks
+from ._core import (
+    call_learner,
+    case_rng,
+    CheckResult,
+    describe,
+    Diagnosis,
+    ExerciseError,
+    passed,
+    refuse_references,
+    wrap_checks,
+)
 
 __all__ = ["check_block_hashes", "check_lru_takes"]
 
@@ -79,7 +89,7 @@ def _hash_cases(rng) -> list[tuple[list[int], int, str | None]]:
     return cases
 
 
-def check_block_hashes(block_hashes: Callable, seed: int = 0) -> bool:
+def check_block_hashes(block_hashes: Callable, seed: int = 0) -> CheckResult:
     """``block_hashes(token_ids, block_size, cache_salt, hash_fn)`` -> one hash per full block, in order,
     each ``hash_fn(parent_block_hash, block_token_ids, extra_keys)``."""
     refuse_references(block_hashes, {"PrefixCachingBlockManager": PrefixCachingBlockManager,
@@ -190,7 +200,7 @@ def _lru_cases(rng) -> list[tuple[int, list[tuple]]]:
     return cases
 
 
-def check_lru_takes(lru_takes: Callable, seed: int = 0) -> bool:
+def check_lru_takes(lru_takes: Callable, seed: int = 0) -> CheckResult:
     """``lru_takes(num_blocks, ops)`` -> the block each ``("take",)`` op gets, in order.
 
     The queue starts as ``0, 1, ..., num_blocks - 1``; ops are ``("take",)``, ``("free", block)``,
