@@ -14,6 +14,9 @@ clean process (:mod:`kvcourse.instructor.sandbox`), on top of the chapter's ``im
 * ``given``: objects the grader provides, ``model`` and ``tok`` (SmolLM2, as ``load_pretrained`` gives them).
 * ``setup``: a few lines that recreate what the solution reads from the chapter's text cells
   (``P``, the prompt length in chapter 1), written here rather than re-running the chapter.
+* ``references_in_cells``: the solution cell itself compares with the reference its check refuses as
+  an answer (chapter 4's bug hunt runs ``BlockManager`` beside the buggy allocator), so the reference
+  is taken away only after the cells ran, before the check calls the answer.
 
 This module imports no check: the grader reads it in processes where the checks must not be loaded.
 """
@@ -37,6 +40,7 @@ class ExerciseSpec:
     uses: tuple[str, ...] = ()
     given: tuple[str, ...] = ()
     setup: str = ""
+    references_in_cells: bool = False
 
     @property
     def chapter(self) -> str:
@@ -79,7 +83,7 @@ _SPECS = [
     ExerciseSpec("ch03-ex-fit", "ch03.check_max_sequences", ("n",)),
     # chapter 4
     ExerciseSpec("ch04-ex-slot-mapping", "ch04.check_slot_mapping", ("step_slot_mapping",)),
-    ExerciseSpec("ch04-ex-bughunt", "ch04.check_block_manager", ("FixedBlockManager",)),
+    ExerciseSpec("ch04-ex-bughunt", "ch04.check_block_manager", ("FixedBlockManager",), references_in_cells=True),
     ExerciseSpec("ch04-ex-parallel-sampling", "ch04.check_parallel_sampling_blocks", ("blocks_with_sharing",)),
     ExerciseSpec("ch04-ex-block-size", "ch04.check_largest_block_size", ("answer",)),
     # chapter 5

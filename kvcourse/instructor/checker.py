@@ -74,8 +74,9 @@ def references_of(check) -> list[list[str]]:
 def grade_exercise(spec: ExerciseSpec, cells: list[list[str]], timeout: float = 300) -> Verdict:
     """Run ``cells`` (``[kind, name, source]``, the solution last) in a sandbox and ``spec``'s check on them."""
     check = load_check(spec)
-    job = {"label": spec.label, "answers": list(spec.answers), "given": list(spec.given), "cells": cells,
-           "forbidden": references_of(check)}
+    given = list(dict.fromkeys([*spec.given, *(["model"] if MODEL in spec.args else [])]))  # the cell's check call names it
+    job = {"label": spec.label, "answers": list(spec.answers), "given": given, "cells": cells,
+           "forbidden": references_of(check), "references_in_cells": spec.references_in_cells}
     context = _sandboxes()
     ours, theirs = context.Pipe()
     process = context.Process(target=_sandbox_main, args=(theirs, job), daemon=True)

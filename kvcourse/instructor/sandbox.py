@@ -7,7 +7,9 @@ one uses, the exercise's own cells, the solution cell last. The process runs the
 namespace, then lends the names the check needs over :mod:`.wire` and answers requests until the
 checker is done. The check itself never runs here.
 
-Before any student line runs, the process makes the references unusable:
+Before any student line runs (or, for an exercise whose solution cell compares its answer with
+the reference, as chapter 4's bug hunt does with ``BlockManager``, once the cells have run and before
+the check starts), the process makes the references unusable:
 
 * ``kvcourse.exercises`` cannot be imported: ``from kvcourse.exercises import ch01`` gives a stand-in
   whose ``check_*`` do nothing (the cell's own check call is harmless), and the files of the
@@ -150,36 +152,43 @@ def _resolve(module: str, qualname: str) -> Any:
     return obj
 
 
-def _guard(label: str, forbidden: list[list[str]]) -> None:
-    """Take the checks and the exercise's references out of reach (see the module docstring)."""
-    for name in [m for m in sys.modules if m == "kvcourse.exercises" or m.startswith("kvcourse.exercises.")]:
-        del sys.modules[name]  # never imported in the fork server; a safeguard only
-    sys.meta_path.insert(0, _ChecksOutOfReach())
-    import kvcourse
+class _Guard:
+    """Takes the checks and the exercise's references out of reach (see the module docstring)."""
 
-    exercises_dir = os.path.realpath(Path(kvcourse.__file__).parent / "exercises") + os.sep
-    done: set[int] = set()
-    files: set[str] = set()
-    for module, qualname in forbidden:
-        _neuter(_resolve(module, qualname), label, qualname, done, files)
-    cached = tuple(os.path.join(os.path.dirname(f), "__pycache__", Path(f).stem + ".") for f in files)
+    def __init__(self, label: str) -> None:
+        import kvcourse
 
-    def closed(path: str) -> bool:
-        return path.startswith(exercises_dir) or path in files or path.startswith(cached)
+        for name in [m for m in sys.modules if m == "kvcourse.exercises" or m.startswith("kvcourse.exercises.")]:
+            del sys.modules[name]  # never imported in the fork server; a safeguard only
+        sys.meta_path.insert(0, _ChecksOutOfReach())
+        self.label = label
+        self.exercises_dir = os.path.realpath(Path(kvcourse.__file__).parent / "exercises") + os.sep
+        self.done: set[int] = set()  # ids of the neutered functions and classes
+        self.files: set[str] = set()  # the source files that define them
+        self.cached: tuple[str, ...] = ()
+        sys.addaudithook(self._hook)
 
-    def hook(event: str, args: tuple) -> None:
+    def neuter(self, forbidden: list[list[str]]) -> None:
+        done = set(self.done)  # the hook guards an object once its code is replaced, not while
+        for module, qualname in forbidden:
+            _neuter(_resolve(module, qualname), self.label, qualname, done, self.files)
+        self.done |= done
+        self.cached = tuple(os.path.join(os.path.dirname(f), "__pycache__", Path(f).stem + ".") for f in self.files)
+
+    def _closed(self, path: str) -> bool:
+        return path.startswith(self.exercises_dir) or path in self.files or path.startswith(self.cached)
+
+    def _hook(self, event: str, args: tuple) -> None:
         if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
             path = os.path.realpath(os.fsdecode(args[0]))
-            if closed(path):
-                raise PermissionError(f"{label}: {path} is not readable while grading")
-        elif event == "exec" and closed(getattr(args[0], "co_filename", "")):
-            raise PermissionError(f"{label}: kvcourse's checks and references cannot be re-run while grading")
-        elif event == "compile" and len(args) > 1 and isinstance(args[1], str) and closed(args[1]):
-            raise PermissionError(f"{label}: kvcourse's checks and references cannot be re-run while grading")
-        elif event == "object.__setattr__" and id(args[0]) in done:
-            raise PermissionError(f"{label}: this kvcourse object is not available while grading")
-
-    sys.addaudithook(hook)
+            if self._closed(path):
+                raise PermissionError(f"{self.label}: {path} is not readable while grading")
+        elif event == "exec" and self._closed(getattr(args[0], "co_filename", "")):
+            raise PermissionError(f"{self.label}: kvcourse's checks and references cannot be re-run while grading")
+        elif event == "compile" and len(args) > 1 and isinstance(args[1], str) and self._closed(args[1]):
+            raise PermissionError(f"{self.label}: kvcourse's checks and references cannot be re-run while grading")
+        elif event == "object.__setattr__" and id(args[0]) in self.done:
+            raise PermissionError(f"{self.label}: this kvcourse object is not available while grading")
 
 
 # ---- running the cells --------------------------------------------------------------------------
@@ -234,7 +243,9 @@ def main(conn, job: dict) -> None:
     os.dup2(devnull, 2)  # the student's prints do not reach the grader's terminal
     endpoint = Endpoint(conn, lends_calls_only=False, shared=SHARED)
     try:
-        _guard(job["label"], job["forbidden"])
+        guard = _Guard(job["label"])
+        if not job["references_in_cells"]:
+            guard.neuter(job["forbidden"])
         namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
         namespace["get_ipython"] = lambda: shell
         shell = _Shell(namespace)
@@ -244,6 +255,8 @@ def main(conn, job: dict) -> None:
         missing = [n for n in job["answers"] if n not in namespace]
         if problem is None and missing:
             problem = f"your solution cell does not define {', '.join(f'`{n}`' for n in missing)}"
+        if job["references_in_cells"]:
+            guard.neuter(job["forbidden"])  # the cells may compare with the reference; the answer may not use it
         if problem:
             endpoint.send({"kind": "failed", "message": problem})
         else:
