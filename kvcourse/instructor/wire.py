@@ -39,11 +39,15 @@ class WireError(Exception):
     """Something cannot cross the line (an object the checker may not lend, a malformed message)."""
 
 
-class PeerGone(Exception):
-    """The other process ended (exited, crashed or was killed)."""
+class PeerGone(BaseException):
+    """The other process ended (exited, crashed or was killed).
+
+    Like :class:`GradingTimeout`, a ``BaseException``: a check's ``except Exception`` around the
+    learner's call must not take it for an answer and go on.
+    """
 
 
-class GradingTimeout(Exception):
+class GradingTimeout(BaseException):
     """The other process did not answer before the deadline."""
 
 
