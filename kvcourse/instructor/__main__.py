@@ -1,8 +1,9 @@
-"""``python -m kvcourse.instructor {student,grade} ...``: see :mod:`kvcourse.instructor`."""
+"""``python -m kvcourse.instructor {student,grade,points} ...``: see :mod:`kvcourse.instructor`."""
 
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import sys
 from pathlib import Path
@@ -79,6 +80,19 @@ def _grade(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0  # students failing is a result, not an error
 
 
+def _points(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .classroom import output_line, read_grades
+
+    if not args.grades.is_file():
+        parser.error(f"GRADES is not a file: {args.grades}")
+    try:
+        rows = read_grades(args.grades)
+    except (ValueError, UnicodeDecodeError, csv.Error) as exc:
+        parser.error(str(exc))
+    print(output_line(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcourse.instructor",
                                      description="Hand out the chapters without solutions, and grade them.")
@@ -103,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     grade.add_argument("--no-run", action="store_true",
                        help="grade the exercises without first running each notebook top to bottom")
     grade.add_argument("--quiet", action="store_true", help="no progress bar")
+    points = commands.add_parser("points", help="a grades CSV as GitHub Classroom's autograding result")
+    points.add_argument("grades", type=Path, metavar="GRADES", help="the CSV written by grade")
     args = parser.parse_args(argv)
-    return _student(args, parser) if args.command == "student" else _grade(args, parser)
+    run = {"student": _student, "grade": _grade, "points": _points}[args.command]
+    return run(args, parser)
 
 
 if __name__ == "__main__":
