@@ -372,6 +372,8 @@ _ATTENTION_CHEATS = {
     "found through gc": ("import gc, types\nattention = next(f for f in gc.get_objects()\n"
                          "    if isinstance(f, types.FunctionType) and f.__name__ == 'causal_attention')\n"),
     "the check's private reference": "from kvcourse.exercises import ch01 as c\nattention = c._attention\n",
+    "the checks package as an attribute": ("import importlib\nattention = importlib.import_module("
+                                           "kvcourse.exercises.__name__ + '.ch01')._attention\n"),
     "the check module's file": ("import kvcourse, os\nnamespace = {}\npath = os.path.join(os.path.dirname(kvcourse.__file__),"
                                 " 'exercises', 'ch01.py')\nexec(open(path).read(), namespace)\n"
                                 "attention = namespace['_attention']\n"),

@@ -46,9 +46,17 @@ def _sandboxes():
     """Sandboxes fork from a server that imported torch, kvcourse and the model once (not the checks)."""
     global _context
     if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["kvcourse.instructor._zygote"])
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["kvcourse.instructor._zygote"])
+        warm = context.Process(target=_ready)  # the server loads the model before it forks the first child:
+        warm.start()  # wait for that here, so it does not count against an exercise's time limit
+        warm.join()
+        _context = context
     return _context
+
+
+def _ready() -> None:
+    return None
 
 
 def load_check(spec: ExerciseSpec):

@@ -161,6 +161,8 @@ class _Guard:
         for name in [m for m in sys.modules if m == "kvcourse.exercises" or m.startswith("kvcourse.exercises.")]:
             del sys.modules[name]  # never imported in the fork server; a safeguard only
         sys.meta_path.insert(0, _ChecksOutOfReach())
+        if "exercises" in vars(kvcourse):  # the package object itself, loaded with the grader's catalog
+            delattr(kvcourse, "exercises")
         self.label = label
         self.exercises_dir = os.path.realpath(Path(kvcourse.__file__).parent / "exercises") + os.sep
         self.done: set[int] = set()  # ids of the neutered functions and classes
