@@ -245,7 +245,7 @@ def test_grading_reference_untouched_wrong_broken_and_missing_notebooks(tmp_path
         [f"{s}.{x}" for s in ("ref", "untouched", "wrong", "broken") for x in ("md", "html")]
         + ["summary.md", "pass_rates.png"])
     page = (reports / "wrong.md").read_text()
-    assert "| `ch01-ex-mask` | no | **Expected:**" in page and "**Hint:** Each query sees one key" in page
+    assert "| `ch01-ex-mask` | no | **Case:** causal_mask(4, 4)" in page and "<br>**Expected:**" in page and "**Hint:** Each query sees one key" in page
     assert "| `ch02-ex-outweigh` | no | **Problem:** tokens_to_outweigh is not written yet" in page
     assert "<b>Hint:</b>" in (reports / "wrong.html").read_text()
     summary = (reports / "summary.md").read_text()

@@ -29,10 +29,11 @@ __all__ = ["Verdict", "grade_exercise", "load_check", "references_of"]
 
 @dataclass
 class Verdict:
-    """What the check said: passed or not, a one-paragraph message, and its parts when the check gave them."""
+    """What the check said: passed or not, a one-paragraph message, and its parts (case, expected, got, hint)."""
 
     passed: bool
     message: str
+    case: str = ""
     expected: str = ""
     got: str = ""
     hint: str = ""
@@ -109,7 +110,7 @@ def grade_exercise(spec: ExerciseSpec, cells: list[list[str]], timeout: float = 
             with contextlib.redirect_stdout(shown):
                 result = check(*args)
         except ExerciseError as exc:
-            return Verdict(False, str(exc), exc.expected, exc.got, exc.hint)
+            return Verdict(False, str(exc), exc.case, exc.expected, exc.got, exc.hint)
         if result is False:
             return Verdict(False, "the check returned False")
         return Verdict(True, shown.getvalue().strip().removeprefix("Correct: ") or "ok")

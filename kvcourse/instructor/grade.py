@@ -32,8 +32,8 @@ from pathlib import Path
 from ..exercises.catalog import EXERCISES
 from .notebook import Exercise, cell_source, find_exercises
 
-__all__ = ["Row", "NotebookResult", "grade_notebook", "grade_directory", "write_csv", "exercise_cells",
-           "submissions", "default_jobs", "CHAPTER"]
+__all__ = ["Row", "NotebookResult", "grade_notebook", "grade_directory", "write_csv", "exercise_cells", "rows_of",
+           "submissions", "notebooks_under", "default_jobs", "finite_seconds", "CHAPTER"]
 
 CHAPTER = re.compile(r"^\d\d_.*\.ipynb$")  # the book's chapter notebooks: 01_naive_generation.ipynb, ...
 _WORKER_BYTES = 4 * 2**30  # a grading worker: its notebook's kernel, the checker, a sandbox server (model in each)
@@ -45,6 +45,7 @@ class Row:
     exercise: str
     passed: bool
     message: str
+    case: str = ""
     expected: str = ""
     got: str = ""
     hint: str = ""
@@ -184,7 +185,8 @@ def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, e
         else:
             verdict = grade_exercise(EXERCISES[label], exercise_cells(submitted, label, exercises), check_timeout)
             message = "ok" if verdict.passed else _one_line(verdict.message)
-            rows.append(Row(name, label, verdict.passed, message, verdict.expected, verdict.got, verdict.hint))
+            rows.append(Row(name, label, verdict.passed, message, verdict.case, verdict.expected, verdict.got,
+                            verdict.hint))
     return NotebookResult(name, rows, notes)
 
 

@@ -32,11 +32,11 @@ def _cell(text: str) -> str:
 
 
 def _feedback(row: Row) -> list[tuple[str, str]]:
-    """(label, text) pairs that explain a row: expected / got / hint when the check gave them."""
+    """(label, text) pairs that explain a row: case / expected / got / hint when the check gave them."""
     if row.passed:
         return []
     if row.hint or row.expected or row.got:
-        parts = [("Expected", row.expected), ("Got", row.got), ("Hint", row.hint)]
+        parts = [("Case", row.case), ("Expected", row.expected), ("Got", row.got), ("Hint", row.hint)]
         return [(k, v.strip()) for k, v in parts if v.strip()]
     return [("Problem", row.message)]
 
