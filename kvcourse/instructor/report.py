@@ -135,6 +135,7 @@ def write_class_summary(results: list[NotebookResult], out: Path, flat_name: str
     ax.barh([label for label, _, _ in order], values, color="#4c72b0")
     for y, ((_, p, n), value) in enumerate(zip(order, values)):
         ax.text(min(value + 1, 88), y, f"{p}/{n}", va="center", fontsize=8)
+    ax.invert_yaxis()  # the lowest rate on top
     ax.set_xlim(0, 100)
     ax.set_xlabel("students who passed (%)")
     ax.set_ylabel("exercise")
