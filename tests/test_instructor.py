@@ -150,6 +150,7 @@ def test_student_cli_writes_every_chapter(tmp_path, capsys):
 
 
 # ---- grading synthetic notebooks -----------------------------------------------------------------
+# Real exercise labels (the grader grades each by the check the catalog names), in a small notebook.
 def _code(source, tags=(), hint=None):
     cell = nbformat.v4.new_code_cell(source)
     if tags:
@@ -165,25 +166,32 @@ def _exercise(label, title):
         f"Explained.\n```\n")
 
 
-def _synthetic() -> nbformat.NotebookNode:
+MASK = ("def causal_mask(num_queries, num_keys):\n"
+        "    return torch.ones(num_queries, num_keys, dtype=torch.bool).tril(num_keys - num_queries)\n\n"
+        "ch01.check_causal_mask(causal_mask)")
+OUTWEIGH = ("import math\n\ndef tokens_to_outweigh(config, batch_size):\n"
+            "    per_token = 2 * config['num_hidden_layers'] * config['num_key_value_heads'] * config['head_dim']\n"
+            "    return math.ceil(config['num_parameters'] / (per_token * batch_size))\n\n"
+            "ch02.check_tokens_to_outweigh(tokens_to_outweigh)")
+FROZEN = "frozen = {'past_k', 'past_v', 'past_q', 'past_attn_out'}\nch01.check_frozen_tensors(frozen)"
+LABELS = ["ch01-ex-mask", "ch02-ex-outweigh", "ch01-ex-frozen"]
+
+
+def _synthetic(first_markdown: bool = True) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [
         nbformat.v4.new_markdown_cell("# 99. A synthetic chapter"),
         _code("import torch\nfrom kvcourse.exercises import ch01, ch02"),
-        _exercise("t-ex-mask", "A mask"),
-        _code("def causal_mask(num_queries, num_keys):\n"
-              "    return torch.ones(num_queries, num_keys, dtype=torch.bool).tril(num_keys - num_queries)\n\n"
-              "ch01.check_causal_mask(causal_mask)", tags=["solution", "hide-cell"], hint="True where a query may look"),
-        _exercise("t-ex-outweigh", "Cache against weights"),
-        _code("import math\n\ndef tokens_to_outweigh(config, batch_size):\n"
-              "    per_token = 2 * config['num_hidden_layers'] * config['num_key_value_heads'] * config['head_dim']\n"
-              "    return math.ceil(config['num_parameters'] / (per_token * batch_size))\n\n"
-              "ch02.check_tokens_to_outweigh(tokens_to_outweigh)", tags=["solution", "hide-cell"]),
-        _exercise("t-ex-frozen", "Frozen"),
-        _code("frozen = {'past_k', 'past_v', 'past_q', 'past_attn_out'}\nch01.check_frozen_tensors(frozen)",
-              tags=["solution", "hide-cell"]),
+        _exercise("ch01-ex-mask", "A mask"),
+        _code(MASK, tags=["solution", "hide-cell"], hint="True where a query may look"),
+        _exercise("ch02-ex-outweigh", "Cache against weights"),
+        _code(OUTWEIGH, tags=["solution", "hide-cell"]),
+        _exercise("ch01-ex-frozen", "Frozen"),
+        _code(FROZEN, tags=["solution", "hide-cell"]),
     ]
+    if not first_markdown:
+        nb.cells = nb.cells[1:]  # the notebook starts with its import cell
     return nb
 
 
@@ -211,37 +219,68 @@ def test_grading_reference_untouched_wrong_broken_and_missing_notebooks(tmp_path
     wrong.cells[3].source = ("def causal_mask(num_queries, num_keys):\n"
                              "    return torch.ones(num_queries, num_keys, dtype=torch.bool).tril(num_keys - num_queries + 1)\n"
                              "ch01.check_causal_mask(causal_mask)")
-    wrong.cells[7].source = "ch01.check_frozen_tensors({'past_k', 'past_v', 'past_attn_out'})"
+    wrong.cells[7].source = "frozen = {'past_k', 'past_v', 'past_attn_out'}\nch01.check_frozen_tensors(frozen)"
     nbformat.write(wrong, subs / "wrong" / "99_synthetic.ipynb")
     (subs / "broken" / "99_synthetic.ipynb").write_text('{"cells": [')  # not JSON
 
-    out = tmp_path / "grades.csv"
-    assert main(["grade", str(subs), "--out", str(out), "--book", str(book), "--timeout", "300"]) == 0
+    out, reports = tmp_path / "grades.csv", tmp_path / "reports"
+    assert main(["grade", str(subs), "--out", str(out), "--book", str(book), "--timeout", "300",
+                 "--reports", str(reports), "--quiet"]) == 0
     rows = _read_csv(out)
-    labels = ["t-ex-mask", "t-ex-outweigh", "t-ex-frozen"]
-    for label in labels:
+    for label in LABELS:
         assert rows[("ref/99_synthetic.ipynb", label)] == ("1", "ok")
         passed, message = rows[("untouched/99_synthetic.ipynb", label)]
         assert passed == "0" and ("NotImplementedError" in message or "not written yet" in message), message
         assert rows[("broken/99_synthetic.ipynb", label)][1].startswith("could not read the notebook")
         for who in ("ref", "untouched", "wrong", "broken"):
             assert rows[(f"{who}/98_other.ipynb", label)] == ("0", "notebook missing from the submission")
-    assert "True where a query may look" in rows[("untouched/99_synthetic.ipynb", "t-ex-mask")][1]
-    assert rows[("wrong/99_synthetic.ipynb", "t-ex-mask")][0] == "0"
-    assert "one key from its future" in rows[("wrong/99_synthetic.ipynb", "t-ex-mask")][1]
-    assert "expected:" in rows[("wrong/99_synthetic.ipynb", "t-ex-mask")][1]
-    assert "'past_q' is frozen too" in rows[("wrong/99_synthetic.ipynb", "t-ex-frozen")][1]
+    assert "True where a query may look" in rows[("untouched/99_synthetic.ipynb", "ch01-ex-mask")][1]
+    assert rows[("wrong/99_synthetic.ipynb", "ch01-ex-mask")][0] == "0"
+    assert "one key from its future" in rows[("wrong/99_synthetic.ipynb", "ch01-ex-mask")][1]
+    assert "expected:" in rows[("wrong/99_synthetic.ipynb", "ch01-ex-mask")][1]
+    assert "'past_q' is frozen too" in rows[("wrong/99_synthetic.ipynb", "ch01-ex-frozen")][1]
+    assert rows[("wrong/99_synthetic.ipynb", "ch02-ex-outweigh")][0] == "0"  # still the stub
     assert "ref/99_synthetic.ipynb: 3 of 3 exercises passed" in capsys.readouterr().out
+    # the feedback: a page per student with the check's expected / got / hint, a class summary and plot
+    assert sorted(p.name for p in reports.iterdir()) == sorted(
+        [f"{s}.{x}" for s in ("ref", "untouched", "wrong", "broken") for x in ("md", "html")]
+        + ["summary.md", "pass_rates.png"])
+    page = (reports / "wrong.md").read_text()
+    assert "| `ch01-ex-mask` | no | **Case:** causal_mask(4, 4)" in page and "<br>**Expected:**" in page and "**Hint:** Each query sees one key" in page
+    assert "| `ch02-ex-outweigh` | no | **Problem:** tokens_to_outweigh is not written yet" in page
+    assert "<b>Hint:</b>" in (reports / "wrong.html").read_text()
+    summary = (reports / "summary.md").read_text()
+    assert "| `ch02-ex-outweigh` | 1 | 8 | 12% |" in summary and "| wrong | 0 | 6 |" in summary
+    assert (reports / "pass_rates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_slow_notebook_times_out_and_grading_goes_on(tmp_path):
+def test_a_notebook_that_starts_with_a_code_cell_runs_as_handed_in(tmp_path):
+    from kvcourse.instructor import grade_notebook
+
+    nb = _synthetic(first_markdown=False)
+    nb.cells.append(_code("assert causal_mask(2, 3).tolist() == [[True, True, False], [True, True, True]]\n"
+                          "print('first cell kept')"))
+    path = tmp_path / "99_synthetic.ipynb"
+    nbformat.write(nb, path)
+    result = grade_notebook(path, timeout=300)
+    assert result.notes == []  # no cell raised: the imports of the first cell were not overwritten
+    assert [(r.exercise, r.passed) for r in result.rows] == [(label, True) for label in LABELS]
+
+
+def test_a_slow_notebook_is_stopped_and_its_exercises_are_still_graded(tmp_path):
     slow = _synthetic()
     slow.cells.insert(2, _code("import time\ntime.sleep(120)"))
+    slow.cells[6].source = "import time\ntime.sleep(120)\n" + OUTWEIGH  # a solution cell that never ends
     nbformat.write(slow, tmp_path / "99_synthetic.ipynb")
-    out = tmp_path / "grades.csv"
-    assert main(["grade", str(tmp_path), "--out", str(out), "--timeout", "10"]) == 0
+    out, reports = tmp_path / "grades.csv", tmp_path / "reports"
+    assert main(["grade", str(tmp_path), "--out", str(out), "--timeout", "10", "--check-timeout", "20",
+                 "--reports", str(reports), "--quiet"]) == 0
     rows = _read_csv(out)
-    assert len(rows) == 3 and all(p == "0" and "timed out" in m for p, m in rows.values())
+    assert rows[("99_synthetic.ipynb", "ch01-ex-mask")] == ("1", "ok")
+    assert rows[("99_synthetic.ipynb", "ch01-ex-frozen")] == ("1", "ok")
+    passed, message = rows[("99_synthetic.ipynb", "ch02-ex-outweigh")]
+    assert passed == "0" and message.startswith("timed out"), message
+    assert "ran longer than 10 s and was stopped in cell 2" in (reports / f"{tmp_path.name}.md").read_text()
 
 
 def test_a_replaced_check_does_not_pass(tmp_path):
@@ -249,25 +288,159 @@ def test_a_replaced_check_does_not_pass(tmp_path):
     nb.cells[3].source = "ch01.check_causal_mask = lambda fn: True\nch01.check_causal_mask(None)"
     nbformat.write(nb, tmp_path / "99_synthetic.ipynb")
     out = tmp_path / "grades.csv"
-    main(["grade", str(tmp_path), "--out", str(out), "--timeout", "60"])
-    passed, message = _read_csv(out)[("99_synthetic.ipynb", "t-ex-mask")]
-    assert passed == "0" and "no check ran" in message
+    main(["grade", str(tmp_path), "--out", str(out), "--timeout", "60", "--quiet", "--no-run"])
+    passed, message = _read_csv(out)[("99_synthetic.ipynb", "ch01-ex-mask")]
+    assert passed == "0" and "does not define `causal_mask`" in message
 
 
-# ---- grading the real chapter 1 ------------------------------------------------------------------
-def test_real_chapter_reference_passes_and_student_copy_fails(tmp_path):
-    chapter = BOOK / "01_naive_generation.ipynb"
-    nb = nbformat.read(chapter, as_version=4)
-    (tmp_path / "reference").mkdir()
-    (tmp_path / "student").mkdir()
-    nbformat.write(nb, tmp_path / "reference" / chapter.name)
-    nbformat.write(nbformat.from_dict(student_copy(nb)), tmp_path / "student" / chapter.name)
+def test_an_exercise_the_catalog_does_not_know_is_reported(tmp_path):
+    nb = _synthetic()
+    nb.cells[2] = _exercise("ch99-ex-new", "Not in the catalog")
+    nbformat.write(nb, tmp_path / "99_synthetic.ipynb")
     out = tmp_path / "grades.csv"
-    main(["grade", str(tmp_path), "--out", str(out), "--book", str(BOOK), "--timeout", "900"])
-    rows = _read_csv(out)
-    labels = [e.label for e in find_exercises(nb)]
-    assert {label for (_, label) in rows} >= set(labels)
-    for label in labels:
-        assert rows[(f"reference/{chapter.name}", label)] == ("1", "ok"), rows[(f"reference/{chapter.name}", label)]
-        passed, message = rows[(f"student/{chapter.name}", label)]
-        assert passed == "0" and ("NotImplementedError" in message or "not written yet" in message), message
+    main(["grade", str(tmp_path), "--out", str(out), "--quiet", "--no-run"])
+    passed, message = _read_csv(out)[("99_synthetic.ipynb", "ch99-ex-new")]
+    assert passed == "0" and "no check is registered" in message
+
+
+# ---- bad input to the grade command: refused before any grading ----------------------------------
+def test_a_folder_without_notebooks_is_an_error(tmp_path, capsys):
+    out = tmp_path / "grades.csv"
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "texts" / "alice").mkdir(parents=True)
+    (tmp_path / "texts" / "alice" / "answers.txt").write_text("42")
+    for folder in ("empty", "texts"):
+        with pytest.raises(SystemExit) as exc:
+            main(["grade", str(tmp_path / folder), "--out", str(out)])
+        assert exc.value.code == 2 and "has no notebooks" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "-5", "soon"])
+def test_timeouts_must_be_finite_positive_seconds(tmp_path, capsys, value):
+    nbformat.write(_synthetic(), tmp_path / "99_synthetic.ipynb")
+    for option in ("--timeout", "--check-timeout"):
+        with pytest.raises(SystemExit) as exc:
+            main(["grade", str(tmp_path), "--out", str(tmp_path / "g.csv"), f"{option}={value}"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and option in err and "seconds" in err and "Traceback" not in err
+
+
+def test_out_that_cannot_be_written_is_refused_before_grading(tmp_path, capsys):
+    nbformat.write(_synthetic(), tmp_path / "99_synthetic.ipynb")
+    (tmp_path / "a_folder").mkdir()
+    (tmp_path / "a_file").write_text("")
+    for out, reason in ((tmp_path / "a_folder", "is a folder"), (tmp_path / "a_file" / "g.csv", "is not a folder")):
+        with pytest.raises(SystemExit) as exc:
+            main(["grade", str(tmp_path), "--out", str(out), "--quiet"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "--out" in err and reason in err
+    with pytest.raises(SystemExit):
+        main(["grade", str(tmp_path), "--out", str(tmp_path / "g.csv"), "--jobs", "0"])
+    assert not (tmp_path / "g.csv").exists()
+
+
+# ---- the cheats an earlier grader passed: every one fails now -----------------------------------
+def _cheat(label: str, source: str, uses: tuple[str, ...] = ()):
+    """Grade ``source`` as the solution cell of ``label`` (the chapter's imports before it)."""
+    from kvcourse.exercises.catalog import EXERCISES
+    from kvcourse.instructor.checker import grade_exercise
+
+    imports = ("import functools\nimport math\nimport torch\nimport kvcourse\n"
+               "from kvcourse.exercises import ch01, ch02, ch07\n")
+    cells = [["context", "chapter imports", imports]]
+    cells += [["uses", u, MASK] for u in uses]
+    cells.append(["solution", label, source])
+    return grade_exercise(EXERCISES[label], cells, timeout=120)
+
+
+_ATTENTION_CHEATS = {
+    "another exercise's check": "ch01.check_frozen_tensors({'past_k', 'past_v', 'past_q', 'past_attn_out'})\n"
+                                "def attention(q, k, v):\n    return q\n",
+    "only another exercise's check": "ch01.check_frozen_tensors({'past_k', 'past_v', 'past_q', 'past_attn_out'})\n",
+    "patching what the check compares with": (
+        "import kvcourse.kernels.reference as reference\n"
+        "kvcourse.causal_attention = reference.causal_attention = lambda q, k, v: q * 0\n"
+        "torch.allclose = torch.equal = lambda *a, **k: True\n"
+        "def attention(q, k, v):\n    return q * 0\n"),
+    "getattr with a computed name": "attention = getattr(kvcourse, 'causal_' + 'attention')\n",
+    "functools.partial": "attention = functools.partial(kvcourse.causal_attention)\n",
+    "a lambda around it": "attention = lambda q, k, v: kvcourse.causal_attention(q, k, v)\n",
+    "a reload of its module": ("import importlib, kvcourse.kernels.reference as r\n"
+                               "attention = importlib.reload(r).causal_attention\n"),
+    "its source, executed": ("import kvcourse.kernels.reference as r\nnamespace = {}\n"
+                             "exec(open(r.__file__).read(), namespace)\nattention = namespace['causal_attention']\n"),
+    "found through gc": ("import gc, types\nattention = next(f for f in gc.get_objects()\n"
+                         "    if isinstance(f, types.FunctionType) and f.__name__ == 'causal_attention')\n"),
+    "the check's private reference": "from kvcourse.exercises import ch01 as c\nattention = c._attention\n",
+    "the checks package as an attribute": ("import importlib\nattention = importlib.import_module("
+                                           "kvcourse.exercises.__name__ + '.ch01')._attention\n"),
+    "the check module's file": ("import kvcourse, os\nnamespace = {}\npath = os.path.join(os.path.dirname(kvcourse.__file__),"
+                                " 'exercises', 'ch01.py')\nexec(open(path).read(), namespace)\n"
+                                "attention = namespace['_attention']\n"),
+    "the check wrapper's closure cell": (
+        "for cell in ch01.check_attention.__closure__ or ():\n"
+        "    cell.cell_contents = lambda *a, **k: True\n"
+        "def attention(q, k, v):\n    return q\nch01.check_attention(attention)\n"),
+}
+
+
+@pytest.mark.parametrize("cheat", list(_ATTENTION_CHEATS))
+def test_a_cheat_on_the_attention_exercise_fails(cheat):
+    verdict = _cheat("ch01-ex-attention", _ATTENTION_CHEATS[cheat], uses=("ch01-ex-mask",))
+    assert not verdict.passed, cheat
+    if "computed name" in cheat or "partial" in cheat or "lambda" in cheat or "gc" in cheat:
+        assert "causal_attention is what this exercise's check compares against" in verdict.message
+
+
+def test_the_reference_attention_passes_the_same_path():  # so the cheats above fail for what they do
+    source = ("def attention(q, k, v):\n    group = q.shape[1] // k.shape[1]\n"
+              "    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)\n"
+              "    s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(\n"
+              "        ~causal_mask(q.shape[2], k.shape[2]), float('-inf'))\n"
+              "    return torch.softmax(s, -1) @ v\n")
+    assert _cheat("ch01-ex-attention", source, uses=("ch01-ex-mask",)).passed
+
+
+def test_a_passed_line_in_a_log_or_on_stdout_counts_for_nothing(tmp_path):
+    log = tmp_path / "checks.jsonl"
+    source = (f"import json\nline = json.dumps({{'check': 'ch01.check_causal_mask', 'passed': True, 'message': ''}})\n"
+              f"open({str(log)!r}, 'a').write(line + '\\n')\nprint(line)\n"
+              "def causal_mask(num_queries, num_keys):\n    return torch.ones(num_queries, num_keys, dtype=torch.bool)\n")
+    verdict = _cheat("ch01-ex-mask", source)
+    assert not verdict.passed and "its future included" in verdict.hint
+    assert log.read_text().count('"passed": true') == 1  # the cheat ran, and was not read
+
+
+def test_what_the_checker_lends_can_only_be_called():
+    source = ("def block_hashes(token_ids, block_size, cache_salt, hash_fn):\n"
+              "    return hash_fn.__globals__['_block_hashes'](token_ids, block_size, cache_salt, hash_fn)\n")
+    verdict = _cheat("ch07-ex-hash-chain", source)
+    assert not verdict.passed and "can only be called" in verdict.message
+
+
+def test_an_answer_that_ends_its_process_or_never_returns_fails():
+    ended = _cheat("ch01-ex-mask", "import os\ndef causal_mask(num_queries, num_keys):\n    os._exit(0)\n")
+    assert not ended.passed and "ended before the check was done" in ended.message
+    from kvcourse.exercises.catalog import EXERCISES
+    from kvcourse.instructor.checker import grade_exercise
+
+    cells = [["solution", "ch01-ex-mask", "import time\ndef causal_mask(num_queries, num_keys):\n    time.sleep(60)\n"]]
+    slow = grade_exercise(EXERCISES["ch01-ex-mask"], cells, timeout=5)
+    assert not slow.passed and slow.message.startswith("timed out")
+
+
+def test_a_copying_cache_is_told_from_one_that_returns_views():
+    """Tensor views keep their storage across the process boundary, and copies do not pass for views."""
+    copying = ("class PreallocatedKVCache:\n"
+               "    def __init__(self, num_layers, batch_size, num_kv_heads, head_dim, max_seq_len):\n"
+               "        self.k = [None] * num_layers\n        self.v = [None] * num_layers\n"
+               "        self.lengths = [0] * num_layers\n        self.max_seq_len = max_seq_len\n"
+               "    @property\n    def seq_len(self):\n        return self.lengths[0]\n"
+               "    def update(self, layer, k, v):\n"
+               "        if self.lengths[layer] + k.shape[2] > self.max_seq_len:\n            raise ValueError('full')\n"
+               "        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k], 2)\n"
+               "        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v], 2)\n"
+               "        self.lengths[layer] += k.shape[2]\n        return self.k[layer], self.v[layer]\n")
+    verdict = _cheat("ch02-ex-update", copying)
+    assert not verdict.passed and verdict.expected == "a view of the buffer allocated in __init__", verdict.message

@@ -10,8 +10,9 @@ notebook and in an instructor's grading script::
 
 Instructors: ``python -m kvcourse.instructor student book --out student/`` writes
 copies of the chapters with every solution replaced by a stub, and
-``python -m kvcourse.instructor grade DIR --out grades.csv`` runs the students'
-notebooks and records each check's verdict (see :mod:`kvcourse.instructor`).
+``python -m kvcourse.instructor grade DIR --out grades.csv`` grades the students'
+notebooks, every exercise by the check :mod:`.catalog` names for it, outside the
+students' reach (see :mod:`kvcourse.instructor`).
 """
 
 from ._core import ExerciseError, passed

@@ -1,18 +1,21 @@
 """Tools for instructors: hand out the chapters without solutions, then grade what comes back.
 
     python -m kvcourse.instructor student BOOK_DIR --out DIR          # solution-free copies
-    python -m kvcourse.instructor grade DIR --out grades.csv [--book BOOK_DIR] [--timeout 1800]
+    python -m kvcourse.instructor grade DIR --out grades.csv [--book BOOK_DIR] [--reports DIR] [--jobs N]
 
 * :mod:`.notebook` reads a chapter's exercises: each ``{exercise}`` directive with its label, the
   code cells that belong to it, and which of them are solutions.
 * :mod:`.student` writes the student copy: every solution cell becomes a stub that raises
   ``NotImplementedError`` with a hint, solutions and dropdowns leave the text, outputs are cleared.
-* :mod:`.grade` runs each submitted notebook headless and writes one CSV row per notebook and
-  exercise; :mod:`.recorder` is what it installs in the kernel to see every check's verdict.
+* :mod:`.grade` runs each submitted notebook headless, then grades every exercise on its own:
+  :mod:`.checker` runs the exercise's check (named by :mod:`kvcourse.exercises.catalog`) in the
+  grader's process on what the student's cells define in a fresh :mod:`.sandbox` process, the two
+  talking through :mod:`.wire` (data and proxies, never code); one CSV row per notebook and exercise.
+* :mod:`.report` writes a feedback page per student, a class summary and a plot of pass rates.
 """
 
-from .grade import Row, grade_directory, grade_notebook
+from .grade import NotebookResult, Row, grade_directory, grade_notebook
 from .notebook import Exercise, find_exercises
 from .student import make_stub, student_copy
 
-__all__ = ["Exercise", "Row", "find_exercises", "grade_directory", "grade_notebook", "make_stub", "student_copy"]
+__all__ = ["Exercise", "NotebookResult", "Row", "find_exercises", "grade_directory", "grade_notebook", "make_stub", "student_copy"]

@@ -1,12 +1,14 @@
-"""``python -m kvcourse.instructor {student,grade} ...``: see :mod:`kvcourse.instructor`."""
+"""``python -m kvcourse.instructor {student,grade,points} ...``: see :mod:`kvcourse.instructor`."""
 
 from __future__ import annotations
 
 import argparse
+import csv
+import os
 import sys
 from pathlib import Path
 
-from .grade import CHAPTER, grade_directory, write_csv
+from .grade import CHAPTER, finite_seconds, grade_directory, notebooks_under, rows_of, write_csv
 from .student import student_copy
 
 
@@ -31,22 +33,64 @@ def _student(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _writable_file(path: Path) -> str | None:
+    """Why ``path`` cannot be written as a file, or None: checked before hours of grading, not after."""
+    if path.is_dir():
+        return f"is a folder, not a file: {path}"
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"cannot be created: {parent} is not a folder"
+    if not os.access(parent, os.W_OK):
+        return f"cannot be written: {parent} is not writable"
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"cannot be written: {path} is read-only"
+    return None
+
+
 def _grade(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.dir.is_dir():
         parser.error(f"DIR is not a folder: {args.dir}")
     if args.book is not None and not args.book.is_dir():
         parser.error(f"--book is not a folder: {args.book}")
-    if args.timeout <= 0:
-        parser.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    rows = grade_directory(args.dir, args.book, args.timeout)
+    if not notebooks_under(args.dir):
+        parser.error(f"DIR has no notebooks (*.ipynb), nor its subfolders: {args.dir}")
+    problem = _writable_file(args.out)
+    if problem:
+        parser.error(f"--out {problem}")
+    if args.reports is not None and (args.reports.exists() and not args.reports.is_dir()):
+        parser.error(f"--reports is not a folder: {args.reports}")
+    if args.jobs is not None and args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    results = grade_directory(args.dir, args.book, args.timeout, jobs=args.jobs, run=not args.no_run,
+                              check_timeout=args.check_timeout, progress=not args.quiet)
+    rows = rows_of(results)
     write_csv(rows, args.out)
-    notebooks: dict[str, list[bool]] = {}
-    for row in rows:
-        notebooks.setdefault(row.notebook, []).append(row.passed)
-    for name, results in notebooks.items():
-        print(f"{name}: {sum(results)} of {len(results)} exercises passed")
+    for result in results:
+        print(f"{result.notebook}: {sum(r.passed for r in result.rows)} of {len(result.rows)} exercises passed")
     print(f"{len(rows)} rows -> {args.out}")
+    if args.reports is not None:
+        from .report import write_class_summary, write_student_reports
+
+        flat = args.dir.resolve().name
+        pages = write_student_reports(results, args.reports, flat)
+        summary, plot = write_class_summary(results, args.reports, flat)
+        print(f"{len(pages) // 2} student reports, {summary.name} and {plot.name} -> {args.reports}")
     return 0  # students failing is a result, not an error
+
+
+def _points(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .classroom import output_line, read_grades
+
+    if not args.grades.is_file():
+        parser.error(f"GRADES is not a file: {args.grades}")
+    try:
+        rows = read_grades(args.grades)
+    except (ValueError, UnicodeDecodeError, csv.Error) as exc:
+        parser.error(str(exc))
+    print(output_line(rows))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,9 +106,22 @@ def main(argv: list[str] | None = None) -> int:
     grade.add_argument("--out", type=Path, required=True, help="the CSV file to write")
     grade.add_argument("--book", type=Path, default=None,
                        help="the reference chapters: lists every exercise and reports missing notebooks")
-    grade.add_argument("--timeout", type=float, default=1800, help="seconds allowed per notebook (default 1800)")
+    grade.add_argument("--timeout", type=finite_seconds, default=1800,
+                       help="seconds allowed to run each notebook top to bottom (default 1800)")
+    grade.add_argument("--check-timeout", type=finite_seconds, default=300,
+                       help="seconds allowed to grade one exercise in its clean process (default 300)")
+    grade.add_argument("--jobs", type=int, default=None,
+                       help="notebooks graded side by side (default: one per CPU core, as memory allows)")
+    grade.add_argument("--reports", type=Path, default=None,
+                       help="folder for one feedback page per student, a class summary and a pass-rate plot")
+    grade.add_argument("--no-run", action="store_true",
+                       help="grade the exercises without first running each notebook top to bottom")
+    grade.add_argument("--quiet", action="store_true", help="no progress bar")
+    points = commands.add_parser("points", help="a grades CSV as GitHub Classroom's autograding result")
+    points.add_argument("grades", type=Path, metavar="GRADES", help="the CSV written by grade")
     args = parser.parse_args(argv)
-    return _student(args, parser) if args.command == "student" else _grade(args, parser)
+    run = {"student": _student, "grade": _grade, "points": _points}[args.command]
+    return run(args, parser)
 
 
 if __name__ == "__main__":

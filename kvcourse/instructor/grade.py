@@ -1,32 +1,42 @@
-"""Grade submitted notebooks: run each one headless, read every check's verdict, write a CSV.
+"""Grade submitted notebooks: every exercise by its own check, out of the student's reach.
 
-Each notebook runs in a fresh kernel (nbclient), cell by cell, with the notebook's folder as working
-directory, errors allowed (a failed exercise must not stop the others) and one time limit for the
-whole notebook. Before the first cell the grader installs :mod:`.recorder`, so every call of a
-chapter check is logged with its verdict; a verdict belongs to the exercise whose cells made it.
+For each submitted notebook:
 
-One row per notebook and exercise: ``notebook, exercise, passed, message``. An exercise passes when
-the last check called in its cells passed. Otherwise the message is the check's (expected, got,
-hint), or the error its cells raised (an untouched stub says ``NotImplementedError`` with its hint),
-or that no check ran. A notebook that cannot be read, is missing, times out or kills its kernel
-gets rows saying so; grading never stops at a bad notebook.
+1. The notebook runs headless, top to bottom, in a fresh kernel (nbclient), with its folder as
+   working directory and errors allowed, within ``timeout`` seconds. This is the student's notebook
+   as they handed it in; what it prints or raises goes into their report as notes. No verdict is read
+   from this kernel: nothing the notebook does there (patching kvcourse, a check, a log) counts.
+2. Every exercise the chapter has is graded on its own (:mod:`.checker`): the catalog
+   (:mod:`kvcourse.exercises.catalog`) names its check and the names the solution defines; the
+   chapter's ``import`` lines, the cells of the exercises it builds on and the exercise's own cells
+   (the solution cell last) run in a fresh sandbox process where the checks and the exercise's
+   references are out of reach, and the check runs in the grader's process on what they defined.
+
+One :class:`Row` per notebook and exercise: passed, and a message (the check's case, expected, got
+and hint; what the solution cell raised; or why the notebook could not be graded). A notebook that
+cannot be read or is missing gets rows saying so; grading never stops at a bad notebook.
 """
 
 from __future__ import annotations
 
+import ast
+import copy
 import csv
-import json
+import math
+import os
 import re
-import tempfile
-import time
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .notebook import find_exercises
+from ..exercises.catalog import EXERCISES
+from .notebook import Exercise, cell_source, find_exercises
 
-__all__ = ["Row", "grade_notebook", "grade_directory", "write_csv", "CHAPTER"]
+__all__ = ["Row", "NotebookResult", "grade_notebook", "grade_directory", "write_csv", "exercise_cells", "rows_of",
+           "submissions", "notebooks_under", "default_jobs", "finite_seconds", "CHAPTER"]
 
 CHAPTER = re.compile(r"^\d\d_.*\.ipynb$")  # the book's chapter notebooks: 01_naive_generation.ipynb, ...
+_WORKER_BYTES = 4 * 2**30  # a grading worker: its notebook's kernel, the checker, a sandbox server (model in each)
 
 
 @dataclass
@@ -35,6 +45,19 @@ class Row:
     exercise: str
     passed: bool
     message: str
+    case: str = ""
+    expected: str = ""
+    got: str = ""
+    hint: str = ""
+
+
+@dataclass
+class NotebookResult:
+    """One submitted notebook: its rows, and notes from running it top to bottom."""
+
+    notebook: str
+    rows: list[Row]
+    notes: list[str] = field(default_factory=list)
 
 
 def _one_line(text: str, limit: int = 600) -> str:
@@ -49,27 +72,20 @@ def _cell_error(cell: dict) -> str | None:
     return None
 
 
-def _run(nb, path: Path, log: Path, timeout: float) -> tuple[dict[int, list[dict]], str | None]:
-    """Execute ``nb`` in place; return the check verdicts per cell index and a notebook-level problem."""
-    import nbformat
+def _run(nb, path: Path, timeout: float) -> list[str]:
+    """Execute ``nb`` in place, cell by cell (none added, none overwritten); notes on what went wrong."""
+    import time
+
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
     client = NotebookClient(nb, timeout=int(timeout), kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": str(path.parent.resolve())}})
-    verdicts: dict[int, list[dict]] = {}
     deadline = time.monotonic() + timeout
-    seen = 0
     index = -1
+    notes: list[str] = []
     try:
         with client.setup_kernel():
-            setup = nbformat.v4.new_code_cell(
-                f"from kvcourse.instructor.recorder import install as _kvcourse_install\n"
-                f"_kvcourse_install({str(log)!r})\ndel _kvcourse_install")
-            client.execute_cell(setup, 0, store_history=False)
-            problem = _cell_error(setup)
-            if problem:
-                return verdicts, f"could not set up grading in the kernel ({problem})"
             for index, cell in enumerate(nb.cells):
                 if cell.cell_type != "code":
                     continue
@@ -78,23 +94,73 @@ def _run(nb, path: Path, log: Path, timeout: float) -> tuple[dict[int, list[dict
                     raise CellTimeoutError(f"no time left before cell {index}")
                 client.timeout = max(1, int(remaining))
                 client.execute_cell(cell, index)
-                lines = log.read_text(encoding="utf-8").splitlines() if log.exists() else []
-                if len(lines) > seen:
-                    verdicts[index] = [json.loads(line) for line in lines[seen:]]
-                    seen = len(lines)
     except CellTimeoutError:
-        return verdicts, f"timed out: the notebook ran longer than {timeout:g} s (stopped in cell {index})"
+        notes.append(f"the notebook ran longer than {timeout:g} s and was stopped in cell {index}")
     except DeadKernelError:
-        return verdicts, f"the kernel died in cell {index}"
-    except Exception as exc:  # the kernel did not start, or nbclient failed: report it, keep grading
-        return verdicts, f"could not run the notebook: {type(exc).__name__}: {exc}"
-    return verdicts, None
+        notes.append(f"the kernel died in cell {index}")
+    except Exception as exc:  # the kernel did not start, or nbclient failed: say so, grade the exercises anyway
+        notes.append(f"the notebook could not run: {type(exc).__name__}: {_one_line(str(exc), 200)}")
+    errors = [(i, e) for i, c in enumerate(nb.cells) if c.cell_type == "code" and (e := _cell_error(c))]
+    for i, error in errors[:5]:
+        notes.append(f"cell {i} raised {_one_line(error, 300)}")
+    if len(errors) > 5:
+        notes.append(f"... and {len(errors) - 5} more cells raised errors")
+    return notes
 
 
-def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800,
-                   expected: list[str] | None = None) -> list[Row]:
-    """Rows for one submitted notebook. ``expected``: the exercise labels the reference chapter has."""
+def _imports(nb: dict, skip: set[int]) -> str:
+    """The notebook's top-level ``import`` statements, outside the cells in ``skip``, in order."""
+    from .sandbox import _python
+
+    lines = []
+    for index, cell in enumerate(nb["cells"]):
+        if cell.get("cell_type") != "code" or index in skip:
+            continue
+        try:
+            tree = ast.parse(_python(cell_source(cell)))
+        except SyntaxError:
+            continue
+        lines += [ast.unparse(node) for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    return "\n".join(dict.fromkeys(lines)) + "\n"
+
+
+def _is_answer(cell: dict) -> bool:
+    tags = cell.get("metadata", {}).get("tags", [])
+    return cell.get("cell_type") == "code" and ("solution" in tags or "exercise-answer" in tags)
+
+
+def exercise_cells(nb: dict, label: str, exercises: list[Exercise] | None = None) -> list[list[str]]:
+    """What the sandbox runs for exercise ``label`` of ``nb``: ``[kind, name, source]``, the solution last.
+
+    Kinds: ``context`` (the chapter's imports, the catalog's setup), ``uses`` (cells of the exercises
+    this one builds on), ``given`` (the exercise's other cells) and ``solution`` (the cell tagged
+    ``solution`` or, in a student copy, ``exercise-answer``; else the exercise's last code cell).
+    Only a failure of the solution cell fails the exercise.
+    """
+    spec = EXERCISES[label]
+    exercises = find_exercises(nb) if exercises is None else exercises
+    by_label = {e.label: e for e in exercises}
+    in_exercises = {i for e in exercises for i in e.code_cells}
+    cells = [["context", "chapter imports", _imports(nb, in_exercises)]]
+    if spec.setup:
+        cells.append(["context", "catalog setup", spec.setup])
+    for used in spec.uses:
+        if used in by_label:
+            cells += [["uses", f"{used} cell {i}", cell_source(nb["cells"][i])] for i in by_label[used].code_cells]
+    own = by_label[label].code_cells
+    answers = [i for i in own if _is_answer(nb["cells"][i])] or own[-1:]
+    for i in own:
+        kind = "solution" if i == answers[-1] else "given"
+        cells.append([kind, f"{label} cell {i}", cell_source(nb["cells"][i])])
+    return cells
+
+
+def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, expected: list[str] | None = None,
+                   run: bool = True, check_timeout: float = 300) -> NotebookResult:
+    """Run and grade one submitted notebook. ``expected``: the exercise labels the reference chapter has."""
     import nbformat
+
+    from .checker import grade_exercise
 
     name = name or path.name
     try:
@@ -102,44 +168,56 @@ def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800,
         exercises = find_exercises(nb)
     except Exception as exc:
         reason = f"could not read the notebook: {type(exc).__name__}: {_one_line(str(exc), 200)}"
-        return [Row(name, label, False, reason) for label in expected or ["(notebook)"]]
+        return NotebookResult(name, [Row(name, label, False, reason) for label in expected or ["(notebook)"]])
     labels = expected if expected is not None else [e.label for e in exercises]
     if not labels:
-        return [Row(name, "(notebook)", False, "no exercises found in the notebook")]
-    with tempfile.TemporaryDirectory(prefix="kvcourse-grade-") as tmp:
-        verdicts, problem = _run(nb, path, Path(tmp) / "checks.jsonl", timeout)
+        return NotebookResult(name, [Row(name, "(notebook)", False, "no exercises found in the notebook")])
+    submitted = copy.deepcopy(nb)  # what the clean processes run: the cells as handed in
+    notes = _run(nb, path, timeout) if run else []
     by_label = {e.label: e for e in exercises}
     rows = []
     for label in labels:
-        exercise = by_label.get(label)
-        if exercise is None:
+        if label not in by_label:
             rows.append(Row(name, label, False, "this exercise is missing from the notebook"))
-            continue
-        results = [v for i in exercise.code_cells for v in verdicts.get(i, [])]
-        if results:
-            last = results[-1]
-            rows.append(Row(name, label, bool(last["passed"]), "ok" if last["passed"] else _one_line(last["message"])))
-            continue
-        errors = [e for i in exercise.code_cells if (e := _cell_error(nb.cells[i]))]
-        if problem:
-            message = problem
-        elif errors:
-            message = "no check ran; the cell raised " + _one_line(errors[0])
+        elif label not in EXERCISES:
+            rows.append(Row(name, label, False, "no check is registered for this exercise in "
+                                                "kvcourse.exercises.catalog: tell your instructor"))
         else:
-            message = "no check ran: call the exercise's check in its cell"
-        rows.append(Row(name, label, False, message))
-    return rows
+            verdict = grade_exercise(EXERCISES[label], exercise_cells(submitted, label, exercises), check_timeout)
+            message = "ok" if verdict.passed else _one_line(verdict.message)
+            rows.append(Row(name, label, verdict.passed, message, verdict.case, verdict.expected, verdict.got,
+                            verdict.hint))
+    return NotebookResult(name, rows, notes)
 
 
-def _submissions(directory: Path) -> list[Path]:
+def submissions(directory: Path) -> list[Path]:
     """The folders that hold one submission each: ``directory`` itself, or each of its subfolders."""
     if any(p.suffix == ".ipynb" for p in directory.iterdir() if p.is_file()):
         return [directory]
     return sorted(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
-def grade_directory(directory: Path, book: Path | None = None, timeout: float = 1800) -> list[Row]:
-    """Grade every notebook under ``directory``; with ``book``, also report the chapters a submission lacks."""
+def notebooks_under(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts
+                  and not any(part.startswith(".") for part in p.relative_to(directory).parts))
+
+
+def default_jobs(tasks: int) -> int:
+    """Notebooks graded side by side: one per CPU core, as many as memory holds (about 4 GiB each)."""
+    available = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            info = dict(line.split(":", 1) for line in f)
+        available = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        pass
+    by_memory = max(1, available // _WORKER_BYTES) if available else 1
+    return max(1, min(os.cpu_count() or 1, by_memory, tasks))
+
+
+def grade_directory(directory: Path, book: Path | None = None, timeout: float = 1800, jobs: int | None = None,
+                    run: bool = True, check_timeout: float = 300, progress: bool = False) -> list[NotebookResult]:
+    """Grade every notebook under ``directory``, ``jobs`` at a time; with ``book``, also report missing chapters."""
     reference: dict[str, list[str]] = {}
     if book is not None:
         import nbformat
@@ -148,19 +226,62 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
             labels = [e.label for e in find_exercises(nbformat.read(chapter, as_version=4))]
             if CHAPTER.match(chapter.name) and labels:
                 reference[chapter.name] = labels
-    rows: list[Row] = []
-    for folder in _submissions(directory):
-        notebooks = sorted(p for p in folder.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
-        for path in notebooks:
-            name = path.relative_to(directory).as_posix()
-            print(f"grading {name} ...", flush=True)
-            rows += grade_notebook(path, name, timeout, reference.get(path.name))
+    tasks: list[tuple[Path, str, list[str] | None]] = []
+    missing: list[NotebookResult] = []
+    for folder in submissions(directory):
+        notebooks = notebooks_under(folder)
+        tasks += [(p, p.relative_to(directory).as_posix(), reference.get(p.name)) for p in notebooks]
         present = {p.name for p in notebooks}
         for chapter, labels in reference.items():
             if chapter not in present:
                 name = (folder / chapter).relative_to(directory).as_posix()
-                rows += [Row(name, label, False, "notebook missing from the submission") for label in labels]
-    return rows
+                missing.append(NotebookResult(name, [Row(name, label, False, "notebook missing from the submission")
+                                                     for label in labels]))
+    jobs = default_jobs(len(tasks)) if jobs is None else max(1, min(jobs, len(tasks) or 1))
+    results: dict[str, NotebookResult] = {}
+    bar = _progress(len(tasks), progress)
+    if jobs == 1:
+        for path, name, expected in tasks:
+            results[name] = grade_notebook(path, name, timeout, expected, run, check_timeout)
+            bar.update(1)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(grade_notebook, path, name, timeout, expected, run, check_timeout): name
+                       for path, name, expected in tasks}
+            for future in as_completed(futures):
+                name = futures[future]
+                try:
+                    results[name] = future.result()
+                except Exception as exc:  # a worker died: its notebook gets rows saying so
+                    results[name] = NotebookResult(name, [Row(name, "(notebook)", False,
+                                                              f"grading failed: {type(exc).__name__}: {exc}")])
+                bar.update(1)
+    bar.close()
+    ordered = [results[name] for _, name, _ in tasks] + missing
+    return sorted(ordered, key=lambda r: r.notebook)
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, show: bool):
+    if not show:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="notebook", desc="grading", file=sys.stderr, dynamic_ncols=True)
+
+
+def rows_of(results: list[NotebookResult]) -> list[Row]:
+    return [row for result in results for row in result.rows]
 
 
 def write_csv(rows: list[Row], out: Path) -> None:
@@ -170,3 +291,16 @@ def write_csv(rows: list[Row], out: Path) -> None:
         writer.writerow(["notebook", "exercise", "passed", "message"])
         for row in rows:
             writer.writerow([row.notebook, row.exercise, int(row.passed), row.message])
+
+
+def finite_seconds(text: str) -> float:
+    """argparse type: a finite, positive number of seconds."""
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite, positive number of seconds, got {text!r}")
+    return value

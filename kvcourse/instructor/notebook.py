@@ -1,7 +1,9 @@
 """Where a chapter's exercises are: the ``{exercise}`` directives and the code cells that follow each.
 
 A chapter notebook states each exercise in a markdown cell (a MyST ``{exercise}`` directive with a
-``:label:``), followed by its code cells, up to the next exercise or the end of the notebook. The
+``:label:``), followed by its code cells, up to the next exercise or the end of the notebook. In a
+reader copy (:mod:`kvcourse.tools.reader_copies`, what Colab and a GitHub Classroom repository hold)
+the directive is plain markdown and the cell's ``"exercise"`` metadata keeps the label. The
 cell tagged ``solution`` among them holds the reference answer and ends by calling the check.
 """
 
@@ -48,11 +50,15 @@ def find_exercises(nb: dict) -> list[Exercise]:
     exercises: list[Exercise] = []
     for index, cell in enumerate(nb["cells"]):
         if cell.get("cell_type") == "markdown":
+            found = len(exercises)
             for match in DIRECTIVE.finditer(cell_source(cell)):
                 if match["name"] == "exercise":
                     label = LABEL.search(match["body"])
                     name = label.group(1) if label else f"exercise-{len(exercises) + 1}"
                     exercises.append(Exercise(name, match["arg"].strip(), index))
+            stated = cell.get("metadata", {}).get("exercise")
+            if len(exercises) == found and isinstance(stated, str) and stated:  # a reader copy: plain markdown
+                exercises.append(Exercise(stated, "", index))
         elif cell.get("cell_type") == "code" and exercises:
             exercises[-1].code_cells.append(index)
     return exercises

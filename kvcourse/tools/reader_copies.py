@@ -190,7 +190,11 @@ def reader_copy(nb: dict, name: str, ref: str | None = None, cfg=None, glue: dic
         if cell["cell_type"] != "markdown":
             continue
         source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        before = len(renderer.exercises)
         cell["source"] = render_markdown(source, renderer)
+        stated = list(renderer.exercises)[before:]
+        if stated:  # the label leaves the text: keep it where the grader finds it (kvcourse.instructor.notebook)
+            cell.setdefault("metadata", {})["exercise"] = stated[-1]
     if ref is not None and cfg is not None and chapter is not None:
         code = [c for c in nb["cells"] if c["cell_type"] == "code"]
         if code and SETUP_MARKER in "".join(code[0]["source"]):

@@ -1,0 +1,114 @@
+"""Which check grades which exercise: the grader's own map, kept next to the checks.
+
+A chapter's exercise cell ends by calling its check, e.g. ``ch01.check_causal_mask(causal_mask)``.
+The grader must not take that call from a submission (a student can call any other check there), so
+every exercise label is listed here with the check that grades it and the names the student's
+solution must define, in the order the check takes them. ``tests/test_catalog.py`` proves that the
+list matches the reference solution cells of every chapter, so it cannot drift from the book.
+
+Besides the names, an entry says what the solution may rely on when it runs alone in the grader's
+clean process (:mod:`kvcourse.instructor.sandbox`), on top of the chapter's ``import`` lines:
+
+* ``uses``: exercises whose answers this one builds on (chapter 1's attention calls the learner's own
+  ``causal_mask``); their cells run first.
+* ``given``: objects the grader provides, ``model`` and ``tok`` (SmolLM2, as ``load_pretrained`` gives them).
+* ``setup``: a few lines that recreate what the solution reads from the chapter's text cells
+  (``P``, the prompt length in chapter 1), written here rather than re-running the chapter.
+* ``references_in_cells``: the solution cell itself compares with the reference its check refuses as
+  an answer (chapter 4's bug hunt runs ``BlockManager`` beside the buggy allocator), so the reference
+  is taken away only after the cells ran, before the check calls the answer.
+
+This module imports no check: the grader reads it in processes where the checks must not be loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MODEL", "ExerciseSpec", "EXERCISES", "spec_for"]
+
+MODEL = "<model>"  # an argument of the check that is the real model, not a name the student defines
+
+
+@dataclass(frozen=True)
+class ExerciseSpec:
+    """One exercise: its label, its check (``"ch01.check_causal_mask"``) and what the check is given."""
+
+    label: str
+    check: str
+    args: tuple[str, ...]
+    uses: tuple[str, ...] = ()
+    given: tuple[str, ...] = ()
+    setup: str = ""
+    references_in_cells: bool = False
+
+    @property
+    def chapter(self) -> str:
+        """``"ch01"``: the module in :mod:`kvcourse.exercises` that holds the check."""
+        return self.check.split(".")[0]
+
+    @property
+    def answers(self) -> tuple[str, ...]:
+        """The names the student's solution must define."""
+        return tuple(a for a in self.args if a != MODEL)
+
+
+# Chapter 1's prompt, as its text builds it: P and the first generated tokens feed the frozen-tensor cell.
+_CH01_PROMPT = """\
+cfg = model.config
+L, Hq, Hkv, D = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+ids = tok.encode("The capital of France is")
+P = len(ids)
+full = ids + kvcourse.generate(model, ids, max_new_tokens=3, use_cache=False, eos_token_ids=())
+"""
+
+_SPECS = [
+    # chapter 1
+    ExerciseSpec("ch01-ex-frozen", "ch01.check_frozen_tensors", ("frozen",), given=("model", "tok"), setup=_CH01_PROMPT),
+    ExerciseSpec("ch01-ex-mask", "ch01.check_causal_mask", ("causal_mask",)),
+    ExerciseSpec("ch01-ex-attention", "ch01.check_attention", ("attention",), uses=("ch01-ex-mask",)),
+    ExerciseSpec("ch01-ex-pairs", "ch01.check_naive_attention_pairs", ("naive_attention_pairs",),
+                 given=("tok",), setup='P = len(tok.encode("The capital of France is"))\n'),
+    # chapter 2
+    ExerciseSpec("ch02-ex-positions", "ch02.check_new_positions", ("new_positions",)),
+    ExerciseSpec("ch02-ex-update", "ch02.check_cache_update", ("PreallocatedKVCache", MODEL)),
+    ExerciseSpec("ch02-ex-bughunt", "ch02.check_chunked_prefill", ("prefill_in_chunks_fixed", MODEL),
+                 given=("model", "tok"), setup='prompt_ids = tok.encode("The capital of France is")\n'),
+    ExerciseSpec("ch02-ex-decode", "ch02.check_decode_attention", ("attend",)),
+    ExerciseSpec("ch02-ex-outweigh", "ch02.check_tokens_to_outweigh", ("tokens_to_outweigh",)),
+    # chapter 3
+    ExerciseSpec("ch03-ex-per-token", "ch03.check_bytes_per_token", ("bytes_per_token",)),
+    ExerciseSpec("ch03-ex-per-rank", "ch03.check_bytes_per_rank", ("bytes_per_rank",)),
+    ExerciseSpec("ch03-ex-kivi", "ch03.check_quantized_bytes", ("quantized_bytes",)),
+    ExerciseSpec("ch03-ex-fit", "ch03.check_max_sequences", ("n",)),
+    # chapter 4
+    ExerciseSpec("ch04-ex-slot-mapping", "ch04.check_slot_mapping", ("step_slot_mapping",)),
+    ExerciseSpec("ch04-ex-bughunt", "ch04.check_block_manager", ("FixedBlockManager",), references_in_cells=True),
+    ExerciseSpec("ch04-ex-parallel-sampling", "ch04.check_parallel_sampling_blocks", ("blocks_with_sharing",)),
+    ExerciseSpec("ch04-ex-block-size", "ch04.check_largest_block_size", ("answer",)),
+    # chapter 5
+    ExerciseSpec("ch05-ex-mask", "ch05.check_masked_decode", ("masked_decode_kernel_fixed",)),
+    ExerciseSpec("ch05-ex-rescale", "ch05.check_online_softmax", ("online_decode_kernel_fixed",)),
+    ExerciseSpec("ch05-ex-offset", "ch05.check_paged_offsets", ("paged_decode_kernel_fixed",)),
+    ExerciseSpec("ch05-ex-bytes", "ch05.check_kv_bytes", ("kv_bytes",)),
+    # chapter 6
+    ExerciseSpec("ch06-ex-admit", "ch06.check_admit", ("admit",)),
+    ExerciseSpec("ch06-ex-victims", "ch06.check_victims", ("preempt",)),
+    ExerciseSpec("ch06-ex-chunk", "ch06.check_chunk_size", ("chunk_size",)),
+    # chapter 7
+    ExerciseSpec("ch07-ex-quantizer", "ch07.check_quantizer", ("quantize_dequantize",)),
+    ExerciseSpec("ch07-ex-ring", "ch07.check_ring_slot", ("slot_for", MODEL)),
+    ExerciseSpec("ch07-ex-hash-chain", "ch07.check_block_hashes", ("block_hashes",)),
+    ExerciseSpec("ch07-ex-lru", "ch07.check_lru_takes", ("lru_takes",)),
+    ExerciseSpec("ch07-ex-replay", "ch07.check_replay", ("replay",)),
+]
+
+EXERCISES: dict[str, ExerciseSpec] = {spec.label: spec for spec in _SPECS}
+
+
+def spec_for(label: str) -> ExerciseSpec:
+    """The entry for exercise ``label``; ``KeyError`` naming it if the catalog has none."""
+    try:
+        return EXERCISES[label]
+    except KeyError:
+        raise KeyError(f"no check is registered for exercise {label!r} in kvcourse.exercises.catalog") from None

@@ -1,0 +1,141 @@
+"""Grade one exercise: its own check runs here, the student's answer in a fresh sandbox process.
+
+:func:`grade_exercise` takes the exercise's catalog entry (:mod:`kvcourse.exercises.catalog`) and the
+cells to run, starts a :mod:`.sandbox` process, receives what the student's cells defined (data, or
+proxies for functions and classes, :mod:`.wire`) and calls the catalog's check on it. This process
+imports the checks and holds their references; the sandbox never does. Whatever the student's code
+does, it does in its own process: the verdict is what the check returns here.
+
+The references a check refuses as answers (``refuse_references(...)`` in its body) are read from the
+check's source, not listed by hand, and sent to the sandbox to be neutered there.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import inspect
+import io
+import multiprocessing
+import textwrap
+import time
+from dataclasses import dataclass
+from ..exercises.catalog import MODEL, ExerciseSpec
+from .wire import Endpoint, GradingTimeout, PeerGone, Shared, WireError
+
+__all__ = ["Verdict", "grade_exercise", "load_check", "references_of"]
+
+
+@dataclass
+class Verdict:
+    """What the check said: passed or not, a one-paragraph message, and its parts (case, expected, got, hint)."""
+
+    passed: bool
+    message: str
+    case: str = ""
+    expected: str = ""
+    got: str = ""
+    hint: str = ""
+
+
+_MODEL = Shared(lambda: importlib.import_module("kvcourse").load_pretrained()[0])
+_context = None
+
+
+def _sandboxes():
+    """Sandboxes fork from a server that imported torch, kvcourse and the model once (not the checks)."""
+    global _context
+    if _context is None:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["kvcourse.instructor._zygote"])
+        warm = context.Process(target=_ready)  # the server loads the model before it forks the first child:
+        warm.start()  # wait for that here, so it does not count against an exercise's time limit
+        warm.join()
+        _context = context
+    return _context
+
+
+def _ready() -> None:
+    return None
+
+
+def load_check(spec: ExerciseSpec):
+    """The check function the catalog names for ``spec``."""
+    module = importlib.import_module(f"kvcourse.exercises.{spec.chapter}")
+    return getattr(module, spec.check.split(".", 1)[1])
+
+
+def references_of(check) -> list[list[str]]:
+    """``[module, qualname]`` of every object ``check`` passes to ``refuse_references`` (read from its source)."""
+    check = inspect.unwrap(check)  # the chapter's own function, not the wrapper that reports unwritten answers
+    tree = ast.parse(textwrap.dedent(inspect.getsource(check)))
+    found: list[list[str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "refuse_references" and len(node.args) > 1:
+            refs = eval(compile(ast.Expression(node.args[1]), "<references>", "eval"), check.__globals__)  # noqa: S307
+            for obj in refs.values():
+                entry = [obj.__module__, obj.__qualname__]
+                if entry not in found:
+                    found.append(entry)
+    return found
+
+
+def grade_exercise(spec: ExerciseSpec, cells: list[list[str]], timeout: float = 300) -> Verdict:
+    """Run ``cells`` (``[kind, name, source]``, the solution last) in a sandbox and ``spec``'s check on them."""
+    check = load_check(spec)
+    given = list(dict.fromkeys([*spec.given, *(["model"] if MODEL in spec.args else [])]))  # the cell's check call names it
+    job = {"label": spec.label, "answers": list(spec.answers), "given": given, "cells": cells,
+           "forbidden": references_of(check), "references_in_cells": spec.references_in_cells}
+    context = _sandboxes()
+    ours, theirs = context.Pipe()
+    process = context.Process(target=_sandbox_main, args=(theirs, job), daemon=True)
+    deadline = time.monotonic() + timeout
+    endpoint = Endpoint(ours, lends_calls_only=True, shared={"model": _MODEL})
+    endpoint.deadline = deadline
+    try:
+        process.start()
+        theirs.close()
+        header, buffers = endpoint.receive()
+        if header.get("kind") == "failed":
+            return Verdict(False, str(header.get("message", "the solution could not run"))[:2000])
+        if header.get("kind") != "ready" or type(header.get("answers")) is not dict:
+            return Verdict(False, "the grading sandbox sent something unexpected")
+        answers = {name: endpoint.decode(tree, buffers) for name, tree in header["answers"].items()
+                   if name in spec.answers}
+        args = [_MODEL.get() if a == MODEL else answers[a] for a in spec.args]
+        shown = io.StringIO()
+        from ..exercises import ExerciseError
+
+        try:
+            with contextlib.redirect_stdout(shown):
+                result = check(*args)
+        except ExerciseError as exc:
+            return Verdict(False, str(exc), exc.case, exc.expected, exc.got, exc.hint)
+        if not result:  # False, or NotDone: the answer is not written yet (the check printed why)
+            return Verdict(False, getattr(result, "message", "the check returned False"))
+        return Verdict(True, shown.getvalue().strip().removeprefix("Correct: ") or "ok")
+    except GradingTimeout:
+        return Verdict(False, f"timed out: the answer took longer than {timeout:g} s to check")
+    except PeerGone:
+        return Verdict(False, "the process running your answer ended before the check was done "
+                              "(os._exit, a crash, or too much memory)")
+    except WireError as exc:
+        return Verdict(False, f"your answer could not be checked: {exc}")
+    except Exception as exc:  # the check choked on what came back: a wrong answer, reported as such
+        return Verdict(False, f"the check could not use your answer: {type(exc).__name__}: {exc}"[:2000])
+    finally:
+        with contextlib.suppress(Exception):
+            endpoint.send({"kind": "bye"})
+        if process.pid is not None:
+            process.join(timeout=2)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=5)
+        ours.close()
+
+
+def _sandbox_main(conn, job: dict) -> None:
+    from .sandbox import main
+
+    main(conn, job)

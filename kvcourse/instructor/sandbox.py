@@ -1,0 +1,281 @@
+"""The student's side of grading one exercise: its cells run alone, with the answers out of reach.
+
+:mod:`.checker` starts one such process per exercise (forked from a server that has already
+imported torch and kvcourse and loaded the model, so a start takes a fraction of a second) and
+sends it a job: the chapter's ``import`` lines, the catalog's setup, the cells of the exercises this
+one uses, the exercise's own cells, the solution cell last. The process runs them in a fresh
+namespace, then lends the names the check needs over :mod:`.wire` and answers requests until the
+checker is done. The check itself never runs here.
+
+Before any student line runs (or, for an exercise whose solution cell compares its answer with
+the reference, as chapter 4's bug hunt does with ``BlockManager``, once the cells have run and before
+the check starts), the process makes the references unusable:
+
+* ``kvcourse.exercises`` cannot be imported: ``from kvcourse.exercises import ch01`` gives a stand-in
+  whose ``check_*`` do nothing (the cell's own check call is harmless), and the files of the
+  checks cannot be opened, compiled or executed;
+* every kvcourse object the exercise's check refuses as an answer (``kvcourse.causal_attention`` for
+  the attention exercise, ``BlockManager`` for the allocator...) is neutered in place: its code is
+  replaced by a ``raise``, so every path to it -- an alias, ``getattr`` with a computed name,
+  ``functools.partial``, a lambda, a subclass, ``gc`` -- reaches the ``raise``; its code cannot be
+  swapped back and its module cannot be reloaded (an audit hook refuses both, and Python offers no
+  way to remove an audit hook).
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import importlib.abc
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+from .wire import Endpoint, PeerGone, Shared
+
+__all__ = ["main", "preload", "SHARED"]
+
+
+def _load_model():
+    import kvcourse
+
+    model, tok = kvcourse.load_pretrained()
+    SHARED["tok"].loaded = tok
+    return model
+
+
+def _load_tok():
+    return SHARED["model"].get() and SHARED["tok"].loaded
+
+
+SHARED: dict[str, Shared] = {"model": Shared(_load_model), "tok": Shared(_load_tok)}
+
+
+def preload() -> None:
+    """Run once in the fork server: one thread per process (many run side by side), the model loaded."""
+    import torch
+
+    torch.set_num_threads(1)
+    import kvcourse  # noqa: F401
+
+    try:
+        SHARED["model"].get()
+    except Exception:  # no weights here: an exercise that needs the model says so when it asks
+        pass
+
+
+# ---- the checks, out of reach -------------------------------------------------------------------
+class _StandInError(AssertionError):
+    pass
+
+
+def _no_check(*args: Any, **kwargs: Any) -> bool:
+    return True  # the grader runs the exercise's own check, in another process
+
+
+class _StandIn(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("check_"):
+            return _no_check
+        if name == "ExerciseError":
+            return _StandInError
+        raise AttributeError(f"{self.__name__}.{name} is not available while grading (the checks run elsewhere)")
+
+
+class _ChecksOutOfReach(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves stand-ins for ``kvcourse.exercises`` and its modules."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "kvcourse.exercises" or fullname.startswith("kvcourse.exercises."):
+            return importlib.util.spec_from_loader(fullname, self, is_package=fullname == "kvcourse.exercises")
+        return None
+
+    def create_module(self, spec):
+        module = _StandIn(spec.name)
+        if spec.name == "kvcourse.exercises":
+            module.__path__ = []
+        return module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+def _blocked_code(name: str, message: str) -> types.CodeType:
+    namespace: dict = {}
+    exec(f"def {name}(*args, **kwargs):\n    raise RuntimeError({message!r})\n", namespace)
+    return namespace[name].__code__
+
+
+def _neuter(obj: Any, label: str, shown: str, done: set[int], files: set[str]) -> None:
+    """Replace the code of function ``obj``, or of every method of class ``obj`` and its subclasses."""
+    if id(obj) in done:
+        return
+    done.add(id(obj))
+    message = (f"{label}: kvcourse's {shown} is what this exercise's check compares against, so it is not available "
+               f"while the exercise is graded: write your own.")
+    if isinstance(obj, types.FunctionType):
+        module = sys.modules.get(obj.__module__)
+        if getattr(module, "__file__", None):
+            files.add(os.path.realpath(module.__file__))
+        if obj.__code__.co_freevars:  # a closure: its code cannot be swapped, so take it out of every module
+            stand_in = types.FunctionType(_blocked_code(obj.__name__, message), {"__builtins__": builtins})
+            for mod in list(sys.modules.values()):
+                for key, value in list(getattr(mod, "__dict__", {}).items()):
+                    if value is obj:
+                        setattr(mod, key, stand_in)
+        else:
+            obj.__code__ = _blocked_code(obj.__name__, message)
+    elif isinstance(obj, type):
+        module = sys.modules.get(obj.__module__)
+        if getattr(module, "__file__", None):
+            files.add(os.path.realpath(module.__file__))
+        for value in list(vars(obj).values()):
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if isinstance(value, property):
+                for f in (value.fget, value.fset, value.fdel):
+                    if isinstance(f, types.FunctionType):
+                        _neuter(f, label, shown, done, files)
+            elif isinstance(value, types.FunctionType):
+                _neuter(value, label, shown, done, files)
+        for sub in obj.__subclasses__():
+            _neuter(sub, label, shown, done, files)
+
+
+def _resolve(module: str, qualname: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _Guard:
+    """Takes the checks and the exercise's references out of reach (see the module docstring)."""
+
+    def __init__(self, label: str) -> None:
+        import kvcourse
+
+        for name in [m for m in sys.modules if m == "kvcourse.exercises" or m.startswith("kvcourse.exercises.")]:
+            del sys.modules[name]  # never imported in the fork server; a safeguard only
+        sys.meta_path.insert(0, _ChecksOutOfReach())
+        if "exercises" in vars(kvcourse):  # the package object itself, loaded with the grader's catalog
+            delattr(kvcourse, "exercises")
+        self.label = label
+        self.exercises_dir = os.path.realpath(Path(kvcourse.__file__).parent / "exercises") + os.sep
+        self.done: set[int] = set()  # ids of the neutered functions and classes
+        self.files: set[str] = set()  # the source files that define them
+        self.cached: tuple[str, ...] = ()
+        sys.addaudithook(self._hook)
+
+    def neuter(self, forbidden: list[list[str]]) -> None:
+        done = set(self.done)  # the hook guards an object once its code is replaced, not while
+        for module, qualname in forbidden:
+            _neuter(_resolve(module, qualname), self.label, qualname, done, self.files)
+        self.done |= done
+        self.cached = tuple(os.path.join(os.path.dirname(f), "__pycache__", Path(f).stem + ".") for f in self.files)
+
+    def _closed(self, path: str) -> bool:
+        return path.startswith(self.exercises_dir) or path in self.files or path.startswith(self.cached)
+
+    def _hook(self, event: str, args: tuple) -> None:
+        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            path = os.path.realpath(os.fsdecode(args[0]))
+            if self._closed(path):
+                raise PermissionError(f"{self.label}: {path} is not readable while grading")
+        elif event == "exec" and self._closed(getattr(args[0], "co_filename", "")):
+            raise PermissionError(f"{self.label}: kvcourse's checks and references cannot be re-run while grading")
+        elif event == "compile" and len(args) > 1 and isinstance(args[1], str) and self._closed(args[1]):
+            raise PermissionError(f"{self.label}: kvcourse's checks and references cannot be re-run while grading")
+        elif event == "object.__setattr__" and id(args[0]) in self.done:
+            raise PermissionError(f"{self.label}: this kvcourse object is not available while grading")
+
+
+# ---- running the cells --------------------------------------------------------------------------
+class _Shell:
+    """Enough of ``get_ipython()`` for cells with magics: cell magics run their body, the rest do nothing."""
+
+    def __init__(self, namespace: dict) -> None:
+        self.namespace = namespace
+
+    def run_line_magic(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def run_cell_magic(self, magic: str, line: str, cell: str) -> None:
+        if magic in ("time", "timeit", "capture"):
+            exec(compile(_python(cell), "<cell magic>", "exec"), self.namespace)
+
+    def system(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    getoutput = system
+
+
+def _python(source: str) -> str:
+    """Cell source as plain Python (IPython's own translation of magics and ``!`` lines)."""
+    try:
+        from IPython.core.inputtransformer2 import TransformerManager
+    except ImportError:
+        return source
+    return TransformerManager().transform_cell(source)
+
+
+def _run_cells(cells: list[list[str]], namespace: dict) -> str | None:
+    """Run ``[kind, name, source]`` cells in order; the message of the solution cell's failure, if any."""
+    import traceback
+
+    for kind, name, source in cells:
+        try:
+            exec(compile(_python(source), f"<{name}>", "exec"), namespace)
+        except BaseException as exc:  # noqa: BLE001 - the student's code may raise anything
+            if kind != "solution":
+                continue  # a context line that fails (an import, a quick test) does not stop the exercise
+            frames = traceback.extract_tb(exc.__traceback__)
+            where = next((f"line {f.lineno}" for f in reversed(frames) if f.filename == f"<{name}>"), "")
+            return f"your solution cell raised {type(exc).__name__}{' at ' + where if where else ''}: {exc}"
+    return None
+
+
+def main(conn, job: dict) -> None:
+    """The process's entry point: run the job's cells, lend the answers, serve the checker, exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)  # the student's prints do not reach the grader's terminal
+    endpoint = Endpoint(conn, lends_calls_only=False, shared=SHARED)
+    try:
+        guard = _Guard(job["label"])
+        if not job["references_in_cells"]:
+            guard.neuter(job["forbidden"])
+        namespace: dict = {"__name__": "__main__", "__builtins__": builtins}
+        namespace["get_ipython"] = lambda: shell
+        shell = _Shell(namespace)
+        for name in job["given"]:
+            namespace[name] = SHARED[name].get()
+        problem = _run_cells(job["cells"], namespace)
+        missing = [n for n in job["answers"] if n not in namespace]
+        if problem is None and missing:
+            problem = f"your solution cell does not define {', '.join(f'`{n}`' for n in missing)}"
+        if job["references_in_cells"]:
+            guard.neuter(job["forbidden"])  # the cells may compare with the reference; the answer may not use it
+        if problem:
+            endpoint.send({"kind": "failed", "message": problem})
+        else:
+            buffers: list[bytes] = []
+            answers = {n: endpoint.encode(namespace[n], buffers) for n in job["answers"]}
+            endpoint.send({"kind": "ready", "answers": answers}, buffers)
+        while True:
+            header, buffers = endpoint.receive()
+            if header.get("kind") != "req":
+                break
+            endpoint.serve_one(header, buffers)
+    except PeerGone:
+        pass
+    except BaseException as exc:  # noqa: BLE001 - tell the checker, then end
+        try:
+            endpoint.send({"kind": "failed", "message": f"grading could not start: {type(exc).__name__}: {exc}"})
+        except Exception:
+            pass
+    finally:
+        os._exit(0)
