@@ -130,12 +130,11 @@ class ModelRunner:
 
         Why transfers first: a copy's ``dst_block`` was free when the scheduler took it, so it may be
         a block that the same step moves to the host (swapped out, or a cached block evicted to the
-        host tier by that very take); the move must read it before the copy overwrites it. The
-        order is safe because no transfer of a step writes a block that its copies touch: a copy's
-        ``src_block`` is shared by running sequences (never free, never a transfer's destination),
-        and its ``dst_block`` stays with its sequence for the rest of the step (preemption takes
-        newer sequences only), while ``"to_device"`` transfers write only blocks taken for swapped-in
-        sequences and host hits, which share nothing yet. Tested in ``tests/test_bad_input.py``.
+        host tier by that very take): the move must read it before the copy overwrites it. The other
+        way round never happens (no transfer writes a block a copy reads or writes): copies are
+        decided while the running sequences reserve their slots, and ``"to_device"`` transfers come
+        from swap-ins and admissions, which happen after that, only in a step that preempted nobody,
+        into blocks no running sequence holds. Tested in ``tests/test_bad_input.py``.
         """
         if transfers:
             self.move_blocks(transfers)
