@@ -197,7 +197,7 @@ def test_decode_positions_follow_the_prompt_and_chunks_see_earlier_chunks(tiny, 
 
 def test_a_request_too_big_for_the_pool_is_refused_at_add_request_not_left_to_hang(tiny):
     eng = Engine(tiny, num_blocks=4, block_size=16)
-    with pytest.raises(ValueError, match=r"sequence \(0, 0\) alone needs 5 blocks of 16 .* only 4: it could never finish"):
+    with pytest.raises(ValueError, match=r"request 0 alone needs 5 blocks of 16 .* num_blocks=4: it could never run"):
         eng.add_request(list(range(60)), SamplingParams(max_new_tokens=10))
     assert not eng.has_unfinished_requests() and not eng.requests
     # generate checks every prompt before queueing any

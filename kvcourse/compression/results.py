@@ -32,7 +32,7 @@ def load_results(name: str = RESULTS_FILE) -> dict:
     """The benchmark's JSON: from this checkout, or from the repository at the installed commit."""
     local = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / name
     if local.exists():
-        return json.loads(local.read_text())
+        return json.loads(local.read_text(encoding="utf-8"))
     source = _installed_source()
     if source is None:
         raise FileNotFoundError(f"{local} not found, and kvcourse was not installed from a git repository")

@@ -150,7 +150,7 @@ class Engine:
         seq = Sequence((request_id, 0), prompt, params, eos_token_ids=self.eos_token_ids)
         # It fits the pool alone, n fits max_num_seqs, the salt is valid, and without chunked prefill
         # its longest prefill fits the budget.
-        self.scheduler.check(seq, cache_salt=cache_salt)
+        self.scheduler.check(seq, cache_salt=cache_salt, name=f"request {request_id!r}")
         metrics = RequestMetrics(math.nan, self._counters["steps"], seq.num_prompt_tokens)  # arrival: at _enqueue
         return Request(request_id, seq, metrics)  # builds its samplers: nothing left that can fail
 

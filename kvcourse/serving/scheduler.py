@@ -174,10 +174,11 @@ class Scheduler:
         self._cache_salts[seq.seq_id] = cache_salt
         self.waiting.append(seq)
 
-    def check(self, seq: Sequence, *, cache_salt: str | None = None) -> None:
+    def check(self, seq: Sequence, *, cache_salt: str | None = None, name: str | None = None) -> None:
         """Raise ``ValueError`` if ``seq`` could never run, rather than let it wait forever or preempt
         itself forever: it alone must fit the pool, its samples the sequence cap and, without chunked
-        prefill, its longest prefill the token budget. Changes nothing."""
+        prefill, its longest prefill the token budget. Changes nothing. ``name``: what the errors
+        call it (``"sequence <seq_id>"``; the engine says ``"request <request_id>"``)."""
         if not isinstance(seq, Sequence):
             raise TypeError(f"seq must be a kvcourse.Sequence, got {type(seq).__name__}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
@@ -190,9 +191,10 @@ class Scheduler:
         need = bm.blocks_needed(self.max_slots(seq))
         if need > bm.num_blocks:
             raise ValueError(
-                f"sequence {seq.seq_id!r} alone needs {need} blocks of {bm.block_size} ({self.max_slots(seq)} slots "
-                f"for {seq.num_prompt_tokens} prompt + {seq.params.max_new_tokens} max_new_tokens) but the pool has "
-                f"only {bm.num_blocks}: it could never finish"
+                f"{name or f'sequence {seq.seq_id!r}'} alone needs {need} blocks of {bm.block_size} "
+                f"({seq.num_prompt_tokens} prompt + max_new_tokens={seq.params.max_new_tokens} - 1 tokens"
+                f"{f' + {self.num_lookahead_slots} lookahead' if self.num_lookahead_slots else ''}) but "
+                f"num_blocks={bm.num_blocks}: it could never run"
             )
         if seq.params.n > self.max_num_seqs:
             raise ValueError(f"n={seq.params.n} samples exceed max_num_seqs={self.max_num_seqs}")
