@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .checks import check_int
 from .cache import KVCache
+from .checks import check_int, is_int
 
 __all__ = [
     "CHAT_PROMPTS",
@@ -71,7 +71,7 @@ def heldout_ids(tok, num_tokens: int, offset: int = 0) -> list[int]:
     """``num_tokens`` token ids of the held-out text, starting at token ``offset``."""
     check_int("num_tokens", num_tokens, min=2)
     ids = tok.encode(heldout_text())
-    if not isinstance(offset, int) or offset < 0 or offset + num_tokens > len(ids):
+    if not is_int(offset) or offset < 0 or offset + num_tokens > len(ids):
         raise ValueError(f"offset + num_tokens must fit in the {len(ids)} tokens of the held-out text, "
                          f"got offset={offset!r}, num_tokens={num_tokens}")  # fmt: skip
     return ids[offset : offset + num_tokens]

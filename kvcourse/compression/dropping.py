@@ -25,8 +25,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from ..checks import check_int
 from ..cache import check_update
+from ..checks import check_int
 from ..utils import check_config
 
 __all__ = ["DroppingKVCache", "METHODS", "compressed_continuation_logits", "generate_compressed", "prefill",

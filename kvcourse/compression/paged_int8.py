@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..checks import check_int
 from ..attention import PAGED_BACKENDS, PagedTorchBackend
+from ..checks import check_int
 from ..kernels.int8 import dequantize_int8, quantize_int8
 from ..kernels.reference import paged_attention
 from ..paged.kv_store import PagedKVStore

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_int
 from ..cache import CacheOverflowError, check_update
+from ..checks import check_int
 from ..utils import check_config
 from .quantize import QuantizedTensor, dequantize, quantize
 
@@ -112,8 +112,7 @@ class QuantizedKVCache:
         if residual_length is None:
             residual_length = 128 if scheme == "kivi" else 0
         check_int("residual_length", residual_length, min=0)
-        if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
-            raise ValueError(f"max_seq_len must be a positive int or None, got {max_seq_len!r}")
+        check_int("max_seq_len", max_seq_len, min=1, none_ok=True)
         self.num_layers, self.batch_size = num_layers, batch_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.bits, self.scheme, self.group_size = bits, scheme, group_size

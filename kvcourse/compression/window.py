@@ -28,9 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..cache import check_update
 from ..checks import check_int
 from ..kernels.reference import repeat_kv
-from ..cache import check_update
 from ..utils import check_config
 
 __all__ = ["SinkKVCache", "WindowSimulation", "ring_slot", "simulate_window_logits", "window_mask"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from ..costs import transformer_flops
 from ..checks import check_float, check_int
+from ..costs import transformer_flops
 from .catalog import CATALOG, catalog_names, get_entry
 from .config import kv_layout
 from .formula import kv_cache_bytes
