@@ -114,7 +114,7 @@ def check_finite(name: str, t: torch.Tensor, why: str) -> None:
 def check_bool(name: str, value: object) -> bool:
     """``value`` if it is ``True`` or ``False``; a string such as ``"no"`` or a number is refused."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__} {_shown(value)}")
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {_shown(value)}")
     return bool(value)
 
 

@@ -171,7 +171,7 @@ def test_a_clock_that_is_not_one(tiny, clock, exc, match):
 
 # ---- silently accepted, or unclear ------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(use_cache="no"), TypeError, "use_cache must be True or False, got str 'no'"),
+    (dict(use_cache="no"), TypeError, r"use_cache must be a bool \(True or False\), got str 'no'"),
     (dict(temperature=float("inf")), ValueError, "temperature must be a finite number >= 0"),
     (dict(eos_token_ids=5), TypeError, r"eos_token_ids must be a list of token ids, e.g. \[5\]"),
     (dict(ids=[1, np.int64(VOCAB)]), ValueError, r"ids has token ids outside the vocabulary \[0, 101\): \[101\]"),

@@ -52,7 +52,7 @@ def test_check_float_refuses_nan_always_and_inf_unless_asked():
 def test_check_bool_refuses_truthy_strings():
     assert check_bool("flag", np.bool_(False)) is False
     for bad in ("no", "false", 0, 1, None):
-        with pytest.raises(TypeError, match="flag must be True or False"):
+        with pytest.raises(TypeError, match=r"flag must be a bool \(True or False\)"):
             check_bool("flag", bad)
 
 
