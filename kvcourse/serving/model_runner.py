@@ -80,7 +80,11 @@ class ModelRunner:
 
         Row ``b`` is the next-token logits of ``work[b]``'s sequence (``all_logits=True``: one row per
         fed token, ``[N, vocab]``). A ``seq_id`` the pool has not seen starts a new sequence.
-        Raises :class:`~kvcourse.paged.NoFreeBlocksError`, changing nothing, if the pool is too full.
+        Raises :class:`~kvcourse.paged.NoFreeBlocksError`, changing nothing, if the pool is too full,
+        and ``ValueError``/``TypeError``, changing nothing, for bad work (a token outside the
+        vocabulary, a sequence past the context, an id twice): everything is checked before a slot
+        is reserved. (A forward that fails for another reason, such as running out of memory, leaves
+        the step's slots reserved.)
         """
         if isinstance(work, tuple) or not isinstance(work, Sequence) or not work:
             raise ValueError("work must be a non-empty list of (seq_id, new_token_ids) pairs")
