@@ -190,8 +190,9 @@ def test_numpy_token_ids_are_token_ids(tiny):
     params = SamplingParams(max_new_tokens=4, stop_token_ids=[np.int64(3)])
     assert params.stop_token_ids == (3,) and type(params.stop_token_ids[0]) is int
     rid = eng.add_request(np.array(prompt, dtype=np.int64), SamplingParams(max_new_tokens=4, stop_token_ids=()))
-    assert eng.generate([[np.int32(t) for t in prompt]], SamplingParams(max_new_tokens=4, stop_token_ids=())) == [want]
-    assert eng.output(rid) == want
+    [out] = eng.generate([[np.int32(t) for t in prompt]], SamplingParams(max_new_tokens=4, stop_token_ids=()))
+    assert_greedy_equal(tiny, prompt, out, want)
+    assert_greedy_equal(tiny, prompt, eng.output(rid), want)
     runner = ModelRunner(tiny, num_blocks=4, block_size=4)
     torch.testing.assert_close(runner.step([(0, np.array(prompt))])[0], tiny(torch.tensor([prompt]))[0, -1],
                                rtol=1e-5, atol=1e-5)  # fmt: skip
