@@ -37,7 +37,7 @@ def dtype_bytes(dtype: Any) -> float:
 
 def format_bytes(n: float) -> str:
     """``n`` bytes in both decimal and binary units, e.g. ``'68.72 GB (64.00 GiB)'``."""
-    check_float("n", n, min=0)  # bytes
+    check_float("n (a number of bytes)", n, min=0)
     for dec, bin_, p in (("TB", "TiB", 4), ("GB", "GiB", 3), ("MB", "MiB", 2), ("kB", "KiB", 1)):
         if n >= 1000**p:
             return f"{n / 1000**p:.2f} {dec} ({n / 1024**p:.2f} {bin_})"
