@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .checks import check_int
+
 __all__ = ["ForwardBatch", "SeqSlice", "slot_mapping"]
 
 
@@ -39,8 +41,7 @@ def slot_mapping(block_table: Sequence[int], positions: Sequence[int] | range, b
     ``pos % block_size`` of the physical block that holds logical block ``pos // block_size``, in a
     pool viewed as one flat array of ``num_blocks * block_size`` token slots.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    check_int("block_size", block_size, min=1)
     table = list(block_table)
     limit = len(table) * block_size
     slots = []
@@ -110,8 +111,7 @@ class ForwardBatch:
             n, start = len(s.token_ids), s.num_computed_tokens
             if n == 0:
                 raise ValueError(f"seqs[{b}] has no new tokens: every sequence in a step needs at least one")
-            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-                raise ValueError(f"seqs[{b}].num_computed_tokens must be an int >= 0, got {start!r}")
+            start = check_int(f"seqs[{b}].num_computed_tokens", start, min=0)
             pos = range(start, start + n)
             try:
                 slots += slot_mapping(s.block_table, pos, block_size)
@@ -196,8 +196,7 @@ def _validate(batch: ForwardBatch) -> tuple[list[int], list[int], int]:
         if t.dtype not in dtypes or t.ndim != ndim:
             raise ValueError(f"{name} must be a {ndim}-D {dtypes[0]} tensor, got {t.ndim}-D {t.dtype}")
     bs = batch.block_size
-    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
-        raise ValueError(f"block_size must be a positive int, got {bs!r}")
+    check_int("block_size", bs, min=1)
     n = batch.input_ids.shape[0]
     for name in ("positions", "slot_mapping"):
         if getattr(batch, name).shape[0] != n:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_int
 from .utils import check_config
 
 __all__ = ["KVCache", "CacheOverflowError", "check_update"]
@@ -35,8 +36,13 @@ class _Layer:
 def check_update(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """The argument check every cache's ``update`` makes: a layer it has, and ``k, v`` of shape
     ``[B, H_kv, T, D]`` matching its batch size, KV heads and head dim (chapter 7's caches share it)."""
-    if not 0 <= layer_idx < cache.num_layers:
-        raise ValueError(f"layer_idx must be in [0, {cache.num_layers}), got {layer_idx}")
+    check_int("layer_idx", layer_idx, min=0, max=cache.num_layers - 1)
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point torch.Tensor [B, H_kv, T, D], got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")  # fmt: skip
+        if t.ndim != 4:
+            raise ValueError(f"{name} must have shape [B, H_kv, T, D], got {list(t.shape)}")
     expected = (cache.batch_size, cache.num_kv_heads, k.shape[2], cache.head_dim)
     if k.shape != expected or v.shape != expected:
         raise ValueError(
@@ -75,10 +81,8 @@ class KVCache:
             ("head_dim", head_dim),
             ("initial_capacity", initial_capacity),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
-            raise ValueError(f"max_seq_len must be a positive int or None, got {max_seq_len!r}")
+            check_int(name, value, min=1)
+        check_int("max_seq_len", max_seq_len, min=1, none_ok=True)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         self.num_layers, self.batch_size = num_layers, batch_size
@@ -120,6 +124,8 @@ class KVCache:
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k, v [B, H_kv, T, D]`` to layer ``layer_idx``; return that layer's K, V so far."""
         check_update(self, layer_idx, k, v)
+        if k.dtype != self.dtype or v.dtype != self.dtype:  # storing would round them without a word
+            raise TypeError(f"k and v must be {self.dtype}, the cache's dtype, got {k.dtype} and {v.dtype}")
         layer = self._layers[layer_idx]
         new_len = layer.length + k.shape[2]
         if self.max_seq_len is not None and new_len > self.max_seq_len:

@@ -17,6 +17,8 @@ feeds the prompt at step 0 (prefill) and one token afterwards (decode).
 
 from __future__ import annotations
 
+from .checks import check_int
+
 __all__ = [
     "matmul_parameters",
     "transformer_flops",
@@ -30,10 +32,8 @@ __all__ = [
 
 
 def _check(prompt_len: int, new_tokens: int) -> None:
-    if not isinstance(prompt_len, int) or prompt_len < 1:
-        raise ValueError(f"prompt_len must be a positive int, got {prompt_len!r}")
-    if not isinstance(new_tokens, int) or new_tokens < 0:
-        raise ValueError(f"new_tokens must be a non-negative int, got {new_tokens!r}")
+    check_int("prompt_len", prompt_len, min=1)
+    check_int("new_tokens", new_tokens, min=0)
 
 
 def tokens_fed(prompt_len: int, step: int, use_cache: bool) -> tuple[int, int]:

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .checks import check_float, check_int
 from .paged import BlockManager, NoFreeBlocksError
 from .sequence import SamplingParams, Sequence
 from .serving.scheduler import Scheduler
@@ -88,15 +89,11 @@ class Request:
 
 
 def _positive_int(name: str, value) -> int:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+    return check_int(name, value, min=1)
 
 
 def _positive_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
-    return float(value)
+    return check_float(name, value, min=0, min_open=True)
 
 
 def make_trace(
@@ -120,8 +117,7 @@ def make_trace(
     process with ``arrival_rate`` requests per step.
     """
     num_requests = _positive_int("num_requests", num_requests)
-    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    check_int("seed", seed)
     arrival_rate = _positive_float("arrival_rate", arrival_rate)
     for name, value in (
         ("prompt_median", prompt_median),
@@ -346,8 +342,7 @@ def simulate(
         raise ValueError(f"block_size is only used by strategy='paged', got block_size={block_size!r}")
     if max_running is not None:
         max_running = _positive_int("max_running", max_running)
-    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
-        raise ValueError(f"watermark must be a number in [0, 1), got {watermark!r}")
+    check_float("watermark", watermark, min=0, max=1, max_open=True)
     too_long = [r.req_id for r in trace if r.total_len > max_len]
     if too_long:
         raise ValueError(f"requests {too_long[:5]} are longer than max_len={max_len}")

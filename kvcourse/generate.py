@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import KVCache
+from .checks import check_bool, check_token_ids
 from .paged.cache import PagedKVCache
 from .sequence import Sampler, SamplingParams
 from .sequence import Sequence as Seq
@@ -30,25 +31,17 @@ __all__ = ["GenerationResult", "generate", "generate_paged", "stream_generate", 
 
 
 def _check_ids(model, ids) -> list[int]:
-    if isinstance(ids, torch.Tensor):
-        if ids.ndim != 1:
-            raise ValueError(f"ids must be a 1-D sequence of token ids, got a tensor of shape {tuple(ids.shape)}")
-        ids = ids.tolist()
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-        raise TypeError(f"ids must be a list of token ids (use tok.encode(text)), got {type(ids).__name__}")
-    ids = list(ids)
-    if not ids:
-        raise ValueError("ids must contain at least one token")
-    vocab = model.config.vocab_size
-    bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab]
-    if bad:
-        raise ValueError(f"ids must be ints in [0, {vocab}), got {bad[:5]}")
-    return ids
+    return check_token_ids("ids", ids, model.config.vocab_size)
 
 
 def _params(max_new_tokens, temperature, seed, eos_token_ids, sampling_params) -> SamplingParams:
     """One :class:`SamplingParams` from either the keyword arguments or ``sampling_params`` (not both)."""
     if sampling_params is None:
+        if eos_token_ids is not None and (isinstance(eos_token_ids, (str, bytes)) or not isinstance(eos_token_ids, Iterable)):
+            raise TypeError(
+                f"eos_token_ids must be a list of token ids, e.g. [{eos_token_ids!r}], or None (the model's), "
+                f"got {type(eos_token_ids).__name__} {eos_token_ids!r}"
+            )
         return SamplingParams(
             max_new_tokens=16 if max_new_tokens is None else max_new_tokens,
             temperature=temperature,
@@ -112,6 +105,7 @@ def stream_generate(
         cache: a cache to fill (and keep using afterwards); by default a fresh contiguous one.
     """
     params = _params(max_new_tokens, temperature, seed, eos_token_ids, sampling_params)
+    check_bool("use_cache", use_cache)
     ids = _check_ids(model, ids)
     step, cached = _step_function(model, use_cache, cache)
     if cached + len(ids) + params.max_new_tokens > model.config.max_position_embeddings:

@@ -193,7 +193,10 @@ def _load_hf(path: str | os.PathLike | None) -> tuple[LlamaConfig, dict[str, tor
 
         path = snapshot_download(HF_REPO_ID, allow_patterns=["*.json", "*.safetensors"])
     folder = Path(path)
-    raw = json.loads((folder / "config.json").read_text())
+    try:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))  # JSON is UTF-8, whatever the locale
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{folder / 'config.json'} is not UTF-8 text, as JSON must be: {e}") from None
     eos = raw.get("eos_token_id", 2)
     config = LlamaConfig(
         vocab_size=raw["vocab_size"],

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .checks import check_int
 from .model import apply_rope, rope_cos_sin
 
 __all__ = ["LatentCache", "MLAConfig", "MultiHeadLatentAttention", "kv_values_per_token", "pooled_kv_heads"]
@@ -166,7 +167,8 @@ def pooled_kv_heads(model, num_kv_heads: int) -> Iterator[None]:
     replaced by the group's mean (GQA's conversion, without the retraining). Restored on exit."""
     config = model.config
     old = config.num_key_value_heads
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1 or old % num_kv_heads:
+    check_int("num_kv_heads", num_kv_heads, min=1)
+    if old % num_kv_heads:
         raise ValueError(f"num_kv_heads must divide the model's {old} KV heads, got {num_kv_heads!r}")
     saved = []
     for layer in model.layers:

@@ -164,6 +164,7 @@ class LlamaModel(nn.Module):
             raise TypeError(f"input_ids must be an integer torch.Tensor [B, T], got {type(input_ids).__name__}")
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+        self.check_token_ids(input_ids, "input_ids")
         if cache is not None and not (hasattr(cache, "update") and hasattr(cache, "seq_len")):
             raise TypeError(
                 f"cache must be a contiguous cache with seq_len and update() (a kvcourse.KVCache), got "
@@ -193,11 +194,21 @@ class LlamaModel(nn.Module):
                 f"batch.block_tables name block {batch.max_block_host}, but kv_pool has {kv_pool.num_blocks} blocks"
             )
         self.check_context(batch.max_seq_len)
+        self.check_token_ids(batch.input_ids, "batch.input_ids")
         batch = batch.to(self.device)
         hidden = self.hidden_states(batch.input_ids[None], batch.positions, paged_backend(backend, kv_pool, batch))[0]
         if not all_logits:
             hidden = hidden[batch.last_token_indices]  # only the rows whose next token we need
         return self.lm_head(hidden)
+
+    def check_token_ids(self, ids: torch.Tensor, name: str) -> None:
+        """Raise a clear ValueError if a token id is outside the vocabulary. (The embedding lookup would
+        raise a bare IndexError on a CPU, and a device-side assert that ends the process on a GPU.)"""
+        lo, hi = torch.aminmax(ids)
+        lo, hi = torch.stack((lo, hi)).tolist()  # one read back from the device
+        if lo < 0 or hi >= self.config.vocab_size:
+            bad = ids[(ids < 0) | (ids >= self.config.vocab_size)].unique()[:5].tolist()
+            raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.config.vocab_size}): {bad}")
 
     def check_context(self, num_tokens: int) -> None:
         """Raise a clear ValueError if a sequence of ``num_tokens`` does not fit the model's context."""

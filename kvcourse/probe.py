@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import NoCache
+from .checks import is_int
 from .model import LlamaModel
 
 __all__ = ["Recording", "record_forward"]
@@ -49,7 +50,7 @@ def record_forward(model: LlamaModel, input_ids: torch.Tensor | Sequence[int]) -
         raise TypeError(f"model must be a kvcourse.LlamaModel, got {type(model).__name__}")
     if not isinstance(input_ids, torch.Tensor):
         ids = list(input_ids)
-        if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        if not ids or not all(is_int(i) for i in ids):
             raise ValueError("input_ids must be a non-empty list of ints or an integer tensor [B, T]")
         input_ids = torch.tensor([ids], device=model.device)
     model.check_context(input_ids.shape[1])

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import KVCache
+from .checks import check_int, is_int
 
 __all__ = [
     "CHAT_PROMPTS",
@@ -68,10 +69,9 @@ def heldout_text() -> str:
 
 def heldout_ids(tok, num_tokens: int, offset: int = 0) -> list[int]:
     """``num_tokens`` token ids of the held-out text, starting at token ``offset``."""
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 2:
-        raise ValueError(f"num_tokens must be an int >= 2, got {num_tokens!r}")
+    check_int("num_tokens", num_tokens, min=2)
     ids = tok.encode(heldout_text())
-    if not isinstance(offset, int) or offset < 0 or offset + num_tokens > len(ids):
+    if not is_int(offset) or offset < 0 or offset + num_tokens > len(ids):
         raise ValueError(f"offset + num_tokens must fit in the {len(ids)} tokens of the held-out text, "
                          f"got offset={offset!r}, num_tokens={num_tokens}")  # fmt: skip
     return ids[offset : offset + num_tokens]
@@ -93,8 +93,7 @@ def stream_logits(model, ids: Sequence[int], cache=None, chunk_size: int | None 
         cache = KVCache.for_model(model.config, dtype=model.dtype, device=model.device)
     if chunk_size is None:
         chunk_size = len(ids)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    check_int("chunk_size", chunk_size, min=1)
     x = torch.tensor([list(ids)], device=model.device)
     chunks = [model(x[:, i : i + chunk_size], cache=cache)[0] for i in range(0, x.shape[1], chunk_size)]
     return torch.cat(chunks).float()

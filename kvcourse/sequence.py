@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import check_float, check_int, is_int
+
 __all__ = ["SamplingParams", "Sampler", "Sequence", "SequenceStatus"]
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+SEED_MAX = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -47,26 +48,23 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0 (0 turns it off), got {self.top_k!r}")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        check_int("max_new_tokens", self.max_new_tokens, min=1)
+        check_float("temperature", self.temperature, min=0)  # finite: inf would divide every logit to 0
+        check_int("top_k", self.top_k, min=0)
+        check_float("top_p", self.top_p, min=0, max=1, min_open=True)
+        n = check_int("n", self.n, min=1)
+        if self.seed is not None:
+            # torch seeds are 64-bit, and sample i draws with seed + i: every one of them must fit.
+            seed = check_int("seed", self.seed, min=0, max=SEED_MAX - (n - 1))
+            object.__setattr__(self, "seed", seed)
         if self.stop_token_ids is not None:
             stops = self.stop_token_ids
             if isinstance(stops, (str, bytes)) or not isinstance(stops, Iterable):
-                raise ValueError(f"stop_token_ids must be a list of token ids or None, got {stops!r}")
+                raise TypeError(f"stop_token_ids must be a list of token ids or None, got {stops!r}")
             stops = tuple(stops)
-            if not all(_is_int(t) and t >= 0 for t in stops):
+            if not all(is_int(t) and t >= 0 for t in stops):
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {list(stops)}")
-            object.__setattr__(self, "stop_token_ids", stops)
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1 (samples per prompt), got {self.n!r}")
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
     @property
     def greedy(self) -> bool:
@@ -81,8 +79,7 @@ class Sampler:
     """
 
     def __init__(self, params: SamplingParams, index: int = 0) -> None:
-        if not _is_int(index) or index < 0:
-            raise ValueError(f"index must be an int >= 0, got {index!r}")
+        check_int("index", index, min=0, max=params.n - 1)
         self.params = params
         self.generator = None
         if not params.greedy:

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from .checks import is_int
+
 __all__ = ["ChatTokenizer", "build_tokenizer"]
 
 _CONTROL = 3  # llama.cpp's token type for control (special) tokens
@@ -66,10 +68,11 @@ class ChatTokenizer:
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        ids = list(ids)
-        bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < self.vocab_size]
+        ids = list(ids.tolist() if hasattr(ids, "tolist") else ids)  # a tensor or an array of ids too
+        bad = [i for i in ids if not is_int(i) or not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"ids must be ints in [0, {self.vocab_size}), got {bad[:5]}")
+        ids = [int(i) for i in ids]  # NumPy integers included
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .checks import check_int
 from .costs import tokens_fed
 
 __all__ = [
@@ -87,8 +88,7 @@ class BillFrame:
 
 def _check(num_layers: int, prompt_len: int, new_tokens: int, mode: str) -> None:
     for name, value in (("num_layers", num_layers), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int(name, value, min=1)
     if mode not in MODES + ("all",):
         raise ValueError(f"mode must be one of {MODES + ('all',)}, got {mode!r}")
     if mode in ("decode", "all") and new_tokens < 2:
@@ -153,8 +153,7 @@ def memory_bill_frames(kv_bytes_per_token: int, weight_bytes: int, context_len: 
     least ``until`` times the weight bytes."""
     for name, value in (("kv_bytes_per_token", kv_bytes_per_token), ("weight_bytes", weight_bytes),
                         ("context_len", context_len), ("start_tokens", start_tokens)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int(name, value, min=1)
     if not until > 0:
         raise ValueError(f"until must be > 0, got {until!r}")
     shapes, seq_len, batch = [], min(start_tokens, context_len), 1

@@ -71,7 +71,7 @@ def test_hand_made_batch_is_checked():
         (dict(slot_mapping=torch.tensor([12, 13, 14, 9])), "slot_mapping of sequence 1 does not match"),
         (dict(seq_lens=torch.tensor([3, 10])), "seq_lens must be a 1-D torch.int32"),
         (dict(block_tables=torch.tensor([[3, -1, -1], [0, 2, 1]])), "block_tables must be a 2-D torch.int32"),
-        (dict(block_size=0), "block_size must be a positive int"),
+        (dict(block_size=0), "block_size must be an int >= 1, got 0"),
     ]
     for changes, match in cases:
         with pytest.raises(ValueError, match=match):

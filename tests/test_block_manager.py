@@ -144,7 +144,7 @@ def test_argument_validation():
         bm.ref_count(4)
     before = snapshot(bm)
     for bad in (-6, -10):  # a sequence never shrinks through append: it keeps its 5 tokens and 2 blocks
-        with pytest.raises(ValueError, match=f"num_tokens must be >= 0, got {bad}"):
+        with pytest.raises(ValueError, match=f"num_tokens must be an int >= 0, got {bad}"):
             bm.append_slots(0, bad)
         with pytest.raises(ValueError, match="num_tokens"):
             bm.can_append(0, bad)

@@ -56,17 +56,18 @@ def test_crop_forgets_tokens():
 
 
 @pytest.mark.parametrize(
-    "kwargs, word",
+    "kwargs, exc, word",
     [
-        (dict(num_layers=0), "num_layers"),
-        (dict(batch_size=-1), "batch_size"),
-        (dict(num_kv_heads=1.5), "num_kv_heads"),
-        (dict(max_seq_len=0), "max_seq_len"),
+        (dict(num_layers=0), ValueError, "num_layers"),
+        (dict(batch_size=-1), ValueError, "batch_size"),
+        (dict(num_kv_heads=1.5), TypeError, "num_kv_heads must be an int >= 1, got float 1.5"),
+        (dict(max_seq_len=0), ValueError, "max_seq_len"),
+        (dict(max_seq_len=True), TypeError, "max_seq_len must be an int >= 1 or None, got bool"),
     ],
 )
-def test_bad_constructor_arguments(kwargs, word):
+def test_bad_constructor_arguments(kwargs, exc, word):
     args = dict(num_layers=1, batch_size=1, num_kv_heads=1, head_dim=4) | kwargs
-    with pytest.raises(ValueError, match=word):
+    with pytest.raises(exc, match=word):
         KVCache(**args)
 
 

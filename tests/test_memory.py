@@ -246,7 +246,7 @@ def test_bad_configs_name_the_problem(cfg, match):
 def test_bad_arguments_name_the_argument():
     with pytest.raises(ValueError, match="seq_len"):
         kv_cache_bytes("llama-3-8b", -1)
-    with pytest.raises(ValueError, match="seq_len"):
+    with pytest.raises(TypeError, match="seq_len must be an int >= 0, got float"):
         kv_cache_bytes("llama-3-8b", 1.5)
     with pytest.raises(ValueError, match="batch_size"):
         kv_cache_bytes("llama-3-8b", 10, batch_size=0)
@@ -366,11 +366,11 @@ def test_kv_budget_is_what_the_weights_leave():
                                     gpu_memory_utilization=0.9, quant_group_size=128) == budget // int8_per_seq == 58
     with pytest.raises(ValueError, match="quant_group_size"):
         max_concurrent_sequences("qwen2.5-7b", 80 * 10**9, 32768, "bf16", quant_group_size=128)
-    for bad in (0, -1, True, "80GB"):
-        with pytest.raises(ValueError, match="gpu_bytes"):
+    for bad, exc in ((0, ValueError), (-1, ValueError), (True, TypeError), ("80GB", TypeError)):
+        with pytest.raises(exc, match="gpu_bytes"):
             kv_budget_bytes("qwen2.5-7b", bad)
-    for bad in (0, 1.5, True, "0.9"):
-        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+    for bad, exc in ((0, ValueError), (1.5, ValueError), (True, TypeError), ("0.9", TypeError)):
+        with pytest.raises(exc, match="gpu_memory_utilization"):
             kv_budget_bytes("qwen2.5-7b", 80 * 10**9, gpu_memory_utilization=bad)
 
 

@@ -305,7 +305,7 @@ def test_a_prefix_evicted_to_the_host_tier_is_copied_back_not_recomputed(tiny): 
     (dict(preemption_mode="swap"), ValueError, "num_host_blocks > 0"),
     (dict(preemption_mode="bogus", num_cpu_blocks=4), ValueError, "preemption_mode"),
     (dict(num_cpu_blocks=-1), ValueError, "num_cpu_blocks"),
-    (dict(num_cpu_blocks=2.0), ValueError, "num_cpu_blocks"),
+    (dict(num_cpu_blocks=2.0), TypeError, "num_cpu_blocks must be an int >= 0, got float"),
 ])  # fmt: skip
 def test_bad_offload_arguments(tiny, kwargs, exc, match):  # noqa: F811
     with pytest.raises(exc, match=match):

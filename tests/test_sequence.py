@@ -32,23 +32,34 @@ def test_sequence_finishes_at_max_new_tokens_and_honours_explicit_stops():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, exc, match",
     [
-        (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
-        (dict(max_new_tokens=2.0), "max_new_tokens"),
-        (dict(temperature=-1), "temperature"),
-        (dict(temperature=float("nan")), "temperature"),
-        (dict(top_k=-1), "top_k"),
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(seed=1.5), "seed"),
-        (dict(stop_token_ids="eos"), "stop_token_ids"),
-        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens must be an int >= 1"),
+        (dict(max_new_tokens=2.0), TypeError, "max_new_tokens must be an int >= 1, got float"),
+        (dict(temperature=-1), ValueError, "temperature"),
+        (dict(temperature=float("nan")), ValueError, "temperature"),
+        (dict(temperature=float("inf")), ValueError, r"temperature must be a finite number >= 0, got inf"),
+        (dict(top_k=-1), ValueError, "top_k"),
+        (dict(top_p=0.0), ValueError, "top_p"),
+        (dict(top_p=1.5), ValueError, "top_p"),
+        (dict(seed=1.5), TypeError, "seed"),
+        (dict(seed=2**64), ValueError, r"seed must be an int in \[0, 18446744073709551615\], got 18446744073709551616"),
+        (dict(seed=2**64 - 1, n=2), ValueError, r"seed must be an int in \[0, 18446744073709551614\]"),
+        (dict(seed=-1), ValueError, "seed must be an int in"),
+        (dict(stop_token_ids="eos"), TypeError, "stop_token_ids"),
+        (dict(stop_token_ids=[-1]), ValueError, "stop_token_ids"),
     ],
 )
-def test_sampling_params_reject_bad_values(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_sampling_params_reject_bad_values(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
         SamplingParams(**kwargs)
+
+
+def test_the_largest_seeds_work():
+    """Every sample's seed (seed + i) fits torch's 64-bit generator, the last one included."""
+    for seed, n in ((2**64 - 1, 1), (2**64 - 3, 3)):
+        params = SamplingParams(temperature=1.0, seed=seed, n=n)
+        assert [Sampler(params, i)(torch.tensor([0.0, 0.0])) in (0, 1) for i in range(n)] == [True] * n
 
 
 def test_greedy_sampler_takes_the_argmax():

@@ -210,7 +210,7 @@ def test_a_request_too_big_for_the_pool_is_refused_at_add_request_not_left_to_ha
 @pytest.mark.parametrize(
     "kwargs, exc, match",
     [
-        (dict(num_blocks=0), ValueError, "num_blocks must be >= 1"),
+        (dict(num_blocks=0), ValueError, "num_blocks must be an int >= 1"),
         (dict(num_blocks=2.5), TypeError, "num_blocks must be an int"),
         (dict(num_blocks=8, block_size=0), ValueError, "block_size"),
         (dict(num_blocks=8, max_num_seqs=0), ValueError, "max_num_seqs"),

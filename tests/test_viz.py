@@ -85,18 +85,18 @@ def test_all_plays_the_four_scenes_in_order():
 
 
 @pytest.mark.parametrize(
-    "args, match",
+    "args, exc, match",
     [
-        ((0, 3, 4, "naive"), "num_layers"),
-        ((2, 0, 4, "naive"), "prompt_len"),
-        ((2, 3, 0, "cached"), "new_tokens"),
-        ((2, 3, 4, "paged"), "mode"),
-        ((2, 3, 1, "decode"), "new_tokens >= 2"),
-        ((2.0, 3, 4, "naive"), "num_layers"),
+        ((0, 3, 4, "naive"), ValueError, "num_layers"),
+        ((2, 0, 4, "naive"), ValueError, "prompt_len"),
+        ((2, 3, 0, "cached"), ValueError, "new_tokens"),
+        ((2, 3, 4, "paged"), ValueError, "mode"),
+        ((2, 3, 1, "decode"), ValueError, "new_tokens >= 2"),
+        ((2.0, 3, 4, "naive"), TypeError, "num_layers must be an int >= 1, got float"),
     ],
 )
-def test_bad_arguments_are_named(args, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_arguments_are_named(args, exc, match):
+    with pytest.raises(exc, match=match):
         cache_grid_frames(*args)
 
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..checks import check_int
 from ..paged import BlockTransfer, apply_transfers
 from ..serving import ModelRunner
 
@@ -44,12 +45,12 @@ def time_swap_vs_recompute(
 
     Each row also checks the round trip: the K/V after swapping out and in equal the K/V before.
     """
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    if not block_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in block_sizes):
+    check_int("num_tokens", num_tokens, min=1)
+    check_int("repeats", repeats, min=1)
+    if not block_sizes:
         raise ValueError(f"block_sizes must be a non-empty list of ints >= 1, got {block_sizes!r}")
+    for i, b in enumerate(block_sizes):
+        check_int(f"block_sizes[{i}]", b, min=1)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, model.config.vocab_size, (num_tokens,), generator=g).tolist()
     rows = []

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import check_update
+from ..checks import check_int
 from ..utils import check_config
 
 __all__ = ["DroppingKVCache", "METHODS", "compressed_continuation_logits", "generate_compressed", "prefill",
@@ -52,8 +53,7 @@ def select_tokens(
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     s = positions.shape[-1]
-    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= s:
-        raise ValueError(f"budget must be an int in [1, {s}] (the tokens held), got {budget!r}")
+    check_int("budget", budget, min=1, max=s)  # at most the tokens held
     # Rank by recency first: the newest token has rank 0.
     recency = positions.argsort(-1, descending=True).argsort(-1)
     if method == "h2o":
@@ -93,8 +93,7 @@ class DroppingKVCache:
                  observation_window: int = 32) -> None:  # fmt: skip
         for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("observation_window", observation_window)):  # fmt: skip
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value, min=1)
         self.num_layers, self.batch_size = num_layers, batch_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.observation_window = observation_window
@@ -223,8 +222,7 @@ def generate_compressed(model, prompt, budget: int | None, method: str = "snapkv
     """
     from ..generate import generate
 
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens, min=1)
     cache, first = prefill_prompt(model, prompt) if prefilled is None else copy.deepcopy(prefilled)
     if budget is not None:
         cache.compress(min(budget, cache.num_held), method)

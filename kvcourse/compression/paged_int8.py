@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from ..attention import PAGED_BACKENDS, PagedTorchBackend
+from ..checks import check_int
 from ..kernels.int8 import dequantize_int8, quantize_int8
 from ..kernels.reference import paged_attention
 from ..paged.kv_store import PagedKVStore
@@ -40,8 +41,7 @@ class Int8PagedKVStore(PagedKVStore):
                  device: torch.device | str = "cpu") -> None:  # fmt: skip
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):  # fmt: skip
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value, min=1)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -65,8 +65,7 @@ class Int8PagedKVStore(PagedKVStore):
 
     def write(self, layer_idx: int, slots: torch.Tensor | Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize new tokens' ``k, v [T, H_kv, D]`` and scatter them into ``slots [T]`` of layer ``layer_idx``."""
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be an int in [0, {self.num_layers}), got {layer_idx!r}")
+        check_int("layer_idx", layer_idx, min=0, max=self.num_layers - 1)
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
         expected = (slots.shape[0], self.num_kv_heads, self.head_dim)
         if tuple(k.shape) != expected or tuple(v.shape) != expected:

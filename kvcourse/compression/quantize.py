@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_finite
+
 __all__ = [
     "FORMATS",
     "QuantizedTensor",
@@ -101,6 +103,7 @@ def quantize(x: torch.Tensor, fmt: str = "int8", dim: int = -1) -> QuantizedTens
     if fmt in ("fp16", "bf16"):
         return QuantizedTensor(x.to(torch.float16 if fmt == "fp16" else torch.bfloat16), None, None, fmt)
     xf = x.float()
+    check_finite("x", xf, "its group's scale would be inf or NaN and every value of the group would decode to NaN")
     if fmt == "fp8":
         scale = (xf.abs().amax(dim, keepdim=True) / FP8_MAX).to(SCALE_DTYPE)
         safe = torch.where(scale > 0, scale.float(), 1.0)  # an all-zero group: any scale decodes to 0

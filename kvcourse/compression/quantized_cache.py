@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import CacheOverflowError, check_update
+from ..checks import check_int
 from ..utils import check_config
 from .quantize import QuantizedTensor, dequantize, quantize
 
@@ -101,8 +102,7 @@ class QuantizedKVCache:
     ) -> None:
         for name, value in (("num_layers", num_layers), ("batch_size", batch_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("group_size", group_size)):  # fmt: skip
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value, min=1)
         if scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {list(SCHEMES)}, got {scheme!r}")
         if bits not in SCHEMES[scheme]:
@@ -111,10 +111,8 @@ class QuantizedKVCache:
             raise ValueError(f"head_dim ({head_dim}) must be a multiple of {8 // bits} to pack {bits}-bit codes")
         if residual_length is None:
             residual_length = 128 if scheme == "kivi" else 0
-        if not isinstance(residual_length, int) or isinstance(residual_length, bool) or residual_length < 0:
-            raise ValueError(f"residual_length must be a non-negative int or None, got {residual_length!r}")
-        if max_seq_len is not None and (not isinstance(max_seq_len, int) or max_seq_len < 1):
-            raise ValueError(f"max_seq_len must be a positive int or None, got {max_seq_len!r}")
+        check_int("residual_length", residual_length, min=0)
+        check_int("max_seq_len", max_seq_len, min=1, none_ok=True)
         self.num_layers, self.batch_size = num_layers, batch_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.bits, self.scheme, self.group_size = bits, scheme, group_size

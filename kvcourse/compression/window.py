@@ -28,8 +28,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.reference import repeat_kv
 from ..cache import check_update
+from ..checks import check_int
+from ..kernels.reference import repeat_kv
 from ..utils import check_config
 
 __all__ = ["SinkKVCache", "WindowSimulation", "ring_slot", "simulate_window_logits", "window_mask"]
@@ -71,10 +72,8 @@ class SinkKVCache:
     ) -> None:
         for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("window", window)):  # fmt: skip
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(num_sinks, int) or isinstance(num_sinks, bool) or num_sinks < 0:
-            raise ValueError(f"num_sinks must be a non-negative int, got {num_sinks!r}")
+            check_int(name, value, min=1)
+        check_int("num_sinks", num_sinks, min=0)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         self.num_layers, self.batch_size = num_layers, batch_size

@@ -46,6 +46,9 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.ndim == 0:
         raise ValueError("x must have at least one dimension [..., D]")
     x = x.to(torch.float32)
+    if not bool(torch.isfinite(x).all()):  # an inf makes the scale inf: all D values would decode to NaN
+        raise ValueError(f"x has {int((~torch.isfinite(x)).sum())} non-finite values (inf or NaN): a vector's scale "
+                         "would be inf or NaN and all D of its values would decode to NaN")  # fmt: skip
     scale = x.abs().amax(dim=-1) / QMAX
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero vectors: 0 / 1 = 0
     q = torch.floor(x / safe[..., None] + 0.5).clamp_(-QMAX, QMAX).to(torch.int8)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from ..checks import check_float, check_int
 from ..costs import transformer_flops
 from .catalog import CATALOG, catalog_names, get_entry
 from .config import kv_layout
@@ -28,8 +29,7 @@ def weight_bytes(model: Any, dtype: Any = "bf16", tp_size: int = 1) -> int:
             f"model must be a catalog name (one of {', '.join(catalog_names())}) or a dict with num_parameters, "
             f"got {model!r}"
         )
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    check_int("tp_size", tp_size, min=1)
     return math.ceil(params * dtype_bytes(dtype) / tp_size)
 
 
@@ -41,11 +41,8 @@ def kv_budget_bytes(
     budget = ``gpu_memory_utilization x gpu_bytes - weight bytes``; vLLM's default utilization is 0.9.
     Activations and CUDA graphs also take a share in a real engine; this budget leaves them out.
     """
-    if not isinstance(gpu_bytes, (int, float)) or isinstance(gpu_bytes, bool) or gpu_bytes <= 0:
-        raise ValueError(f"gpu_bytes must be a positive number, got {gpu_bytes!r}")
-    if (isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float))
-            or not 0 < gpu_memory_utilization <= 1):
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    check_float("gpu_bytes", gpu_bytes, min=0, min_open=True)
+    check_float("gpu_memory_utilization", gpu_memory_utilization, min=0, max=1, min_open=True)
     return max(0, int(gpu_memory_utilization * gpu_bytes) - weight_bytes(model, weight_dtype))
 
 
@@ -63,8 +60,7 @@ def max_concurrent_sequences(
     The budget is :func:`kv_budget_bytes`; the weights are stored at ``dtype`` unless ``weight_dtype`` is given.
     ``quant_group_size`` counts a quantized cache's scales and zero points, as in :func:`kv_cache_bytes`.
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    check_int("seq_len", seq_len, min=1)
     budget = kv_budget_bytes(model, gpu_bytes, dtype if weight_dtype is None else weight_dtype, gpu_memory_utilization)
     return budget // kv_cache_bytes(model, seq_len, dtype=dtype, quant_group_size=quant_group_size)
 
@@ -99,8 +95,7 @@ def prefill_flops(model: str, num_tokens: int) -> int:
     0.01%). For SmolLM2 it equals :func:`kvcourse.costs.forward_flops` to 0.03%.
     """
     entry = get_entry(model)
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+    check_int("num_tokens", num_tokens, min=0)
     layout = kv_layout(model)
     if layout.attention == "MLA":
         raise ValueError(f"model must be a dense catalog model; {model!r} is a mixture of experts with MLA")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..checks import check_int, is_int
 from .catalog import CATALOG, catalog_names
 
 __all__ = ["KVLayout", "check_tp", "kv_layout", "load_config"]
@@ -34,7 +35,9 @@ def load_config(config: Any) -> dict:
                     f"(one of {', '.join(catalog_names())}); got {str(config)!r}, which is neither"
                 )
             try:
-                cfg = json.loads(path.read_text())
+                cfg = json.loads(path.read_text(encoding="utf-8"))  # JSON is UTF-8 (RFC 8259), whatever the locale
+            except UnicodeDecodeError as e:
+                raise ValueError(f"config file {str(path)!r} is not UTF-8 text, as JSON must be: {e}") from None
             except json.JSONDecodeError as e:
                 raise ValueError(f"config file {str(path)!r} is not valid JSON: {e}") from None
             if not isinstance(cfg, dict):
@@ -63,9 +66,9 @@ def _positive_int(cfg: Mapping, keys: tuple[str, ...], what: str) -> int:
         value = cfg.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"config[{key!r}] ({what}) must be a positive int, got {value!r}")
-        return value
+        return int(value)
     raise ValueError(f"config has no {what}: expected one of the keys {', '.join(map(repr, keys))}")
 
 
@@ -105,9 +108,17 @@ class KVLayout:
         return 2 * self.kv_heads_per_rank(tp_size) * self.head_dim
 
 
+def _flag(cfg: Mapping, key: str) -> bool | None:
+    """A true/false key (``None`` if absent or null). JSON has booleans: the string ``"false"`` is a
+    mistake in the file, not a true value."""
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"config[{key!r}] must be true, false or null, got {value!r} ({type(value).__name__})")
+    return value
+
+
 def check_tp(layout: KVLayout, tp_size: int) -> None:
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    check_int("tp_size", tp_size, min=1)
     if layout.num_attention_heads % tp_size:
         raise ValueError(
             f"tp_size={tp_size} must divide num_attention_heads={layout.num_attention_heads}: "
@@ -123,13 +134,13 @@ def check_tp(layout: KVLayout, tp_size: int) -> None:
 
 def _layer_windows(cfg: Mapping, num_layers: int) -> tuple[int | None, ...]:
     model_type = str(cfg.get("model_type", "")).lower()
-    use_sw = cfg.get("use_sliding_window")
+    use_sw = _flag(cfg, "use_sliding_window")
     if use_sw is None and model_type.startswith(("qwen2", "qwen3")):
         use_sw = False  # Qwen2's default: the sliding_window key is present but unused
     if use_sw is False:
         return (None,) * num_layers
     window = cfg.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if window is not None and (not is_int(window) or window < 1):
         raise ValueError(f"config['sliding_window'] must be a positive int or null, got {window!r}")
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
@@ -162,7 +173,7 @@ def _layer_windows(cfg: Mapping, num_layers: int) -> tuple[int | None, ...]:
     if pattern is None and model_type == "gemma2":
         pattern = 2  # Gemma 2 alternates: even layers local (sliding), odd layers global
     if pattern is not None:
-        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        if not is_int(pattern) or pattern < 1:
             raise ValueError(f"config['sliding_window_pattern'] must be a positive int, got {pattern!r}")
         return tuple(None if (i + 1) % pattern == 0 else window for i in range(num_layers))
     return (window,) * num_layers  # Mistral v0.1, Phi-3: every layer windowed
@@ -180,9 +191,9 @@ def kv_layout(config: Any) -> KVLayout:
         rope = _positive_int(cfg, ("qk_rope_head_dim",), "MLA RoPE key width")
         return KVLayout("MLA", num_layers, num_heads, 1, rank + rope, rank + rope, windows)
 
-    if cfg.get("new_decoder_architecture"):  # Falcon-40B/180B: grouped KV heads under their own key
+    if _flag(cfg, "new_decoder_architecture"):  # Falcon-40B/180B: grouped KV heads under their own key
         kv_heads = _positive_int(cfg, ("num_kv_heads", "n_head_kv", "num_key_value_heads"), "KV head count")
-    elif cfg.get("multi_query"):  # Falcon-7B, GPT-BigCode: one K and one V head for all queries
+    elif _flag(cfg, "multi_query"):  # Falcon-7B, GPT-BigCode: one K and one V head for all queries
         kv_heads = 1
     elif _has_any(cfg, ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")):
         kv_heads = _positive_int(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..checks import check_int
+
 from .config import KVLayout, check_tp, kv_layout
 from .units import DTYPE_BYTES, dtype_key
 
@@ -30,10 +32,8 @@ def _bytes_for_values(values_per_vector: int, vectors: int, dtype: str, quant_gr
 
 
 def _check_quant(dtype: str, quant_group_size: int | None) -> None:
-    if quant_group_size is None:
+    if check_int("quant_group_size", quant_group_size, min=1, none_ok=True) is None:
         return
-    if isinstance(quant_group_size, bool) or not isinstance(quant_group_size, int) or quant_group_size < 1:
-        raise ValueError(f"quant_group_size must be a positive int or None, got {quant_group_size!r}")
     if dtype not in ("fp8", "int8", "int4"):
         raise ValueError(f"quant_group_size only applies to quantized dtypes (fp8, int8, int4), not {dtype!r}")
 
@@ -73,10 +73,8 @@ def kv_cache_bytes(
 
     Windowed layers hold ``min(seq_len, window)`` tokens; full-attention layers hold ``seq_len``.
     """
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-        raise ValueError(f"seq_len must be a non-negative int, got {seq_len!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    check_int("seq_len", seq_len, min=0)
+    check_int("batch_size", batch_size, min=1)
     layout = kv_layout(config)
     dt = dtype_key(dtype)
     _check_quant(dt, quant_group_size)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..checks import check_float
+
 __all__ = ["DTYPE_BYTES", "GB", "GiB", "dtype_bytes", "dtype_key", "format_bytes"]
 
 GB = 10**9
@@ -35,8 +37,7 @@ def dtype_bytes(dtype: Any) -> float:
 
 def format_bytes(n: float) -> str:
     """``n`` bytes in both decimal and binary units, e.g. ``'68.72 GB (64.00 GiB)'``."""
-    if isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0:
-        raise ValueError(f"n must be a non-negative number of bytes, got {n!r}")
+    check_float("n (a number of bytes)", n, min=0)
     for dec, bin_, p in (("TB", "TiB", 4), ("GB", "GiB", 3), ("MB", "MiB", 2), ("kB", "KiB", 1)):
         if n >= 1000**p:
             return f"{n / 1000**p:.2f} {dec} ({n / 1024**p:.2f} {bin_})"

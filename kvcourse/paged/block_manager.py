@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from ..checks import check_int
 from .offload import BlockTransfer, HostBlockPool
 
 __all__ = ["BlockManager", "CopyOnWrite", "NoFreeBlocksError"]
@@ -51,11 +52,7 @@ class CopyOnWrite:
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return check_int(name, value, min=minimum)
 
 
 class BlockManager:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..checks import check_fits_in_memory, check_int
 from ..kernels.reference import reshape_and_cache_ref
 from ..utils import check_config
 
@@ -46,10 +47,13 @@ class PagedKVStore:
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value, min=1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        num_layers, num_blocks, block_size = int(num_layers), int(num_blocks), int(block_size)
+        num_kv_heads, head_dim = int(num_kv_heads), int(head_dim)
+        nbytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize
+        check_fits_in_memory("num_blocks", nbytes, device, f"a pool of {num_blocks:,} blocks of {block_size} tokens")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -92,16 +96,14 @@ class PagedKVStore:
 
     def write(self, layer_idx: int, slots: torch.Tensor | Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter new tokens' ``k, v [T, H_kv, D]`` into ``slots [T]`` of layer ``layer_idx`` (checked)."""
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
-            raise ValueError(f"layer_idx must be an int in [0, {self.num_layers}), got {layer_idx!r}")
+        check_int("layer_idx", layer_idx, min=0, max=self.num_layers - 1)
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
         reshape_and_cache_ref(k, v, self.k_cache[layer_idx], self.v_cache[layer_idx], slots)
 
     def copy_block(self, src_block: int, dst_block: int) -> None:
         """Copy-on-write: duplicate block ``src_block``'s K/V into ``dst_block`` in every layer."""
         for name, b in (("src_block", src_block), ("dst_block", dst_block)):
-            if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < self.num_blocks:
-                raise ValueError(f"{name} must be an int in [0, {self.num_blocks}), got {b!r}")
+            check_int(name, b, min=0, max=self.num_blocks - 1)
         for k_cache, v_cache in zip(self.k_cache, self.v_cache):
             k_cache[dst_block] = k_cache[src_block]
             v_cache[dst_block] = v_cache[src_block]

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from ..checks import check_int
 from .block_hash import CachedBlock
 
 if TYPE_CHECKING:
@@ -61,8 +62,7 @@ class HostBlockPool:
     """
 
     def __init__(self, num_blocks: int) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, min=0)
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._cold: OrderedDict[int, CachedBlock] = OrderedDict()  # least recently used first

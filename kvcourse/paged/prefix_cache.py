@@ -94,6 +94,10 @@ class PrefixCachingBlockManager(BlockManager):
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, CachedBlock]] = {}
         self._cached: dict[int, CachedBlock] = {}  # block id -> what it holds
         self._num_cached_blocks: dict[Hashable, int] = {}  # seq_id -> leading blocks of its table in the cache
+        # seq_id -> the entry of its last cached block: the parent of the next block it caches. (Its own
+        # block may hold a copy of that entry's K/V instead of the entry's block, after a swap.)
+        self._last_cached: dict[Hashable, CachedBlock] = {}
+        self._swapped_chains: dict[Hashable, tuple[int, CachedBlock | None]] = {}  # the two above, while swapped
         self.num_evictions = 0  # cached blocks given to new tokens (moved to the host tier or dropped)
         self.num_offloaded_blocks = 0  # of those, kept in the host's cold tier
         self.num_host_hit_blocks = 0  # cold blocks brought back by a hit
@@ -177,6 +181,8 @@ class PrefixCachingBlockManager(BlockManager):
         self._tables[seq_id] = table
         self._num_tokens[seq_id] = num_tokens
         self._num_cached_blocks[seq_id] = len(cached)
+        if cached:
+            self._last_cached[seq_id] = self._cached[table[len(cached) - 1]]
         return list(table)
 
     def cache_full_blocks(
@@ -191,7 +197,7 @@ class PrefixCachingBlockManager(BlockManager):
             raise ValueError(f"num_computed_tokens must be in [0, {len(token_ids)}], got {num_computed_tokens}")
         done = self._num_cached_blocks[seq_id]
         num_full = min(num_computed_tokens // bs, len(table))
-        parent = self._cached[table[done - 1]] if done else None
+        parent = self._last_cached.get(seq_id) if done else None
         for i in range(done, num_full):
             tokens, extra = tuple(token_ids[i * bs : (i + 1) * bs]), extra_keys_of(i, cache_salt)
             block_hash = self.hash_fn(None if parent is None else parent.block_hash, tokens, extra)
@@ -199,16 +205,37 @@ class PrefixCachingBlockManager(BlockManager):
             self._add_to_cache(table[i], entry)
             parent = entry
         self._num_cached_blocks[seq_id] = max(done, num_full)
+        if parent is not None:
+            self._last_cached[seq_id] = parent
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         super().fork(parent_id, child_id)
         self._num_cached_blocks[child_id] = self._num_cached_blocks[parent_id]
+        if parent_id in self._last_cached:
+            self._last_cached[child_id] = self._last_cached[parent_id]
+
+    def swap_out(self, seq_id: Hashable) -> list[BlockTransfer]:
+        """As :meth:`BlockManager.swap_out`; the sequence's cached blocks stay in the cache (freed), and
+        how far its blocks were cached is remembered for its return."""
+        chain = (self._num_cached_blocks.get(seq_id, 0), self._last_cached.get(seq_id))
+        moves = super().swap_out(seq_id)  # frees seq_id, which forgets its chain
+        self._swapped_chains[seq_id] = chain
+        return moves
 
     def swap_in(self, seq_id: Hashable) -> list[BlockTransfer]:
-        """As :meth:`BlockManager.swap_in`; the fresh blocks join the cache again after the next forward."""
+        """As :meth:`BlockManager.swap_in`. The fresh blocks hold copies of blocks that were cached: they
+        are not cached a second time; the blocks after them join the cache as they fill, chained to
+        the last cached entry as if the sequence had never left."""
         moves = super().swap_in(seq_id)
-        self._num_cached_blocks[seq_id] = 0
+        done, last = self._swapped_chains.pop(seq_id)
+        self._num_cached_blocks[seq_id] = done
+        if last is not None:
+            self._last_cached[seq_id] = last
         return moves
+
+    def free_swapped(self, seq_id: Hashable) -> None:
+        super().free_swapped(seq_id)
+        del self._swapped_chains[seq_id]
 
     def free(self, seq_id: Hashable) -> None:
         """Release ``seq_id``. Its cached blocks keep their K/V at the recently-used end of the free queue
@@ -222,6 +249,7 @@ class PrefixCachingBlockManager(BlockManager):
                 else:
                     self._free.appendleft(block)
         del self._tables[seq_id], self._num_tokens[seq_id], self._num_cached_blocks[seq_id]
+        self._last_cached.pop(seq_id, None)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no sequence holds, the host tier's too (a benchmark's cold

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence as SequenceABC
 from dataclasses import dataclass
 
+from ..checks import check_int
 from ..sequence import Sampler, SamplingParams, Sequence
 from .model_runner import ModelRunner
 from .request import RequestMetrics
@@ -53,8 +54,7 @@ def serve_static(
     A request's metrics are its own: its first token comes after its batch's prefill, it finishes
     with its own last token (a streaming server could return it then).
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    check_int("batch_size", batch_size, min=1)
     if not prompts:
         raise ValueError("prompts must not be empty")
     if isinstance(sampling_params, SamplingParams):

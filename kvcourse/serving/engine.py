@@ -25,6 +25,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence as SequenceAB
 import torch
 from tqdm import tqdm
 
+from ..checks import check_callable, check_float, check_hashable, check_int, check_token_ids
 from ..sequence import SamplingParams, Sequence
 from .model_runner import ModelRunner
 from .request import Request, RequestMetrics, TokenOutput
@@ -32,19 +33,6 @@ from .scheduler import Scheduler
 from .stats import StepEvent, latency_summary
 
 __all__ = ["Engine"]
-
-
-def _check_salt(cache_salt: object) -> None:
-    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-        raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
-
-
-def _positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 class Engine:
@@ -82,11 +70,13 @@ class Engine:
         backend: str = "paged-torch",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        _positive_int("num_blocks", num_blocks)
-        _positive_int("block_size", block_size)
-        _positive_int("max_num_seqs", max_num_seqs)
+        # The cheap checks first, before the pool is allocated; the scheduler checks its own limits.
+        check_int("num_blocks", num_blocks, min=1)
+        check_int("block_size", block_size, min=1)
+        check_callable("clock", clock, "a function returning seconds, such as time.perf_counter")
+        start = check_float("clock()", clock())  # seconds
         if max_num_batched_tokens is not None:
-            _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+            check_int("max_num_batched_tokens", max_num_batched_tokens, min=1)
             if max_num_batched_tokens < block_size:
                 raise ValueError(
                     f"max_num_batched_tokens must be at least one block (block_size={block_size}), "
@@ -103,13 +93,14 @@ class Engine:
             preemption_mode=preemption_mode,
         )
         self.clock = clock
-        self.eos_token_ids = tuple(model.config.eos_token_id or ())
+        eos = model.config.eos_token_id
+        self.eos_token_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
         self.requests: dict[Hashable, Request] = {}  # every request ever added, in order
         self.events: list[StepEvent] = []
         self._unfinished: dict[Hashable, Request] = {}
         self._request_of: dict[Hashable, Request] = {}  # seq_id -> its request
-        self._ids = itertools.count()
-        self._t0 = clock()
+        self._next_id = 0  # where the search for a free request id starts
+        self._t0 = start
         self._counters = dict.fromkeys(
             ("steps", "preemptions", "prompt_tokens", "recomputed_tokens", "generated_tokens",
              "batched_tokens", "finished", "cancelled", "copy_on_write_copies", "max_blocks_saved_by_sharing",
@@ -135,22 +126,20 @@ class Engine:
         ``cache_salt``: with prefix caching, the request shares cached blocks only with requests of the
         same salt (one per tenant), so nobody can time a hit on someone else's prompt.
         """
-        seq = self._new_sequence(prompt, sampling_params, request_id, "prompt")
-        _check_salt(cache_salt)
-        self._enqueue(seq, cache_salt)
-        return seq.seq_id[0]
+        auto = request_id is None
+        request = self._new_request(prompt, sampling_params, request_id, "prompt", cache_salt)
+        self._enqueue(request, cache_salt, auto)
+        return request.request_id
 
-    def _new_sequence(self, prompt, sampling_params, request_id, name: str) -> Sequence:
-        """A request's first sequence, every argument checked; nothing is queued yet."""
-        prompt = self._check_prompt(prompt, name)
+    def _new_request(self, prompt, sampling_params, request_id, name: str, cache_salt: str | None) -> Request:
+        """A request, every argument checked (once: the scheduler's checks included); nothing is queued yet."""
+        prompt = check_token_ids(name, prompt, self.model.config.vocab_size)
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if request_id is None:
-            request_id = next(i for i in self._ids if i not in self.requests)
-        elif not isinstance(request_id, Hashable):
-            raise TypeError(f"request_id must be hashable, got {type(request_id).__name__}")
-        elif request_id in self.requests:
+        if request_id is None:  # the next free int; taken only when the request is queued
+            request_id = next(i for i in itertools.count(self._next_id) if i not in self.requests)
+        elif check_hashable("request_id", request_id) in self.requests:
             raise ValueError(f"request_id={request_id!r} is already used")
         context = self.model.config.max_position_embeddings
         if len(prompt) + params.max_new_tokens > context:
@@ -159,26 +148,25 @@ class Engine:
                 f"context length ({context})"
             )
         seq = Sequence((request_id, 0), prompt, params, eos_token_ids=self.eos_token_ids)
-        bm = self.block_manager
-        need = bm.blocks_needed(self.scheduler.max_slots(seq))
-        if need > bm.num_blocks:
-            raise ValueError(
-                f"request {request_id!r} alone needs {need} blocks of {bm.block_size} ({len(prompt)} prompt + "
-                f"max_new_tokens={params.max_new_tokens} - 1 tokens) but num_blocks={bm.num_blocks}: it could never run"
-            )
-        self.scheduler.check(seq)  # n against max_num_seqs; the budget without chunked prefill
-        return seq
+        # It fits the pool alone, n fits max_num_seqs, the salt is valid, and without chunked prefill
+        # its longest prefill fits the budget.
+        self.scheduler.check(seq, cache_salt=cache_salt, name=f"request {request_id!r}")
+        metrics = RequestMetrics(math.nan, self._counters["steps"], seq.num_prompt_tokens)  # arrival: at _enqueue
+        return Request(request_id, seq, metrics)  # builds its samplers: nothing left that can fail
 
-    def _enqueue(self, seq: Sequence, cache_salt: str | None = None) -> None:
-        self.scheduler.add(seq, cache_salt=cache_salt)
-        metrics = RequestMetrics(self.clock() - self._t0, self._counters["steps"], seq.num_prompt_tokens)
-        request = Request(seq.seq_id[0], seq, metrics)
+    def _enqueue(self, request: Request, cache_salt: str | None, auto_id: bool) -> None:
+        """Queue a checked request (nothing here raises, so nothing is left half-queued)."""
+        seq = request.seqs[0]
+        if auto_id:
+            self._next_id = request.request_id + 1
+        request.metrics.arrival_time = self.clock() - self._t0
+        self.scheduler.enqueue(seq, cache_salt=cache_salt)
         self.requests[request.request_id] = self._unfinished[request.request_id] = request
         self._request_of[seq.seq_id] = request
 
     def abort(self, request_id: Hashable) -> None:
         """Cancel an unfinished request: it leaves the queue or the batch; its blocks are freed."""
-        request = self._unfinished.pop(request_id, None)
+        request = self._unfinished.pop(check_hashable("request_id", request_id), None)
         if request is None:
             raise ValueError(f"request_id={request_id!r} is not an unfinished request")
         for seq in request.seqs:
@@ -195,7 +183,7 @@ class Engine:
 
     def output(self, request_id: Hashable) -> list[int] | list[list[int]]:
         """A request's generated tokens (so far): one list, or ``n`` lists when it has ``n > 1`` samples."""
-        if request_id not in self.requests:
+        if check_hashable("request_id", request_id) not in self.requests:
             raise ValueError(f"request_id={request_id!r} is unknown")
         request = self.requests[request_id]
         return request.outputs if request.params.n > 1 else request.outputs[0]
@@ -326,7 +314,6 @@ class Engine:
                     yield position[tok.request_id], tok
 
     def _add_all(self, prompts, sampling_params, max_new_tokens, cache_salt=None) -> list[Hashable]:
-        _check_salt(cache_salt)
         if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, SequenceABC) or not prompts:
             raise TypeError("prompts must be a non-empty list of prompts, each a list of token ids")
         if sampling_params is not None and max_new_tokens is not None:
@@ -339,33 +326,17 @@ class Engine:
             raise ValueError(
                 f"sampling_params must be one SamplingParams or a list of {len(prompts)} (one per prompt)"
             )
-        seqs = []
+        requests = []
         try:  # check them all before queueing any
             for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
-                seqs.append(self._new_sequence(p, sp, None, f"prompts[{i}]"))
-                self.requests[seqs[-1].seq_id[0]] = None  # hold the id while the others are checked
+                requests.append(self._new_request(p, sp, None, f"prompts[{i}]", cache_salt))
+                self.requests[requests[-1].request_id] = None  # hold the id while the others are checked
         finally:
-            for seq in seqs:
-                del self.requests[seq.seq_id[0]]
-        for seq in seqs:
-            self._enqueue(seq, cache_salt)
-        return [seq.seq_id[0] for seq in seqs]
-
-    def _check_prompt(self, prompt, name: str) -> list[int]:
-        if isinstance(prompt, torch.Tensor):
-            if prompt.ndim != 1:
-                raise ValueError(f"{name} must be a 1-D list of token ids, got a tensor of shape {tuple(prompt.shape)}")
-            prompt = prompt.tolist()
-        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, SequenceABC):
-            raise TypeError(f"{name} must be a list of token ids (use tok.encode(text)), got {type(prompt).__name__}")
-        prompt = list(prompt)
-        if not prompt:
-            raise ValueError(f"{name} is empty: a prompt needs at least one token")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-        return prompt
+            for request in requests:
+                del self.requests[request.request_id]
+        for request in requests:
+            self._enqueue(request, cache_salt, auto_id=True)
+        return [request.request_id for request in requests]
 
     # ---- what happened ------------------------------------------------------------------------
     @property

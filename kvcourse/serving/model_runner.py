@@ -24,6 +24,7 @@ import torch
 
 from ..attention import PAGED_BACKENDS
 from ..batch import ForwardBatch, SeqSlice
+from ..checks import check_bool, check_choice, check_hashable, check_int, check_token_ids
 from ..paged import (BlockManager, BlockTransfer, CopyOnWrite, NoFreeBlocksError, PagedKVStore,
                      PrefixCachingBlockManager, allocate_slots, apply_transfers)  # fmt: skip
 
@@ -54,21 +55,19 @@ class ModelRunner:
         if not hasattr(model, "forward_batch") or not hasattr(model, "config"):
             raise TypeError(f"model must be a kvcourse.LlamaModel, got {type(model).__name__}")
         known = {*PAGED_BACKENDS, "triton"}  # "triton" registers itself on first use (kvcourse.attention)
-        if backend not in known:
-            raise ValueError(f"backend must be one of {sorted(known)}, got {backend!r}")
+        check_choice("backend", backend, known)
+        check_bool("enable_prefix_caching", enable_prefix_caching)
+        check_int("num_cpu_blocks", num_cpu_blocks, min=0)
         self.model, self.backend = model, backend
-        if not isinstance(enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching must be a bool, got {type(enable_prefix_caching).__name__}")
-        if isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
-        if enable_prefix_caching:
-            self.block_manager = PrefixCachingBlockManager(num_blocks, block_size, num_host_blocks=num_cpu_blocks)
-        else:
-            self.block_manager = BlockManager(num_blocks, block_size, num_host_blocks=num_cpu_blocks)
+        # The pools first: they check that they fit in memory before anything big is built.
         self.kv_store = PagedKVStore.for_model(model.config, num_blocks, block_size, model.dtype, model.device)
         # The host pool: same layout, in CPU memory (on a CPU-only machine both pools share the same DRAM).
         self.host_kv_store = (PagedKVStore.for_model(model.config, num_cpu_blocks, block_size, model.dtype, "cpu")
                               if num_cpu_blocks else None)  # fmt: skip
+        if enable_prefix_caching:
+            self.block_manager = PrefixCachingBlockManager(num_blocks, block_size, num_host_blocks=num_cpu_blocks)
+        else:
+            self.block_manager = BlockManager(num_blocks, block_size, num_host_blocks=num_cpu_blocks)
         self.num_transferred_blocks = {"to_host": 0, "to_device": 0}
         self.transfer_seconds = 0.0  # time spent copying blocks between the pools
 
@@ -81,22 +80,42 @@ class ModelRunner:
 
         Row ``b`` is the next-token logits of ``work[b]``'s sequence (``all_logits=True``: one row per
         fed token, ``[N, vocab]``). A ``seq_id`` the pool has not seen starts a new sequence.
-        Raises :class:`~kvcourse.paged.NoFreeBlocksError`, changing nothing, if the pool is too full.
+        Raises :class:`~kvcourse.paged.NoFreeBlocksError`, changing nothing, if the pool is too full,
+        and ``ValueError``/``TypeError``, changing nothing, for bad work (a token outside the
+        vocabulary, a sequence past the context, an id twice): everything is checked before a slot
+        is reserved. (A forward that fails for another reason, such as running out of memory, leaves
+        the step's slots reserved.)
         """
         if isinstance(work, tuple) or not isinstance(work, Sequence) or not work:
             raise ValueError("work must be a non-empty list of (seq_id, new_token_ids) pairs")
-        bm = self.block_manager
-        ids = [seq_id for seq_id, _ in work]
+        bm, config = self.block_manager, self.model.config
+        # Everything is checked before the pool changes: a refused step leaves no sequence behind
+        # holding slots whose K/V were never written.
+        checked = []
+        for i, item in enumerate(work):
+            if not isinstance(item, Sequence) or isinstance(item, str) or len(item) != 2:
+                raise ValueError(f"work[{i}] must be a (seq_id, new_token_ids) pair, got {item!r}")
+            seq_id = check_hashable(f"work[{i}]'s seq_id", item[0])
+            tokens = check_token_ids(f"work[{i}]'s new_token_ids", item[1], config.vocab_size)
+            cached = bm.num_tokens(seq_id) if seq_id in bm else 0
+            if cached + len(tokens) > config.max_position_embeddings:
+                raise ValueError(
+                    f"work[{i}]: sequence {seq_id!r} of {cached} cached + {len(tokens)} new tokens exceeds the "
+                    f"model's context length ({config.max_position_embeddings} positions)"
+                )
+            checked.append((seq_id, tokens))
+        ids = [seq_id for seq_id, _ in checked]
         if len(set(ids)) != len(ids):
             raise ValueError(f"work names a sequence twice: {ids}")
-        for seq_id in ids:
-            if seq_id not in bm:
-                bm.allocate(seq_id, 0)
-        needed = sum(bm.blocks_to_append(seq_id, len(tokens)) for seq_id, tokens in work)
+        new = [seq_id for seq_id in ids if seq_id not in bm]
+        needed = sum(bm.blocks_needed(len(tokens)) if seq_id in new else bm.blocks_to_append(seq_id, len(tokens))
+                     for seq_id, tokens in checked)  # fmt: skip
         if needed > bm.num_free_blocks:
             raise NoFreeBlocksError(f"the step needs {needed} free blocks, only {bm.num_free_blocks} are free")
-        starts = [allocate_slots(bm, self.kv_store, seq_id, len(tokens)) for seq_id, tokens in work]
-        return self.execute([(seq_id, tokens, start) for (seq_id, tokens), start in zip(work, starts)],
+        for seq_id in new:
+            bm.allocate(seq_id, 0)
+        starts = [allocate_slots(bm, self.kv_store, seq_id, len(tokens)) for seq_id, tokens in checked]
+        return self.execute([(seq_id, tokens, start) for (seq_id, tokens), start in zip(checked, starts)],
                             all_logits=all_logits)  # fmt: skip
 
     def execute(
@@ -112,6 +131,14 @@ class ModelRunner:
         positions ``num_computed_tokens ..``. ``transfers`` are the step's block moves between the
         device and host pools (swaps, cold prefix blocks), done first and in order; ``copies`` its
         copy-on-write block copies, done next. Returns logits as :meth:`step` does.
+
+        Why transfers first: a copy's ``dst_block`` was free when the scheduler took it, so it may be
+        a block that the same step moves to the host (swapped out, or a cached block evicted to the
+        host tier by that very take): the move must read it before the copy overwrites it. The other
+        way round never happens (no transfer writes a block a copy reads or writes): copies are
+        decided while the running sequences reserve their slots, and ``"to_device"`` transfers come
+        from swap-ins and admissions, which happen after that, only in a step that preempted nobody,
+        into blocks no running sequence holds. Tested in ``tests/test_bad_input.py``.
         """
         if transfers:
             self.move_blocks(transfers)

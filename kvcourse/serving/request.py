@@ -75,7 +75,8 @@ class Request:
         self.request_id = request_id
         self.params: SamplingParams = seq.params
         self.seqs: list[Sequence] = [seq]
-        self.samplers: list[Sampler] = [Sampler(seq.params, 0)]
+        # Every sample's sampler now, so that nothing in a later step (the fork) can fail on them.
+        self.samplers: list[Sampler] = [Sampler(seq.params, i) for i in range(seq.params.n)]
         self.metrics = metrics
         self.cancelled = False
 
@@ -89,7 +90,6 @@ class Request:
         parent = self.seqs[0]
         children = [parent.fork((self.request_id, i)) for i in range(1, self.params.n)]
         self.seqs += children
-        self.samplers += [Sampler(self.params, i) for i in range(1, self.params.n)]
         return children
 
     @property

@@ -48,6 +48,7 @@ from collections import deque
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
+from ..checks import check_bool, check_choice, check_float, check_int
 from ..paged import BlockTransfer, CopyOnWrite, NoFreeBlocksError, PrefixCachingBlockManager
 from ..sequence import Sequence, SequenceStatus
 
@@ -105,11 +106,8 @@ class SchedulerOutput:
 
 
 def _limit(name: str, value: int | None, minimum: int) -> int:
-    if value is None:
-        return _NO_LIMIT
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum} or None (no limit), got {value!r}")
-    return value
+    value = check_int(name, value, min=minimum, none_ok=True)
+    return _NO_LIMIT if value is None else value
 
 
 class Scheduler:
@@ -141,17 +139,11 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = _limit("max_num_seqs", max_num_seqs, 1)
         self.max_num_batched_tokens = _limit("max_num_batched_tokens", max_num_batched_tokens, 1)
-        if not isinstance(enable_chunked_prefill, bool):
-            raise TypeError(f"enable_chunked_prefill must be a bool, got {type(enable_chunked_prefill).__name__}")
-        self.enable_chunked_prefill = enable_chunked_prefill
-        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
-            raise ValueError(f"watermark must be a number in [0, 1), got {watermark!r}")
-        self.watermark_blocks = int(watermark * block_manager.num_blocks)
-        if isinstance(num_lookahead_slots, bool) or not isinstance(num_lookahead_slots, int) or num_lookahead_slots < 0:
-            raise ValueError(f"num_lookahead_slots must be an int >= 0, got {num_lookahead_slots!r}")
-        self.num_lookahead_slots = num_lookahead_slots
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        self.enable_chunked_prefill = check_bool("enable_chunked_prefill", enable_chunked_prefill)
+        self.watermark_blocks = int(check_float("watermark", watermark, min=0, max=1, max_open=True)
+                                    * block_manager.num_blocks)  # fmt: skip
+        self.num_lookahead_slots = check_int("num_lookahead_slots", num_lookahead_slots, min=0)
+        check_choice("preemption_mode", preemption_mode, ("recompute", "swap"))
         if preemption_mode == "swap" and not getattr(getattr(block_manager, "host", None), "num_blocks", 0):
             raise ValueError("preemption_mode='swap' needs a block manager with num_host_blocks > 0")
         self.preemption_mode = preemption_mode
@@ -170,21 +162,27 @@ class Scheduler:
         return seq.num_prompt_tokens + seq.params.max_new_tokens - 1 + self.num_lookahead_slots
 
     def add(self, seq: Sequence, *, cache_salt: str | None = None) -> None:
-        """Queue a new sequence (:meth:`check` first). ``cache_salt``: it shares cached blocks only with
-        sequences of the same salt (a tenant); nothing is shared without prefix caching anyway."""
-        self.check(seq)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
+        """Queue a new sequence: :meth:`check`, then :meth:`enqueue`. ``cache_salt``: it shares cached
+        blocks only with sequences of the same salt (a tenant); nothing is shared without prefix caching anyway."""
+        self.check(seq, cache_salt=cache_salt)
+        self.enqueue(seq, cache_salt=cache_salt)
+
+    def enqueue(self, seq: Sequence, *, cache_salt: str | None = None) -> None:
+        """Queue a sequence that passed :meth:`check` (the engine checks a whole batch of requests
+        before it queues any of them, so each is checked once)."""
         self._seqs[seq.seq_id] = seq
         self._cache_salts[seq.seq_id] = cache_salt
         self.waiting.append(seq)
 
-    def check(self, seq: Sequence) -> None:
+    def check(self, seq: Sequence, *, cache_salt: str | None = None, name: str | None = None) -> None:
         """Raise ``ValueError`` if ``seq`` could never run, rather than let it wait forever or preempt
         itself forever: it alone must fit the pool, its samples the sequence cap and, without chunked
-        prefill, its longest prefill the token budget."""
+        prefill, its longest prefill the token budget. Changes nothing. ``name``: what the errors
+        call it (``"sequence <seq_id>"``; the engine says ``"request <request_id>"``)."""
         if not isinstance(seq, Sequence):
             raise TypeError(f"seq must be a kvcourse.Sequence, got {type(seq).__name__}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty str or None, got {cache_salt!r}")
         if seq.seq_id in self._seqs:
             raise ValueError(f"seq_id={seq.seq_id!r} is already scheduled")
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens:
@@ -193,9 +191,10 @@ class Scheduler:
         need = bm.blocks_needed(self.max_slots(seq))
         if need > bm.num_blocks:
             raise ValueError(
-                f"sequence {seq.seq_id!r} alone needs {need} blocks ({seq.num_prompt_tokens} prompt + "
-                f"{seq.params.max_new_tokens} max_new_tokens) but the pool has only {bm.num_blocks}: "
-                "it could never finish"
+                f"{name or f'sequence {seq.seq_id!r}'} alone needs {need} blocks of {bm.block_size} "
+                f"({seq.num_prompt_tokens} prompt + max_new_tokens={seq.params.max_new_tokens} - 1 tokens"
+                f"{f' + {self.num_lookahead_slots} lookahead' if self.num_lookahead_slots else ''}) but "
+                f"num_blocks={bm.num_blocks}: it could never run"
             )
         if seq.params.n > self.max_num_seqs:
             raise ValueError(f"n={seq.params.n} samples exceed max_num_seqs={self.max_num_seqs}")
