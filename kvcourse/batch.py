@@ -17,9 +17,9 @@ block_tables        [B, M] int32    each sequence's blocks, padded with -1
 ==================  ==============  ===========================================================
 
 A sequence's new tokens are the tail of its context: positions ``seq_lens[b] - q_len ..
-seq_lens[b] - 1``. :meth:`ForwardBatch.build` computes every field from per-sequence facts and checks
-them, once per step, on the host; the forward pass then trusts them and never synchronises with the
-device to look at them again.
+seq_lens[b] - 1``. :meth:`ForwardBatch.build` checks the per-sequence facts once per step, on the host,
+and computes every per-token field from them with tensor ops; the forward pass then trusts them and
+never synchronises with the device to look at them again.
 """
 
 from __future__ import annotations
@@ -30,29 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .checks import check_int
+from .kernels.reference import slot_mapping, slots_of  # the slot formula, beside the cache write that uses it
 
 __all__ = ["ForwardBatch", "SeqSlice", "slot_mapping"]
-
-
-def slot_mapping(block_table: Sequence[int], positions: Sequence[int] | range, block_size: int) -> list[int]:
-    """The pool slots holding ``positions`` of a sequence with ``block_table``: the one formula.
-
-    ``slot = block_table[pos // block_size] * block_size + pos % block_size``: offset
-    ``pos % block_size`` of the physical block that holds logical block ``pos // block_size``, in a
-    pool viewed as one flat array of ``num_blocks * block_size`` token slots.
-    """
-    check_int("block_size", block_size, min=1)
-    table = list(block_table)
-    limit = len(table) * block_size
-    slots = []
-    for pos in positions:
-        if not 0 <= pos < limit:
-            raise ValueError(
-                f"positions must lie in [0, {limit}) for a block table of {len(table)} blocks of {block_size}, "
-                f"got {pos}"
-            )
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
-    return slots
 
 
 @dataclass(frozen=True)
@@ -73,8 +53,9 @@ class SeqSlice:
 class ForwardBatch:
     """The packed new tokens of ``B`` sequences and the metadata attention needs (see the module doc).
 
-    Build it with :meth:`build`. Constructing it directly validates the tensors (on the host) the
-    same way, so a hand-made batch that is inconsistent fails here with a message naming the field.
+    Build it with :meth:`build`, which checks each sequence as it packs it. A batch made by hand is
+    checked by :meth:`check` (``model.forward_batch`` calls it for any batch not checked yet), so an
+    inconsistent one fails with a message naming the field; a built one is not checked twice.
     """
 
     input_ids: torch.Tensor
@@ -88,49 +69,81 @@ class ForwardBatch:
     query_start_loc_host: tuple[int, ...] = field(default=(), repr=False)
     seq_lens_host: tuple[int, ...] = field(default=(), repr=False)
     max_block_host: int = field(default=-1, repr=False)  # largest block id any sequence uses
+    checked: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.query_start_loc_host:  # not yet checked: check everything once, keep host copies
+        if not self.query_start_loc_host:  # made by hand: read the host copies now, check on demand
+            tensors = (self.query_start_loc, self.seq_lens, self.block_tables)
+            if all(isinstance(t, torch.Tensor) for t in tensors):
+                object.__setattr__(self, "query_start_loc_host", tuple(self.query_start_loc.tolist()))
+                object.__setattr__(self, "seq_lens_host", tuple(self.seq_lens.tolist()))
+                object.__setattr__(self, "max_block_host", int(self.block_tables.max()) if self.block_tables.numel() else -1)
+
+    def check(self) -> ForwardBatch:
+        """Validate every field against the others (on the host, once); return the batch."""
+        if not self.checked:
             qsl, lens, max_block = _validate(self)
             object.__setattr__(self, "query_start_loc_host", tuple(qsl))
             object.__setattr__(self, "seq_lens_host", tuple(lens))
             object.__setattr__(self, "max_block_host", max_block)
+            object.__setattr__(self, "checked", True)
+        return self
 
     # ---- building -----------------------------------------------------------------------------
     @classmethod
     def build(
         cls, seqs: Sequence[SeqSlice], block_size: int, device: torch.device | str = "cpu"
     ) -> ForwardBatch:
-        """Pack ``seqs`` into one step: positions, slot mapping, ``query_start_loc``, ``seq_lens``, tables."""
+        """Pack ``seqs`` into one step: positions, slot mapping, ``query_start_loc``, ``seq_lens``, tables.
+
+        Each sequence is checked once, on the host; the per-token fields are computed with tensor ops.
+        """
         if isinstance(seqs, SeqSlice) or not isinstance(seqs, Sequence) or not seqs:
             raise ValueError("seqs must be a non-empty list of SeqSlice, one per sequence in the step")
-        input_ids, positions, slots, qsl, lens = [], [], [], [0], []
+        check_int("block_size", block_size, min=1)
+        qsl, lens, tables, max_block = [0], [], [], -1
         for b, s in enumerate(seqs):
             if not isinstance(s, SeqSlice):
                 raise TypeError(f"seqs[{b}] must be a SeqSlice, got {type(s).__name__}")
-            n, start = len(s.token_ids), s.num_computed_tokens
+            n = len(s.token_ids)
             if n == 0:
                 raise ValueError(f"seqs[{b}] has no new tokens: every sequence in a step needs at least one")
-            start = check_int(f"seqs[{b}].num_computed_tokens", start, min=0)
-            pos = range(start, start + n)
-            try:
-                slots += slot_mapping(s.block_table, pos, block_size)
-            except ValueError as e:
-                raise ValueError(f"seqs[{b}].block_table is too short for its tokens: {e}") from None
-            input_ids += list(s.token_ids)
-            positions += pos
+            start = check_int(f"seqs[{b}].num_computed_tokens", s.num_computed_tokens, min=0)
+            table = list(s.block_table)
+            used = -(-(start + n) // block_size)
+            if used > len(table) or min(table[:used]) < 0:
+                raise ValueError(
+                    f"seqs[{b}].block_table is too short for its tokens: positions up to {start + n - 1} need "
+                    f"{used} blocks of {block_size}, got {table[:used]}"
+                )
+            max_block = max(max_block, *table[:used])
             qsl.append(qsl[-1] + n)
             lens.append(start + n)
-        width = max(len(s.block_table) for s in seqs)
-        tables = [list(s.block_table) + [-1] * (width - len(s.block_table)) for s in seqs]
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+        query_start_loc = torch.tensor(qsl, dtype=torch.int32)
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        # Token i belongs to sequence seq_idx[i]; its position counts on from where that sequence stood.
+        query_lens = torch.diff(query_start_loc).to(torch.int64)
+        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), query_lens)
+        first_pos = (seq_lens.to(torch.int64) - query_lens)[seq_idx]
+        positions = first_pos + torch.arange(qsl[-1]) - query_start_loc[:-1].to(torch.int64)[seq_idx]
+        slots = slots_of(block_tables, seq_idx, positions, block_size)
+        if torch.unique(slots).numel() != slots.numel():
+            raise ValueError("slot_mapping names one slot twice: two sequences overlap in the pool")
         batch = cls(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(lens, dtype=torch.int32),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
+            input_ids=torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64),
+            positions=positions,
+            slot_mapping=slots,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             block_size=block_size,
+            query_start_loc_host=tuple(qsl),
+            seq_lens_host=tuple(lens),
+            max_block_host=max_block,
+            checked=True,
         )
         return batch.to(device)
 
@@ -149,6 +162,7 @@ class ForwardBatch:
             query_start_loc_host=self.query_start_loc_host,
             seq_lens_host=self.seq_lens_host,
             max_block_host=self.max_block_host,
+            checked=self.checked,
         )
 
     # ---- what backends and runners read --------------------------------------------------------

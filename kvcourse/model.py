@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionBackend, ContiguousBackend, KVCacheLike, NoCache, paged_backend
+from .backends import AttentionBackend, ContiguousBackend, KVCacheLike, NoCache, paged_backend
 from .batch import ForwardBatch
 
 __all__ = ["LlamaConfig", "LlamaModel", "KVCacheLike", "apply_rope", "rope_cos_sin"]
@@ -157,6 +157,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (cos, sin)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCacheLike | None = None) -> torch.Tensor:
@@ -193,6 +194,7 @@ class LlamaModel(nn.Module):
             raise ValueError(
                 f"batch.block_tables name block {batch.max_block_host}, but kv_pool has {kv_pool.num_blocks} blocks"
             )
+        batch.check()  # a batch made by hand is checked here, once; a built one already was
         self.check_context(batch.max_seq_len)
         self.check_token_ids(batch.input_ids, "batch.input_ids")
         batch = batch.to(self.device)
@@ -220,12 +222,24 @@ class LlamaModel(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """The decoder stack: ``input_ids [B, T]`` at ``positions [T]`` -> final-norm hidden states ``[B, T, hidden]``."""
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]: broadcast over heads
+        cos, sin = self.rope_tables(positions)
+        cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]  # [T, 1, D]: broadcast over heads
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return self.norm(x)
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of every position up to the largest in ``positions``, ``[L, D]``: computed once and
+        kept (grown by doubling), so a decode step looks its rows up instead of recomputing them."""
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        cos, sin = self._rope_tables.get(positions.device, (None, None))
+        if cos is None or cos.shape[0] < needed:
+            length = min(max(needed, 2 * (0 if cos is None else cos.shape[0]), 256), self.config.max_position_embeddings)
+            table = torch.arange(length, device=positions.device)
+            cos, sin = rope_cos_sin(table, self.config.head_dim, self.config.rope_theta)
+            self._rope_tables[positions.device] = (cos, sin)
+        return cos, sin
 
     @property
     def device(self) -> torch.device:

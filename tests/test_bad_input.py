@@ -272,13 +272,13 @@ def _cow_onto_an_evicted_block(model, reverse: bool):
     seen = []
     execute = eng.runner.execute
 
-    def spy(work, copies=(), all_logits=False, transfers=()):
-        seen.append((list(transfers), list(copies)))
+    def spy(out, all_logits=False):
+        seen.append((list(out.transfers), list(out.copies)))
         if reverse:  # the wrong order: copies first, then the transfers
-            for cow in copies:
+            for cow in out.copies:
                 eng.runner.kv_store.copy_block(cow.src_block, cow.dst_block)
-            return execute(work, (), all_logits, transfers)
-        return execute(work, copies, all_logits, transfers)
+            out.copies = []
+        return execute(out, all_logits)
 
     eng.runner.execute = spy
     r0 = [11, 12, 13, 14, 15, 16, 17, 18]

@@ -53,7 +53,7 @@ def _hand_made(**changes):
         block_tables=torch.tensor([[3, -1, -1], [0, 2, 1]], dtype=torch.int32),
         block_size=4,
     )
-    return ForwardBatch(**(fields | changes))
+    return ForwardBatch(**(fields | changes)).check()
 
 
 def test_hand_made_batch_is_checked():

@@ -10,11 +10,13 @@ import warnings
 import pytest
 import torch
 
-from kvcourse.attention import PagedTorchBackend
+from kvcourse.backends.paged import PagedTorchBackend
+from kvcourse.backends.triton import TritonBackend
 from kvcourse.batch import ForwardBatch, SeqSlice
-from kvcourse.kernels import triton_backend, triton_cache, triton_decode, triton_paged
+from kvcourse.kernels import triton_cache, triton_decode, triton_paged
 from kvcourse.kernels.reference import decode_attention_ref
-from kvcourse.kernels.testing import model_decode_case, paged_from_contiguous, random_paged_case, tolerance
+from kvcourse.kernels.testing import paged_from_contiguous, random_paged_case, tolerance
+from kvcourse.probe import model_decode_case
 from kvcourse.kernels.triton_runtime import (
     KernelFallbackWarning,
     OutOfResources,
@@ -119,7 +121,7 @@ def _copy(store: PagedKVStore) -> PagedKVStore:
 def test_triton_backend_equals_torch_backend_on_a_mixed_step(dtype, no_fallback):
     store, batch, (q, k, v) = _synthetic_step(1, dtype)
     twin = _copy(store)
-    backend = triton_backend.TritonBackend(store, batch)
+    backend = TritonBackend(store, batch)
     got = backend(0, q, k, v)
     want = PagedTorchBackend(twin, batch)(0, q, k, v)
     torch.testing.assert_close(got, want, **tolerance(dtype))
@@ -204,7 +206,7 @@ def test_every_kernel_falls_back(monkeypatch, clean_fallbacks):
     assert torch.equal(k_cache.view(-1, 2, 64)[3], new[0])
     store, batch, (q, k, v) = _synthetic_step(5)
     twin = _copy(store)
-    backend = triton_backend.TritonBackend(store, batch)
+    backend = TritonBackend(store, batch)
     with pytest.warns(KernelFallbackWarning):
         got = backend(0, q, k, v)
     torch.testing.assert_close(got, PagedTorchBackend(twin, batch)(0, q, k, v), rtol=0, atol=0)
@@ -255,7 +257,7 @@ def test_triton_imported_before_kvcourse_gets_a_clear_error():
 
 def test_unknown_backend_lists_triton():
     store, batch, _ = _synthetic_step(0)
-    from kvcourse.attention import paged_backend
+    from kvcourse.backends import paged_backend
 
-    with pytest.raises(ValueError, match=r"backend must be one of \['paged-int8-torch', 'paged-torch', 'triton', 'triton-int8'\], got 'tirton'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \['paged-int8-torch', 'paged-reference', 'paged-torch', 'triton', 'triton-int8'\], got 'tirton'"):
         paged_backend("tirton", store, batch)

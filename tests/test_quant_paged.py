@@ -93,8 +93,8 @@ def test_triton_int8_backend_computes_what_the_torch_int8_backend_does(model, to
     The two backends' attention sums in different orders, so from layer 1 on their K/V differ in the last bits and a
     value at an int8 step boundary could land in the neighbouring bucket; both backends therefore write the K/V the
     torch run computed (pinned, checked to agree to fp32 precision first)."""
-    from kvcourse.compression.paged_int8 import Int8PagedTorchBackend
-    from kvcourse.compression.triton_int8 import TritonInt8Backend
+    from kvcourse.backends.int8 import Int8PagedTorchBackend
+    from kvcourse.backends.triton_int8 import TritonInt8Backend
     from kvcourse.kernels.triton_runtime import fallbacks, reset_fallbacks
 
     pins = KVPins()

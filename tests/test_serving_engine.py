@@ -183,8 +183,8 @@ def test_decode_positions_follow_the_prompt_and_chunks_see_earlier_chunks(tiny, 
     eng = Engine(tiny, num_blocks=32, block_size=4, max_num_batched_tokens=16)
     fed = []
     real_execute = eng.runner.execute
-    monkeypatch.setattr(eng.runner, "execute", lambda work, copies=(), all_logits=False, **kw: (
-        fed.append([(start, len(tokens)) for _, tokens, start in work]), real_execute(work, copies, all_logits, **kw))[1])
+    monkeypatch.setattr(eng.runner, "execute", lambda out, all_logits=False: (
+        fed.append([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]), real_execute(out, all_logits))[1])
     out = eng.generate([prompt], max_new_tokens=4)[0]
     # chunks of 16 from positions 0, 16, 32, 48; then decodes at 50, 51, 52: never off by one
     assert fed == [[(0, 16)], [(16, 16)], [(32, 16)], [(48, 2)], [(50, 1)], [(51, 1)], [(52, 1)]]

@@ -4,8 +4,8 @@
 * :mod:`.quantized_cache` -- :class:`QuantizedKVCache`: per-token and KIVI-style quantized K/V;
 * :mod:`.window` -- :class:`SinkKVCache`: a sliding window as a ring buffer, with attention sinks;
 * :mod:`.dropping` -- :class:`DroppingKVCache`: keep the tokens attention uses (H2O, SnapKV);
-* :mod:`.paged_int8` -- :class:`Int8PagedKVStore`: chapter 4's pool in int8 with per-token scales, and
-  the ``"paged-int8-torch"`` backend of ``model.forward_batch``.
+* :mod:`.paged_int8` -- :class:`Int8PagedKVStore`: chapter 4's pool in int8 with per-token scales (the
+  ``"paged-int8-torch"`` and ``"triton-int8"`` backends of :mod:`kvcourse.backends` run on it).
 
 Every cache here speaks the contiguous-cache protocol (``seq_len``, ``update``), so
 ``model(ids, cache=...)`` and ``kvcourse.generate(..., cache=...)`` run on it unchanged. The window
@@ -14,7 +14,7 @@ and dropping caches also report ``key_positions``: they hold only some of the pa
 
 from .dropping import (DroppingKVCache, compressed_continuation_logits, generate_compressed, prefill, prefill_prompt,
                        select_tokens)
-from .paged_int8 import Int8PagedKVStore, Int8PagedTorchBackend
+from .paged_int8 import Int8PagedKVStore
 from .quantize import FORMATS, QuantizedTensor, dequantize, fake_quantize, quantize
 from .quantized_cache import SCHEMES, QuantizedKVCache
 from .window import SinkKVCache, ring_slot, simulate_window_logits, window_mask
@@ -23,7 +23,6 @@ __all__ = [
     "DroppingKVCache",
     "FORMATS",
     "Int8PagedKVStore",
-    "Int8PagedTorchBackend",
     "QuantizedKVCache",
     "QuantizedTensor",
     "SCHEMES",

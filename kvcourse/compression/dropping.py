@@ -15,7 +15,7 @@ tokens per KV head:
 
 Each KV head chooses its own tokens, so :meth:`DroppingKVCache.key_positions` is ``[B, H_kv, S]``.
 The cache sees attention weights through ``observe_attention``, which the attention backend calls
-for any cache that has it (see :class:`kvcourse.attention.ContiguousBackend`).
+for any cache that has it (see :class:`kvcourse.backends.ContiguousBackend`).
 """
 
 from __future__ import annotations

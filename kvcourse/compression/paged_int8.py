@@ -1,4 +1,4 @@
-"""Chapter 4's paged pool stored in int8, and the torch backend that runs the model on it.
+"""Chapter 4's paged pool stored in int8.
 
 Per layer, vLLM's layout with a scale beside every cached vector, exactly what chapter 5's int8
 kernels write and read (:mod:`kvcourse.kernels.int8`, whose quantizer this module uses):
@@ -10,9 +10,9 @@ kernels write and read (:mod:`kvcourse.kernels.int8`, whose quantizer this modul
 ``-127 .. 127``: no zero point, so a kernel dequantizes with one multiply per value. A token costs
 ``D + 4`` bytes per head instead of ``2 D`` in fp16.
 
-``Int8PagedTorchBackend`` (``model.forward_batch(batch, store, backend="paged-int8-torch")``) quantizes
-each new token as it is written and attends over the dequantized blocks: the reference the kernel
-must equal. With a GPU, ``backend="triton-int8"`` (:mod:`.triton_int8`) writes and decodes through
+The ``"paged-int8-torch"`` backend (:mod:`kvcourse.backends.int8`, ``model.forward_batch(batch, store,
+backend="paged-int8-torch")``) quantizes each new token as it is written and dequantizes what it reads:
+the reference the kernel must equal. With a GPU, ``backend="triton-int8"`` writes and decodes through
 chapter 5's kernels instead.
 """
 
@@ -22,14 +22,12 @@ from collections.abc import Sequence
 
 import torch
 
-from ..attention import PAGED_BACKENDS, PagedTorchBackend
 from ..checks import check_int
 from ..kernels.int8 import dequantize_int8, quantize_int8
-from ..kernels.reference import paged_attention
 from ..paged.kv_store import PagedKVStore
 from ..utils import check_config
 
-__all__ = ["Int8PagedKVStore", "Int8PagedTorchBackend", "dequantize_int8", "quantize_int8"]
+__all__ = ["Int8PagedKVStore", "dequantize_int8", "quantize_int8"]
 
 SCALE_DTYPE = torch.float32  # chapter 5's kernels read fp32 scales
 
@@ -98,40 +96,3 @@ class Int8PagedKVStore(PagedKVStore):
         return (f"Int8PagedKVStore(layers={self.num_layers}, num_blocks={self.num_blocks}, "
                 f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"nbytes={self.nbytes:,})")  # fmt: skip
-
-
-class Int8PagedTorchBackend(PagedTorchBackend):
-    """The paged-torch backend on an :class:`Int8PagedKVStore`: quantize on write, dequantize on read."""
-
-    def __init__(self, kv_pool: Int8PagedKVStore, batch) -> None:
-        if not isinstance(kv_pool, Int8PagedKVStore):
-            raise TypeError(f"backend 'paged-int8-torch' needs an Int8PagedKVStore, got {type(kv_pool).__name__}")
-        super().__init__(kv_pool, batch)
-        self._layer, self._pools = -1, (None, None)
-
-    def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.pool.write_unchecked(layer_idx, self.batch.slot_mapping.to(torch.int64), k, v)
-
-    def _layer_pools(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # The reference dequantizes the layer's pool once per layer and step; a kernel reads codes and scales.
-        if self._layer != layer_idx:
-            self._layer, self._pools = layer_idx, self.pool.dequantized(layer_idx, dtype)
-        return self._pools
-
-    def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = self._layer_pools(layer_idx, q.dtype)
-        lens = self.decode_lens
-        out = paged_attention(q[:, None], (lens.to(torch.int64) - 1)[:, None], k_cache, v_cache, self.decode_tables,
-                              lens, self.scale, self.decode_max_len)  # fmt: skip
-        return out[:, 0]
-
-    def prefill(self, layer_idx: int, q: torch.Tensor, b: int) -> torch.Tensor:
-        k_cache, v_cache = self._layer_pools(layer_idx, q.dtype)
-        lo, hi = self.batch.query_start_loc_host[b], self.batch.query_start_loc_host[b + 1]
-        out = paged_attention(q[None, lo:hi], self.batch.positions[None, lo:hi], k_cache, v_cache,
-                              self.batch.block_tables[b : b + 1], self.batch.seq_lens[b : b + 1], self.scale,
-                              self.batch.seq_lens_host[b])  # fmt: skip
-        return out[0]
-
-
-PAGED_BACKENDS["paged-int8-torch"] = Int8PagedTorchBackend  # model.forward_batch(..., backend="paged-int8-torch")

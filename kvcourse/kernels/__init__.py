@@ -12,7 +12,6 @@ Chapter 5's Triton kernels, each beside the reference it must equal:
 * :mod:`.triton_decode` -- :func:`decode_attention`, one query per sequence on a contiguous cache;
 * :mod:`.triton_paged` -- :func:`paged_decode_attention` through block tables, split-KV, int8 reads;
 * :mod:`.triton_cache` -- :func:`reshape_and_cache`, the K/V write (float and int8);
-* :mod:`.triton_backend` -- the ``"triton"`` attention backend of ``model.forward_batch``;
 * :mod:`.triton_runtime` -- where Triton runs (GPU, or its CPU interpreter), the torch fallback, and
   :func:`kernel_runs`: how every launch ran (compiled, interpreted, or fell back to torch);
 * :mod:`.compile_check` -- the kernels compiled for a T4, an A100 and an H100 without a GPU: registers,
@@ -57,7 +56,6 @@ _TRITON_NAMES = {
     "choose_num_splits": ".triton_paged",
     "reshape_and_cache": ".triton_cache",
     "reshape_and_cache_int8": ".triton_cache",
-    "TritonBackend": ".triton_backend",
     "fallbacks": ".triton_runtime",
     "interpreting": ".triton_runtime",
     "kernel_runs": ".triton_runtime",

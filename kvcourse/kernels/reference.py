@@ -26,8 +26,11 @@ synchronisation per layer.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
+
+from ..checks import check_int
 
 __all__ = [
     "KV_TILE_TOKENS",
@@ -39,6 +42,8 @@ __all__ = [
     "position_masked_attention",
     "repeat_kv",
     "reshape_and_cache_ref",
+    "slot_mapping",
+    "slots_of",
 ]
 
 # Token slots read per step of the tile loop: bounds the K/V workspace whatever the context length.
@@ -434,6 +439,33 @@ def paged_prefill_attention_ref(
             block_tables[b : b + 1], seq_lens[b : b + 1], scale, lens[b],
         )[0]
     return out
+
+
+def slot_mapping(block_table: Sequence[int], positions: Sequence[int] | range, block_size: int) -> list[int]:
+    """The pool slots holding ``positions`` of a sequence with ``block_table``: the one formula.
+
+    ``slot = block_table[pos // block_size] * block_size + pos % block_size``: offset
+    ``pos % block_size`` of the physical block that holds logical block ``pos // block_size``, in a
+    pool viewed as one flat array of ``num_blocks * block_size`` token slots.
+    """
+    check_int("block_size", block_size, min=1)
+    table = list(block_table)
+    limit = len(table) * block_size
+    for pos in positions:
+        if not 0 <= pos < limit:
+            raise ValueError(
+                f"positions must lie in [0, {limit}) for a block table of {len(table)} blocks of {block_size}, "
+                f"got {pos}"
+            )
+    pos = torch.tensor(list(positions), dtype=torch.int64)
+    return slots_of(torch.tensor([table], dtype=torch.int64), torch.zeros_like(pos), pos, block_size).tolist()
+
+
+def slots_of(block_tables: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """:func:`slot_mapping` for many sequences at once, in tensor ops: token ``i`` of sequence
+    ``seq_idx[i]`` at ``positions[i]``, read through ``block_tables [B, M]``. Unchecked."""
+    blocks = block_tables[seq_idx, positions // block_size].to(torch.int64)
+    return blocks * block_size + positions % block_size
 
 
 def reshape_and_cache_ref(

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..batch import slot_mapping
-from .reference import causal_attention
+from .reference import causal_attention, slot_mapping
 
-__all__ = ["PagedCase", "model_decode_case", "paged_from_contiguous", "random_paged_case", "repage", "tolerance"]
+__all__ = ["PagedCase", "paged_from_contiguous", "random_paged_case", "repage", "tolerance"]
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
@@ -205,63 +204,3 @@ def paged_from_contiguous(
         v=v,
         scale=scale,
     )
-
-
-@dataclass
-class ModelDecodeCase:
-    """One layer's real decode step for ``B`` prompts: what the model's attention saw, and what it returned."""
-
-    q: torch.Tensor  # [B, Hq, D]: each prompt's last token's query (RoPE applied)
-    k: torch.Tensor  # [B, Hkv, max(seq_lens), D]: the K of every prompt token, NaN past each prompt's length
-    v: torch.Tensor
-    seq_lens: torch.Tensor  # int32 [B]: prompt lengths
-    out: torch.Tensor  # [B, Hq, D]: the model's own attention output for the last token
-
-
-class _RecordLastToken:
-    """An attention backend around chapter 2's contiguous one that keeps one layer's query and output."""
-
-    def __init__(self, cache, start: int, layer: int) -> None:
-        from ..attention import ContiguousBackend
-
-        self.inner, self.layer = ContiguousBackend(cache, start), layer
-        self.q = self.out = None
-
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = self.inner(layer_idx, q, k, v)
-        if layer_idx == self.layer:
-            self.q, self.out = q[0, -1].clone(), out[0, -1].clone()  # [Hq, D]
-        return out
-
-
-@torch.inference_mode()
-def model_decode_case(model, prompts: Sequence[Sequence[int]], layer: int) -> ModelDecodeCase:
-    """Run each prompt through ``model`` (prefill, then its last token as a decode step) and keep ``layer``'s inputs.
-
-    Real keys, values and queries for the kernels, with the model's own attention output as the answer.
-    """
-    from ..cache import KVCache
-
-    if not 0 <= layer < model.config.num_hidden_layers:
-        raise ValueError(f"layer must lie in [0, {model.config.num_hidden_layers}), got {layer}")
-    if not prompts or any(len(p) < 2 for p in prompts):
-        raise ValueError("prompts must be a non-empty list of token lists, each of 2 tokens or more")
-    qs, ks, vs, outs = [], [], [], []
-    for ids in prompts:
-        cache = KVCache.for_model(model.config, batch_size=1, dtype=model.dtype, device=model.device)
-        model(torch.tensor([list(ids[:-1])], device=model.device), cache=cache)
-        record = _RecordLastToken(cache, cache.seq_len, layer)
-        last = torch.tensor([[ids[-1]]], device=model.device)
-        model.hidden_states(last, torch.tensor([len(ids) - 1], device=model.device), record)
-        qs.append(record.q)
-        outs.append(record.out)
-        ks.append(cache.keys(layer)[0])
-        vs.append(cache.values(layer)[0])
-    s_max = max(len(p) for p in prompts)
-    k = torch.full((len(prompts), *ks[0].shape[:1], s_max, ks[0].shape[-1]), float("nan"), dtype=model.dtype,
-                   device=model.device)  # fmt: skip
-    v = torch.full_like(k, float("nan"))
-    for b, (kb, vb) in enumerate(zip(ks, vs)):
-        k[b, :, : kb.shape[1]], v[b, :, : vb.shape[1]] = kb, vb
-    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=model.device)
-    return ModelDecodeCase(torch.stack(qs), k, v, lens, torch.stack(outs))

@@ -204,8 +204,7 @@ class Engine:
                 m.first_scheduled_time, m.first_scheduled_step = start - self._t0, step
         for seq in out.preempted:
             self._request_of[seq.seq_id].metrics.num_preemptions += 1
-        work = [(s.seq.seq_id, s.token_ids, s.num_computed_tokens) for s in out.scheduled]
-        logits = self.runner.execute(work, out.copies, transfers=out.transfers)
+        logits = self.runner.execute(out)
         self.scheduler.advance(out)
         sampled = self._sample(out, logits)
         finished = self.scheduler.append_tokens(sampled)

@@ -1,17 +1,21 @@
 """The model runner: one step of many sequences on a paged pool.
 
-Given the step's work -- for each scheduled sequence, the tokens it feeds this step -- the runner
+The engine hands it the scheduler's decision for the step, a
+:class:`~kvcourse.serving.SchedulerOutput` whose slots are already reserved, and
+:meth:`ModelRunner.execute`
 
-1. reserves their slots in the :class:`~kvcourse.paged.BlockManager` (copy-on-write copies done on
-   the K/V data right away), all or nothing;
-2. packs them into one :class:`~kvcourse.batch.ForwardBatch`;
+1. moves blocks between the device and host pools, then does the copy-on-write copies;
+2. packs every scheduled sequence's new tokens into one :class:`~kvcourse.batch.ForwardBatch`;
 3. runs the model once: ``model.forward_batch(batch, kv_store, backend)``.
 
 It decides nothing: which sequences run and how many tokens each feeds is the scheduler's job
-(chapter 6). A sequence's work may be its whole prompt, the next chunk of a long prompt, or the one
-token it just generated, all mixed in one step. The engine's scheduler reserves the slots itself
-(it may have to preempt to find them), so the engine calls :meth:`ModelRunner.execute`, which is
-steps 2-3 only.
+(chapter 6). A sequence's share may be its whole prompt, the next chunk of a long prompt, or the one
+token it just generated, all mixed in one step. Without a scheduler (chapters 4-5),
+:meth:`ModelRunner.step` takes ``(seq_id, new_token_ids)`` pairs, reserves their slots itself (all or
+nothing) and runs steps 2-3.
+
+The backend names the pool it needs (:mod:`kvcourse.backends`): ``backend="paged-int8-torch"`` gets
+an int8 pool.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ import time
 
 import torch
 
-from ..attention import PAGED_BACKENDS
+from ..backends import backend_class
 from ..batch import ForwardBatch, SeqSlice
-from ..checks import check_bool, check_choice, check_hashable, check_int, check_token_ids
-from ..paged import (BlockManager, BlockTransfer, CopyOnWrite, NoFreeBlocksError, PagedKVStore,
-                     PrefixCachingBlockManager, allocate_slots, apply_transfers)  # fmt: skip
+from ..checks import check_bool, check_hashable, check_int, check_token_ids
+from ..paged import (BlockManager, BlockTransfer, NoFreeBlocksError, PagedKVStore, PrefixCachingBlockManager,
+                     allocate_slots, apply_transfers)  # fmt: skip
 
 __all__ = ["ModelRunner"]
 
@@ -37,7 +41,8 @@ class ModelRunner:
     Args:
         model: a :class:`~kvcourse.LlamaModel`.
         num_blocks, block_size: the pool.
-        backend: the paged attention backend (``"paged-torch"``; chapter 5 adds ``"triton"``).
+        backend: the paged attention backend (``"paged-torch"``; chapter 5 adds ``"triton"``; see
+            :mod:`kvcourse.backends`), which also decides the kind of pool.
         enable_prefix_caching: the pool is a :class:`~kvcourse.paged.PrefixCachingBlockManager` (chapter 7).
         num_cpu_blocks: a second pool of blocks in host memory, for swapped sequences and (with prefix
             caching) evicted cached blocks (chapter 7). 0: none.
@@ -54,13 +59,15 @@ class ModelRunner:
     ) -> None:
         if not hasattr(model, "forward_batch") or not hasattr(model, "config"):
             raise TypeError(f"model must be a kvcourse.LlamaModel, got {type(model).__name__}")
-        known = {*PAGED_BACKENDS, "triton"}  # "triton" registers itself on first use (kvcourse.attention)
-        check_choice("backend", backend, known)
+        backend_cls = backend_class(backend)
         check_bool("enable_prefix_caching", enable_prefix_caching)
         check_int("num_cpu_blocks", num_cpu_blocks, min=0)
+        if num_cpu_blocks and backend_cls.store_type is not PagedKVStore:
+            raise ValueError(f"num_cpu_blocks needs a float pool (block moves copy K and V only); backend {backend!r} "
+                             f"stores a {backend_cls.store_type.__name__}")  # fmt: skip
         self.model, self.backend = model, backend
         # The pools first: they check that they fit in memory before anything big is built.
-        self.kv_store = PagedKVStore.for_model(model.config, num_blocks, block_size, model.dtype, model.device)
+        self.kv_store = backend_cls.make_store(model.config, num_blocks, block_size, model.dtype, model.device)
         # The host pool: same layout, in CPU memory (on a CPU-only machine both pools share the same DRAM).
         self.host_kv_store = (PagedKVStore.for_model(model.config, num_cpu_blocks, block_size, model.dtype, "cpu")
                               if num_cpu_blocks else None)  # fmt: skip
@@ -115,22 +122,12 @@ class ModelRunner:
         for seq_id in new:
             bm.allocate(seq_id, 0)
         starts = [allocate_slots(bm, self.kv_store, seq_id, len(tokens)) for seq_id, tokens in checked]
-        return self.execute([(seq_id, tokens, start) for (seq_id, tokens), start in zip(checked, starts)],
-                            all_logits=all_logits)  # fmt: skip
+        return self.forward([SeqSlice(tokens, start, bm.block_table(seq_id))
+                             for (seq_id, tokens), start in zip(checked, starts)], all_logits)  # fmt: skip
 
-    def execute(
-        self,
-        work: Sequence[tuple[Hashable, Sequence[int], int]],
-        copies: Sequence[CopyOnWrite] = (),
-        all_logits: bool = False,
-        transfers: Sequence[BlockTransfer] = (),
-    ) -> torch.Tensor:
-        """Run one step whose slots are already reserved in :attr:`block_manager`.
-
-        ``work`` lists ``(seq_id, new_token_ids, num_computed_tokens)``: the new tokens sit at
-        positions ``num_computed_tokens ..``. ``transfers`` are the step's block moves between the
-        device and host pools (swaps, cold prefix blocks), done first and in order; ``copies`` its
-        copy-on-write block copies, done next. Returns logits as :meth:`step` does.
+    def execute(self, out, all_logits: bool = False) -> torch.Tensor:
+        """Run the step the scheduler chose (a :class:`~kvcourse.serving.SchedulerOutput`, its slots
+        reserved): its block moves, its copy-on-write copies, then one forward. Logits as :meth:`step`.
 
         Why transfers first: a copy's ``dst_block`` was free when the scheduler took it, so it may be
         a block that the same step moves to the host (swapped out, or a cached block evicted to the
@@ -140,13 +137,17 @@ class ModelRunner:
         from swap-ins and admissions, which happen after that, only in a step that preempted nobody,
         into blocks no running sequence holds. Tested in ``tests/test_bad_input.py``.
         """
-        if transfers:
-            self.move_blocks(transfers)
-        for cow in copies:
+        if out.transfers:
+            self.move_blocks(out.transfers)
+        for cow in out.copies:
             self.kv_store.copy_block(cow.src_block, cow.dst_block)
-        bm = self.block_manager
-        slices = [SeqSlice(list(tokens), start, bm.block_table(seq_id)) for seq_id, tokens, start in work]
-        batch = ForwardBatch.build(slices, self.block_size, self.kv_store.device)
+        table = self.block_manager.block_table
+        return self.forward([SeqSlice(s.token_ids, s.num_computed_tokens, table(s.seq.seq_id)) for s in out.scheduled],
+                            all_logits)  # fmt: skip
+
+    def forward(self, seqs: Sequence[SeqSlice], all_logits: bool = False) -> torch.Tensor:
+        """Pack ``seqs`` (slots reserved, K/V of earlier tokens in the pool) into one batch and run it."""
+        batch = ForwardBatch.build(seqs, self.block_size, self.kv_store.device)
         return self.model.forward_batch(batch, self.kv_store, self.backend, all_logits=all_logits)
 
     def move_blocks(self, transfers: Sequence[BlockTransfer]) -> None:

@@ -1,14 +1,12 @@
-"""The ``"triton"`` attention backend: the real model's decode steps through chapter 5's kernels.
+"""The ``"triton"`` backend: the real model's cache writes and decode steps through chapter 5's kernels.
 
-``model.forward_batch(batch, kv_pool, backend="triton")`` (and ``ModelRunner(..., backend="triton")``)
-builds one :class:`TritonBackend` per step. It is :class:`~kvcourse.attention.PagedTorchBackend` with two
-of its three operations replaced:
+:class:`~kvcourse.backends.paged.PagedTorchBackend` with two of its three operations replaced:
 
-* ``write_kv``: the new tokens' K/V go to their slots through :func:`~.triton_cache.reshape_and_cache`;
+* ``write_kv``: the new tokens' K/V go to their slots through :func:`~kvcourse.kernels.triton_cache.reshape_and_cache`;
 * ``decode``: the sequences with one new token attend through the paged kernel
-  (:func:`~.triton_paged.paged_decode`), with the number of KV splits chosen once per step;
-* ``prefill`` (a prompt, or a chunk of one) stays the torch varlen reference: a prefill is
-  compute-bound matrix multiplication, a different kernel (FlashAttention's), outside this chapter.
+  (:func:`~kvcourse.kernels.triton_paged.paged_decode`), with the number of KV splits chosen once per step;
+* ``prefill`` (a prompt, or a chunk of one) stays torch's SDPA: a prefill is compute-bound matrix
+  multiplication, a different kernel (FlashAttention's), outside chapter 5.
 
 The step's metadata was validated when the :class:`~kvcourse.batch.ForwardBatch` was built, so the
 kernels launch without checks and without asking the device for anything.
@@ -24,16 +22,18 @@ from collections import Counter
 
 import torch
 
-from ..attention import PagedTorchBackend
-from .triton_cache import reshape_and_cache
-from .triton_paged import choose_num_splits, num_sms, paged_decode
-from .triton_runtime import check_kernel_device, counting_runs, launch_or_fallback
+from ..kernels.triton_cache import reshape_and_cache
+from ..kernels.triton_paged import choose_num_splits, num_sms, paged_decode
+from ..kernels.triton_runtime import check_kernel_device, counting_runs, launch_or_fallback
+from . import register
+from .paged import PagedTorchBackend
 
-__all__ = ["TritonBackend"]
+__all__ = ["KernelSteps", "TritonBackend"]
 
 
-class TritonBackend(PagedTorchBackend):
-    """A ragged batch on a paged pool, written and decoded by Triton kernels (prefill in torch)."""
+class KernelSteps:
+    """What the Triton backends add to a torch one: a kernel device check, the step's KV split
+    count, and the count of how each kernel ran."""
 
     def __init__(self, kv_pool, batch) -> None:
         super().__init__(kv_pool, batch)
@@ -41,9 +41,18 @@ class TritonBackend(PagedTorchBackend):
         self.runs: Counter = Counter()  # (kernel, how it ran) -> launches, this step
         self.num_splits = 1
         if self.decode_seqs:
-            device = kv_pool.k_cache[0].device
             self.num_splits = choose_num_splits(len(self.decode_seqs), kv_pool.num_kv_heads, self.decode_max_len,
-                                                num_sms(device))  # fmt: skip
+                                                num_sms(kv_pool.k_cache[0].device))  # fmt: skip
+
+    @property
+    def fell_back(self) -> list[str]:
+        """The kernels that could not compile in this step (the torch reference computed their results)."""
+        return sorted({kernel for kernel, how in self.runs if how == "fallback"})
+
+
+@register("triton")
+class TritonBackend(KernelSteps, PagedTorchBackend):
+    """A ragged batch on a paged pool, written and decoded by Triton kernels (prefill in torch)."""
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
@@ -60,10 +69,5 @@ class TritonBackend(PagedTorchBackend):
                 "paged_decode_attention", q.device, config,
                 lambda: paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens, self.scale,
                                      self.num_splits),
-                lambda: super(TritonBackend, self).decode(layer_idx, q),
+                lambda: PagedTorchBackend.decode(self, layer_idx, q),
             )  # fmt: skip
-
-    @property
-    def fell_back(self) -> list[str]:
-        """The kernels that could not compile in this step (the torch reference computed their results)."""
-        return sorted({kernel for kernel, how in self.runs if how == "fallback"})

@@ -1,0 +1,206 @@
+"""Paged attention in torch: a ragged step of many sequences on chapter 4's block pool.
+
+A serving step mixes sequences that decode one token with prompts (or chunks of prompts) that feed
+many. Per layer a paged backend does three things, each a method a faster backend may replace:
+
+1. ``write_kv`` -- scatter the new tokens' K/V into their pool slots (vLLM's ``reshape_and_cache``);
+2. ``decode`` -- the one-token sequences attend, all together;
+3. ``prefill`` -- the prompt rows attend, all together.
+
+Everything that depends only on the step -- which rows decode, which slots each query reads, the
+masks -- is computed once, when the backend is built (once per forward), never once per layer.
+
+Two backends here:
+
+* ``"paged-torch"`` (:class:`PagedTorchBackend`, the default): per layer, one gather of the blocks
+  the step reads, then :func:`torch.nn.functional.scaled_dot_product_attention` -- a fused kernel on
+  the CPU as on a GPU, reading each KV head once for its group of query heads;
+* ``"paged-reference"`` (:class:`PagedReferenceBackend`): the plain references of
+  :mod:`kvcourse.kernels.reference`, a tile of blocks at a time, one prefill at a time. Slow and
+  obviously right: what every other paged backend is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..batch import ForwardBatch
+from ..kernels.reference import compute_dtype, paged_attention, reshape_and_cache_ref
+from ..paged.kv_store import PagedKVStore
+from . import register
+
+__all__ = ["PagedBackend", "PagedReferenceBackend", "PagedTorchBackend"]
+
+
+class PagedBackend:
+    """What every paged backend shares: the store it needs, the split of the step, the layer loop.
+
+    Subclasses implement :meth:`decode` and :meth:`prefill` (and may replace :meth:`write_kv`).
+    """
+
+    name = "paged"
+    store_type: type = PagedKVStore  # the pool this backend reads and writes
+
+    @classmethod
+    def make_store(cls, config, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> PagedKVStore:
+        """A pool of this backend's kind for a model with ``config``."""
+        return cls.store_type.for_model(config, num_blocks, block_size, dtype, device)
+
+    def __init__(self, kv_pool, batch: ForwardBatch) -> None:
+        if not isinstance(batch, ForwardBatch):
+            raise TypeError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
+        if not isinstance(kv_pool, self.store_type):
+            raise TypeError(
+                f"backend {self.name!r} needs a {self.store_type.__name__}, got {type(kv_pool).__name__}"
+            )
+        self.pool, self.batch = kv_pool, batch
+        self.scale = 1.0 / math.sqrt(kv_pool.head_dim)
+        qsl, lens = batch.query_start_loc_host, batch.seq_lens_host
+        self.decode_seqs = [b for b in range(batch.num_seqs) if qsl[b + 1] - qsl[b] == 1]
+        self.prefill_seqs = [b for b in range(batch.num_seqs) if qsl[b + 1] - qsl[b] > 1]
+        self.all_decode = len(self.decode_seqs) == batch.num_seqs
+        device = batch.input_ids.device
+        idx = torch.tensor(self.decode_seqs, dtype=torch.int64, device=device)
+        self.decode_rows = batch.query_start_loc[:-1].to(torch.int64)[idx]  # each decode's row in the batch
+        self.decode_tables = batch.block_tables[idx]
+        self.decode_lens = batch.seq_lens[idx]
+        self.decode_max_len = max((lens[b] for b in self.decode_seqs), default=0)
+        rows = [r for b in self.prefill_seqs for r in range(qsl[b], qsl[b + 1])]
+        self.prefill_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = q[0], k[0], v[0]  # the batch is one packed row: [N, H, D]
+        self.write_kv(layer_idx, k, v)
+        if self.all_decode:  # the common serving step: one token per sequence, rows in order
+            return self.decode(layer_idx, q)[None]
+        out = torch.empty_like(q)
+        if self.decode_seqs:
+            out[self.decode_rows] = self.decode(layer_idx, q[self.decode_rows])
+        out[self.prefill_rows] = self.prefill(layer_idx, q)
+        return out[None]
+
+    def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Scatter the new tokens' K/V into their slots (the batch was checked: no per-layer checks)."""
+        k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
+        reshape_and_cache_ref(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache,
+                              self.batch.slot_mapping, check=False)  # fmt: skip
+
+    def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """The decoding sequences' queries ``[Bd, Hq, D]`` -> their outputs ``[Bd, Hq, D]``."""
+        raise NotImplementedError
+
+    def prefill(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """Every query of the step ``[N, Hq, D]`` -> the outputs of the prefill rows, in order."""
+        raise NotImplementedError
+
+
+@register("paged-reference")
+class PagedReferenceBackend(PagedBackend):
+    """The plain torch references, read through the block tables: slow, obviously right."""
+
+    def layer_pool(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s K and V pools as the reference reads them."""
+        return self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
+
+    def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.layer_pool(layer_idx, q.dtype)
+        lens = self.decode_lens
+        return paged_attention(q[:, None], (lens.to(torch.int64) - 1)[:, None], k_cache, v_cache,
+                               self.decode_tables, lens, self.scale, self.decode_max_len)[:, 0]  # fmt: skip
+
+    def prefill(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.layer_pool(layer_idx, q.dtype)
+        batch, qsl, outs = self.batch, self.batch.query_start_loc_host, []
+        for b in self.prefill_seqs:  # one sequence at a time: the reference favours clarity
+            lo, hi = qsl[b], qsl[b + 1]
+            outs.append(paged_attention(q[None, lo:hi], batch.positions[None, lo:hi], k_cache, v_cache,
+                                        batch.block_tables[b : b + 1], batch.seq_lens[b : b + 1], self.scale,
+                                        batch.seq_lens_host[b])[0])  # fmt: skip
+        return torch.cat(outs)
+
+
+@register("paged-torch")
+class PagedTorchBackend(PagedBackend):
+    """Gather the blocks the step reads, once per layer, and attend with one fused SDPA call per group.
+
+    Per step (here, in ``__init__``): for the decodes, the ``[Bd, M]`` blocks of their tables (``M``
+    blocks hold the longest context) and a key mask for the shorter ones and the last block's unused
+    slots; for the prefill rows, the same ``[Bp, M]`` blocks, the queries padded to ``[Bp, T]`` (``T``
+    the longest chunk) and a causal mask built from positions. Per layer: one ``index_select`` of
+    whole blocks per K and V -- the only copy, ``block_size`` tokens a row -- then SDPA, which groups
+    the query heads of each KV head itself (``enable_gqa``), so K and V are never repeated per head.
+    """
+
+    def __init__(self, kv_pool, batch) -> None:
+        super().__init__(kv_pool, batch)
+        lens = torch.tensor(batch.seq_lens_host, dtype=torch.int64, device=self.decode_rows.device)
+        if self.decode_seqs:
+            d = torch.tensor(self.decode_seqs, dtype=torch.int64, device=lens.device)
+            self.decode_blocks, key_ok = self._blocks(d, lens[d], self.decode_max_len)
+            # Every decode sees its whole context: mask only the padding of the shorter ones.
+            self.decode_mask = None if bool(key_ok.all()) else key_ok[:, None, None, :]
+            self.decode_padding = (~key_ok).flatten().nonzero().flatten()
+        if self.prefill_seqs:
+            self._prepare_prefill(lens)
+
+    def _blocks(self, seqs: torch.Tensor, lens: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks holding positions ``0 .. max_len-1`` of ``seqs``, ``[B * M]`` (a table's padding
+        reads block 0), and which of their ``M * block_size`` slots are real, ``[B, M * block_size]``."""
+        bs = self.batch.block_size
+        m = -(-max_len // bs)
+        key_ok = torch.arange(m * bs, device=lens.device)[None, :] < lens[:, None]
+        return self.batch.block_tables[seqs, :m].to(torch.int64).clamp_min(0).flatten(), key_ok
+
+    def _prepare_prefill(self, lens: torch.Tensor) -> None:
+        batch, qsl = self.batch, self.batch.query_start_loc_host
+        p = torch.tensor(self.prefill_seqs, dtype=torch.int64, device=lens.device)
+        q_lens = torch.tensor([qsl[b + 1] - qsl[b] for b in self.prefill_seqs], device=lens.device)
+        self.prefill_t = int(q_lens.max())
+        max_len = max(batch.seq_lens_host[b] for b in self.prefill_seqs)
+        self.prefill_blocks, key_ok = self._blocks(p, lens[p], max_len)
+        self.prefill_padding = (~key_ok).flatten().nonzero().flatten()
+        # Queries padded to [Bp, T]: a padding row repeats its sequence's first row (its output is dropped).
+        t = torch.arange(self.prefill_t, device=lens.device)
+        self.prefill_q_ok = (t[None, :] < q_lens[:, None]).flatten()
+        first = batch.query_start_loc[:-1].to(torch.int64)[p]
+        self.prefill_q_rows = (first[:, None] + torch.where(t[None, :] < q_lens[:, None], t[None, :], 0)).flatten()
+        q_pos = batch.positions[self.prefill_q_rows].view(len(p), self.prefill_t)
+        k_pos = torch.arange(key_ok.shape[1], device=lens.device)
+        self.prefill_mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]  # [Bp, T, S]
+        self.prefill_mask = self.prefill_mask[:, None]  # [Bp, 1, T, S]: one mask for every head
+
+    def read_kv(self, layer_idx: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``blocks`` from layer ``layer_idx``'s pool, ``[n, block_size, Hkv, D]`` in ``dtype``."""
+        return (self.pool.k_cache[layer_idx].index_select(0, blocks).to(dtype),
+                self.pool.v_cache[layer_idx].index_select(0, blocks).to(dtype))  # fmt: skip
+
+    def attend(self, layer_idx: int, q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor | None,
+               padding: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """``q [B, T, Hq, D]`` against the K/V of ``blocks [B * M]`` (M per sequence) -> ``[B, T, Hq, D]``.
+
+        ``padding``: the gathered slots past each sequence's length, masked out of the softmax. They
+        may hold anything (a freed sequence's K/V, NaN in the tests), and a masked weight of 0 times
+        NaN is still NaN: so they are zeroed in the gathered copy first, as a kernel never loads them.
+        """
+        b = q.shape[0]
+        cdt = compute_dtype(q.dtype) if q.dtype == torch.float64 else q.dtype
+        k, v = self.read_kv(layer_idx, blocks, cdt)
+        if padding.numel():
+            k.view(-1, *k.shape[2:]).index_fill_(0, padding, 0.0)
+            v.view(-1, *v.shape[2:]).index_fill_(0, padding, 0.0)
+        k = k.view(b, -1, *k.shape[2:]).transpose(1, 2)  # [B, Hkv, M * block_size, D], a view
+        v = v.view(b, -1, *v.shape[2:]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2).to(cdt), k, v, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=True)  # fmt: skip
+        return out.transpose(1, 2).to(q.dtype)
+
+    def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        return self.attend(layer_idx, q[:, None], self.decode_blocks, self.decode_mask, self.decode_padding)[:, 0]
+
+    def prefill(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        padded = q[self.prefill_q_rows].view(-1, self.prefill_t, *q.shape[1:])
+        out = self.attend(layer_idx, padded, self.prefill_blocks, self.prefill_mask, self.prefill_padding)
+        return out.flatten(0, 1)[self.prefill_q_ok]
