@@ -5,7 +5,7 @@ Embedding -> N x [RMSNorm -> GQA attention with RoPE -> residual -> RMSNorm -> S
 ``modeling_llama.py`` so that weights map one to one.
 
 What makes this a *course* model is where attention goes. Every layer hands its new
-tokens' Q, K and V (RoPE applied) to an **attention backend** (:mod:`kvcourse.attention`) and
+tokens' Q, K and V (RoPE applied) to an **attention backend** (:mod:`kvcourse.backends`) and
 knows nothing about caches. Two entry points choose the backend:
 
 * ``model(input_ids, cache=None)`` -- chapters 1-2: ``[B, T]`` tokens of equal-length sequences.
