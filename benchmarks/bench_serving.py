@@ -79,14 +79,29 @@ def run_static(model, prompts, params, batch_size) -> dict:
     return out
 
 
+def load_hf():
+    """Hugging Face's copy of the same weights (read from the same GGUF, offline), in fp32."""
+    import transformers
+
+    path = kvcourse.gguf_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return hf.eval()
+
+
+def left_padded(prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of one batch, prompts padded on the left with token 0."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return input_ids, mask
+
+
 def run_hf(prompts, output_lens, batch_size) -> dict:
     """Hugging Face ``generate`` on left-padded batches; per-token times from a streamer."""
     import transformers
     from transformers.generation.streamers import BaseStreamer
 
-    path = kvcourse.gguf_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    hf.eval()
+    hf = load_hf()
 
     class Clock(BaseStreamer):
         def __init__(self):
@@ -102,9 +117,7 @@ def run_hf(prompts, output_lens, batch_size) -> dict:
     t0 = time.perf_counter()
     for first in range(0, len(prompts), batch_size):
         batch = range(first, min(first + batch_size, len(prompts)))
-        width = max(len(prompts[i]) for i in batch)
-        input_ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in batch])
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch])
+        input_ids, mask = left_padded([prompts[i] for i in batch])
         longest = max(output_lens[i] for i in batch)
         clock = Clock()
         config = transformers.GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
