@@ -62,8 +62,13 @@ def summary(metrics: list[RequestMetrics]) -> dict:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}
 
 
+def pool_blocks(prompts, output_lens, block_size: int = 16) -> int:
+    """Blocks for every request of the workload at once: no request ever waits for memory."""
+    return sum(-(-(len(p) + n) // block_size) for p, n in zip(prompts, output_lens))
+
+
 def run_engine(model, prompts, params, batch_size, chunked: bool) -> dict:
-    blocks = sum(-(-(len(p) + sp.max_new_tokens) // 16) for p, sp in zip(prompts, params))
+    blocks = pool_blocks(prompts, [sp.max_new_tokens for sp in params])
     eng = Engine(model, num_blocks=blocks, block_size=16, max_num_seqs=batch_size,
                  max_num_batched_tokens=256 if chunked else None, enable_chunked_prefill=chunked)  # fmt: skip
     eng.generate(prompts, params, use_tqdm=False)
