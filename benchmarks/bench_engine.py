@@ -323,9 +323,9 @@ def under_neighbour(model, hf, prompts, lens, args) -> dict:
 # ---- the report ----------------------------------------------------------------------------------------
 
 
-def flag(entry: dict) -> str:
-    """`` (noisy)`` when a median had no quiet repeat to come from."""
-    return " (noisy)" if entry["noisy"] else ""
+def num(entry: dict, scale: float = 1.0, fmt: str = ".0f", unit: str = "") -> str:
+    """A median, marked ``(noisy)`` when it had no quiet repeat to come from."""
+    return f"{entry['median'] * scale:{fmt}}{unit}" + (" (noisy)" if entry["noisy"] else "")
 
 
 def table(res: dict) -> list[tuple[str, str, str]]:
@@ -333,23 +333,23 @@ def table(res: dict) -> list[tuple[str, str, str]]:
     v, s, b, a = res.get("varied"), res["short"], res["batch_one"], res["attention"]
     if v and "hf_cb" in v:
         rows.append(("engine / HF continuous batching, varied trace (tok/s)",
-                     f"{v['engine_over_hf']:.2f} ({v['engine']['tok_s']['median']:.0f} vs {v['hf_cb']['tok_s']['median']:.0f}"
-                     f"{flag(v['engine']['tok_s'])}{flag(v['hf_cb']['tok_s'])}; {v['mismatching_requests']} differ)", "> 1"))  # fmt: skip
+                     f"{v['engine_over_hf']:.2f} ({num(v['engine']['tok_s'])} vs {num(v['hf_cb']['tok_s'])}; "
+                     f"{v['mismatching_requests']} differ)", "> 1"))  # fmt: skip
     if "hf_padded" in s:
-        rows.append((f"engine / HF padded batch, {len(s['engine']['outputs'])} short (tok/s)",
-                     f"{s['engine_over_hf']:.2f} ({s['engine']['tok_s']['median']:.0f} vs {s['hf_padded']['tok_s']['median']:.0f}"
-                     f"{flag(s['hf_padded']['tok_s'])}; {s['mismatching_requests']} differ)", "> 1"))  # fmt: skip
+        rows.append((f"engine / HF padded batch, {res['sizes']['short']} short (tok/s)",
+                     f"{s['engine_over_hf']:.2f} ({num(s['engine']['tok_s'])} vs {num(s['hf_padded']['tok_s'])}; "
+                     f"{s['mismatching_requests']} differ)", "> 1"))  # fmt: skip
     rows.append(("engine batch 1 / kvcourse.generate, time per token",
-                 f"{b['engine_over_generate']:.3f} ({b['engine']['s_per_token']['median'] * 1e3:.1f} vs "
-                 f"{b['generate']['s_per_token']['median'] * 1e3:.1f} ms{flag(b['engine']['s_per_token'])})", "<= 1.05"))  # fmt: skip
+                 f"{b['engine_over_generate']:.3f} ({num(b['engine']['s_per_token'], 1e3, '.1f')} vs "
+                 f"{num(b['generate']['s_per_token'], 1e3, '.1f')} ms)", "<= 1.05"))  # fmt: skip
     for backend, target in (("paged-torch", "<= 15%"), ("paged-reference", "(comparison)")):
         x = a[backend]
         rows.append((f"attention share of a batch-{res['sizes']['attn_seqs']} decode step, {backend}",
-                     f"{x['share']['median']:.1%} ({x['attention_ms']['median']:.1f} of {x['step_ms']['median']:.1f} ms"
-                     f"{flag(x['share'])})", target))  # fmt: skip
-    rows.append((f"engine / one at a time, {len(s['engine']['outputs'])} requests (tok/s)",
-                 f"{s['engine_over_one_at_a_time']:.2f} ({s['engine']['tok_s']['median']:.0f} vs "
-                 f"{s['one_at_a_time']['tok_s']['median']:.0f})", ">= 4"))  # fmt: skip
+                     f"{num(x['share'], 100, '.1f', '%')} ({x['attention_ms']['median']:.1f} of {x['step_ms']['median']:.1f} ms)",
+                     target))  # fmt: skip
+    rows.append((f"engine / one at a time, {res['sizes']['short']} requests (tok/s)",
+                 f"{s['engine_over_one_at_a_time']:.2f} ({num(s['engine']['tok_s'])} vs {num(s['one_at_a_time']['tok_s'])})",
+                 ">= 4"))  # fmt: skip
     n = res.get("neighbour")
     if n:
         hf = f" / HF {n['hf_cb_slowdown']:.2f}x" if "hf_cb_slowdown" in n else ""
@@ -417,7 +417,9 @@ def main() -> None:
     prompts, lens = make_workload(tok, size.requests, args.seed)
     if size.max_new:
         lens = [min(n, size.max_new) for n in lens]
-    short = [p[: size.short_new] for p in make_workload(tok, size.short, args.seed)[0]]
+    # (2) and (5): the trace's first prompts, cut short (from a longer trace of the same seed if needed).
+    first = prompts if len(prompts) >= size.short else make_workload(tok, size.short, args.seed)[0]
+    short = [p[: size.short_new] for p in first[: size.short]]
     single = tok.encode(TEXT * 2)[: size.single_prompt]
     res = {
         **machine_info(), "cores": os.cpu_count(), "python": platform.python_version(), "note": args.note,
