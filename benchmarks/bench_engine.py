@@ -263,7 +263,8 @@ def varied_trace(model, hf, prompts, lens, args, pids=()) -> dict:
 
 
 def short_batch(model, hf, prompts, new, args) -> dict:
-    sec = {"engine": repeat(lambda: run_engine(model, prompts, [new] * len(prompts)), args.repeats, args.noise_threshold),
+    lens = [new] * len(prompts)
+    sec = {"engine": repeat(lambda: run_engine(model, prompts, lens), args.repeats, args.noise_threshold),
            "one_at_a_time": repeat(lambda: run_one_at_a_time(model, prompts, new), args.repeats, args.noise_threshold)}  # fmt: skip
     sec["engine_over_one_at_a_time"] = ratio(sec["engine"], sec["one_at_a_time"])
     if hf is not None:
@@ -345,16 +346,16 @@ def table(res: dict) -> list[tuple[str, str, str]]:
     for backend, target in (("paged-torch", "<= 15%"), ("paged-reference", "(comparison)")):
         x = a[backend]
         rows.append((f"attention share of a batch-{res['sizes']['attn_seqs']} decode step, {backend}",
-                     f"{num(x['share'], 100, '.1f', '%')} ({x['attention_ms']['median']:.1f} of {x['step_ms']['median']:.1f} ms)",
-                     target))  # fmt: skip
+                     f"{num(x['share'], 100, '.1f', '%')} ({x['attention_ms']['median']:.1f} of "
+                     f"{x['step_ms']['median']:.1f} ms)", target))  # fmt: skip
     rows.append((f"engine / one at a time, {res['sizes']['short']} requests (tok/s)",
-                 f"{s['engine_over_one_at_a_time']:.2f} ({num(s['engine']['tok_s'])} vs {num(s['one_at_a_time']['tok_s'])})",
-                 ">= 4"))  # fmt: skip
+                 f"{s['engine_over_one_at_a_time']:.2f} ({num(s['engine']['tok_s'])} vs "
+                 f"{num(s['one_at_a_time']['tok_s'])})", ">= 4"))  # fmt: skip
     n = res.get("neighbour")
     if n:
         hf = f" / HF {n['hf_cb_slowdown']:.2f}x" if "hf_cb_slowdown" in n else ""
-        rows.append(("slowdown under a 2-thread neighbour (loaded time / quiet)", f"engine {n['engine_slowdown']:.2f}x{hf}",
-                     "(report)"))  # fmt: skip
+        rows.append(("slowdown under a 2-thread neighbour (loaded time / quiet)",
+                     f"engine {n['engine_slowdown']:.2f}x{hf}", "(report)"))  # fmt: skip
     return rows
 
 
@@ -396,8 +397,10 @@ def warm_up(model, hf) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=None, help="requests in the varied trace (default 64; 6 with --quick)")
-    parser.add_argument("--repeats", type=int, default=None, help="repeats of every measurement (default 3; 1 with --quick)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests in the varied trace (default 64; 6 with --quick)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="repeats of every measurement (default 3; 1 with --quick)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--noise-threshold", type=float, default=0.15,
