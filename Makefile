@@ -12,7 +12,7 @@ CHAPTERS  := $(sort $(wildcard book/[0-9][0-9]_*.ipynb))
 STUDENT_COPIES = $(PY) -m kvcourse.instructor student book --out
 export PYTHONHASHSEED := 0
 
-.PHONY: setup book published check-book sync-notebooks test unit nbval other-cpu notebooks bench student clean help test-kernels-native compile-report gpu-check
+.PHONY: setup book published check-book sync-notebooks test unit nbval other-cpu notebooks bench bench-engine student clean help test-kernels-native compile-report gpu-check
 
 help:
 	@echo "make setup      create .venv with kvcourse, its dev tools and the SmolLM2 weights"
@@ -23,7 +23,8 @@ help:
 	@echo "make test-kernels-native  compile chapter 5's kernels for sm_75/80/90 over the full configuration sweep (no GPU needed)"
 	@echo "make compile-report       the same sweep, written to benchmarks/results/compile-report-<date>.json"
 	@echo "make gpu-check  on a CUDA GPU: kernel tests compiled, model/engine tests on cuda, kernel benchmark, chapters 5-7 (exit 3 without a GPU)"
-	@echo "make bench      benchmarks: CPU decode (ours vs Hugging Face, naive vs cached), batched decode, serving, prefix caching, offloading, compressed caches; GPU kernels if a GPU is present"
+	@echo "make bench      benchmarks: CPU decode (ours vs Hugging Face, naive vs cached), batched decode, serving, the engine, prefix caching, offloading, compressed caches; GPU kernels if a GPU is present"
+	@echo "make bench-engine  the engine against Hugging Face's continuous batching and generate, batch 1, attention's share of a step, under a neighbour (issue 17)"
 	@echo "make student    student copies of the notebooks, solutions removed, in _build/student"
 	@echo "make check-book build the book and open every page in headless Chromium (screenshots in _build/screenshots)"
 	@echo "make published  reader and student copies for Colab in _build/published (make book runs it)"
@@ -97,10 +98,15 @@ bench: setup
 	$(PY) benchmarks/bench_decode.py --json benchmarks/results/cpu-decode-$$(date +%F).json
 	$(PY) benchmarks/bench_batch.py --json benchmarks/results/cpu-batch-$$(date +%F).json
 	$(PY) benchmarks/bench_serving.py --json benchmarks/results/cpu-serving-$$(date +%F).json
+	$(PY) benchmarks/bench_engine.py --json benchmarks/results/cpu-engine-$$(date +%F).json
 	$(PY) benchmarks/bench_prefix.py --json benchmarks/results/cpu-prefix-$$(date +%F).json
 	$(PY) benchmarks/bench_offload.py --json benchmarks/results/cpu-offload-$$(date +%F).json
 	$(PY) -m kvcourse.bench kernels
 	$(PY) benchmarks/bench_compression.py --json benchmarks/results/cpu-compression-$$(date +%F).json
+
+# The engine's own benchmark (issue 17): every ratio from one run, repeats on a busy machine marked noisy.
+bench-engine: setup
+	$(PY) benchmarks/bench_engine.py --json benchmarks/results/cpu-engine-$$(date +%F).json
 
 # Chapter 5's kernels compiled for a T4, an A100 and an H100 on this machine (no GPU needed): compile errors,
 # shared memory over the limit and register spills fail it. `make test` runs the quick subset.

@@ -62,8 +62,13 @@ def summary(metrics: list[RequestMetrics]) -> dict:
     return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}
 
 
+def pool_blocks(prompts, output_lens, block_size: int = 16) -> int:
+    """Blocks for every request of the workload at once: no request ever waits for memory."""
+    return sum(-(-(len(p) + n) // block_size) for p, n in zip(prompts, output_lens))
+
+
 def run_engine(model, prompts, params, batch_size, chunked: bool) -> dict:
-    blocks = sum(-(-(len(p) + sp.max_new_tokens) // 16) for p, sp in zip(prompts, params))
+    blocks = pool_blocks(prompts, [sp.max_new_tokens for sp in params])
     eng = Engine(model, num_blocks=blocks, block_size=16, max_num_seqs=batch_size,
                  max_num_batched_tokens=256 if chunked else None, enable_chunked_prefill=chunked)  # fmt: skip
     eng.generate(prompts, params, use_tqdm=False)
@@ -79,14 +84,29 @@ def run_static(model, prompts, params, batch_size) -> dict:
     return out
 
 
+def load_hf():
+    """Hugging Face's copy of the same weights (read from the same GGUF, offline), in fp32."""
+    import transformers
+
+    path = kvcourse.gguf_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return hf.eval()
+
+
+def left_padded(prompts) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of one batch, prompts padded on the left with token 0."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return input_ids, mask
+
+
 def run_hf(prompts, output_lens, batch_size) -> dict:
     """Hugging Face ``generate`` on left-padded batches; per-token times from a streamer."""
     import transformers
     from transformers.generation.streamers import BaseStreamer
 
-    path = kvcourse.gguf_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    hf.eval()
+    hf = load_hf()
 
     class Clock(BaseStreamer):
         def __init__(self):
@@ -102,9 +122,7 @@ def run_hf(prompts, output_lens, batch_size) -> dict:
     t0 = time.perf_counter()
     for first in range(0, len(prompts), batch_size):
         batch = range(first, min(first + batch_size, len(prompts)))
-        width = max(len(prompts[i]) for i in batch)
-        input_ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in batch])
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch])
+        input_ids, mask = left_padded([prompts[i] for i in batch])
         longest = max(output_lens[i] for i in batch)
         clock = Clock()
         config = transformers.GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
