@@ -335,11 +335,11 @@ def table(res: dict) -> list[tuple[str, str, str]]:
     if v and "hf_cb" in v:
         rows.append(("engine / HF continuous batching, varied trace (tok/s)",
                      f"{v['engine_over_hf']:.2f} ({num(v['engine']['tok_s'])} vs {num(v['hf_cb']['tok_s'])}; "
-                     f"{v['mismatching_requests']} differ)", "> 1"))  # fmt: skip
+                     f"{v['mismatching_requests']} differ)", ">= 1.4"))  # fmt: skip
     if "hf_padded" in s:
         rows.append((f"engine / HF padded batch, {res['sizes']['short']} short (tok/s)",
                      f"{s['engine_over_hf']:.2f} ({num(s['engine']['tok_s'])} vs {num(s['hf_padded']['tok_s'])}; "
-                     f"{s['mismatching_requests']} differ)", "> 1"))  # fmt: skip
+                     f"{s['mismatching_requests']} differ)", ">= 1.0"))  # fmt: skip
     rows.append(("engine batch 1 / kvcourse.generate, time per token",
                  f"{b['engine_over_generate']:.3f} ({num(b['engine']['s_per_token'], 1e3, '.1f')} vs "
                  f"{num(b['generate']['s_per_token'], 1e3, '.1f')} ms)", "<= 1.05"))  # fmt: skip
@@ -380,10 +380,10 @@ def targets(res: dict) -> dict:
     }
     if "varied" in res and "engine_over_hf" in res["varied"]:
         t["engine_over_hf_cb"] = round(res["varied"]["engine_over_hf"], 3)
-        t["engine_ahead_of_hf_cb"] = res["varied"]["engine_over_hf"] > 1
+        t["engine_1_4x_hf_cb"] = res["varied"]["engine_over_hf"] >= 1.4  # issue 17's target
     if "engine_over_hf" in s:
         t["engine_over_hf_padded_16"] = round(s["engine_over_hf"], 3)
-        t["engine_ahead_of_hf_padded_16"] = s["engine_over_hf"] > 1
+        t["engine_at_least_hf_padded_16"] = s["engine_over_hf"] >= 1.0
     return t
 
 
