@@ -52,7 +52,8 @@ class PagedBackend:
     def __init__(self, kv_pool, batch: ForwardBatch) -> None:
         if not isinstance(batch, ForwardBatch):
             raise TypeError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
-        if type(kv_pool) is not self.store_type:  # exact: an int8 store is a PagedKVStore too, read differently
+        # The format too: an int8 store is a PagedKVStore subclass, but its blocks hold codes, not floats.
+        if not isinstance(kv_pool, self.store_type) or kv_pool.format != self.store_type.format:
             raise TypeError(
                 f"backend {self.name!r} needs a {self.store_type.__name__}, got {type(kv_pool).__name__}"
             )

@@ -35,6 +35,8 @@ SCALE_DTYPE = torch.float32  # chapter 5's kernels read fp32 scales
 class Int8PagedKVStore(PagedKVStore):
     """A :class:`~kvcourse.paged.PagedKVStore` whose blocks hold int8 codes and per-token, per-head scales."""
 
+    format = "int8"
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  device: torch.device | str = "cpu") -> None:  # fmt: skip
         for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
