@@ -283,8 +283,9 @@ class Scheduler:
             seq = self.waiting[0]
             if self._seats_used() + self._seats(seq) > self.max_num_seqs:
                 break
+            salt = self._cache_salts.get(seq.seq_id)  # None for a sequence queued by hand (chapter 6's exercise)
             admission = self.block_manager.admit(seq, budget, chunked=self.enable_chunked_prefill,
-                                                 keep_free=self._keep_free(), cache_salt=self._cache_salts[seq.seq_id])
+                                                 keep_free=self._keep_free(), cache_salt=salt)
             if admission is None:
                 break
             num_cached, n = admission
