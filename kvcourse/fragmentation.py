@@ -188,7 +188,8 @@ class SimResult:
     @classmethod
     def from_totals(cls, strategy: str, block_size: int | None, pool_tokens: int, num_requests: int,
                     saturated: MemoryTotals, every: MemoryTotals, series: list[MemoryTotals], preemptions: int,
-                    recomputed_tokens: int, finish_step: dict[int, int], snapshot: list[dict] | None) -> SimResult:  # fmt: skip
+                    recomputed_tokens: int, finish_step: dict[int, int],
+                    snapshot: list[dict] | None) -> SimResult:  # fmt: skip
         """A run's result from its totals over the saturated steps (over every step if none was) and its
         per-step series."""
         t = saturated if saturated.steps else every  # memory never held anyone back: the whole run
@@ -313,7 +314,7 @@ class ReservationPool:
         n = num_tokens_to_admit(seq.num_tokens, max_num_new_tokens, chunked=False)
         size = self._reservations[seq.seq_id]
         if n is None or n + 1 > size:
-            raise ValueError(f"{seq.num_tokens} tokens and the next exceed {seq.seq_id!r}'s reservation of {size} slots")
+            raise ValueError(f"{seq.num_tokens} tokens and the next exceed the reservation of {size} slots")
         offset = self._pool.alloc(size)
         if offset is None:
             return None

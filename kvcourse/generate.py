@@ -34,7 +34,8 @@ def _check_ids(model, ids) -> list[int]:
     return check_token_ids("ids", ids, model.config.vocab_size)
 
 
-def _sampling_params(max_new_tokens: int | None, sampling_params: SamplingParams | None, sampling: dict) -> SamplingParams:
+def _sampling_params(max_new_tokens: int | None, sampling_params: SamplingParams | None, sampling: dict
+                     ) -> SamplingParams:  # fmt: skip
     """One :class:`SamplingParams` from either ``max_new_tokens`` and the ``sampling`` keywords (its
     fields; ``eos_token_ids`` is its ``stop_token_ids``) or ``sampling_params`` (not both)."""
     if sampling_params is None:

@@ -6,8 +6,10 @@ nano-vllm's ``LLMEngine.step``):
 1. the :class:`~kvcourse.serving.Scheduler` picks the step's sequences and reserves their slots;
 2. the :class:`~kvcourse.serving.ModelRunner` does the copy-on-write copies and runs one forward
    over all of them;
-3. every sequence that reached the end of its tokens samples its next one (a request with ``n``
-   samples forks into ``n`` sequences at its first token); finished sequences free their blocks.
+3. every sequence that reached the end of its tokens samples its next one, picked by its
+   :class:`~kvcourse.serving.Request` (a request with ``n`` samples forks into ``n`` sequences at its
+   first token); finished sequences free their blocks;
+4. a :class:`~kvcourse.serving.stats.StepRecorder` counts what the step did.
 
 :meth:`Engine.generate` runs the loop until a list of prompts is done; :meth:`Engine.add_request`,
 :meth:`Engine.step` and :meth:`Engine.abort` drive it live, and :meth:`Engine.stream` yields tokens
