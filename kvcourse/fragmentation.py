@@ -26,8 +26,10 @@ external fragmentation.
 
 Admission, growth and preemption are not written here: the simulator is chapter 6's
 :class:`kvcourse.serving.Scheduler` (the serving engine's) driven by the trace instead
-of a model, with the paged pool a real :class:`~kvcourse.paged.BlockManager` and the
-reservations a :class:`ReservationPool` behind the same calls. One policy for both.
+of a model, with one pool per strategy behind the same :class:`~kvcourse.paged.KVPool` calls: the
+paged pool a real :class:`~kvcourse.paged.BlockManager` (:class:`PagedPool`), the reservations a
+:class:`ReservationPool`. One policy for both. Both pools count a token's slot from the step that
+makes it, so they admit a prompt with one slot more than the engine does.
 
 Memory accounting, per step, for a running request holding ``A`` allocated slots,
 ``L`` live tokens and final length ``T``:
