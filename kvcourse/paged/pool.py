@@ -9,7 +9,8 @@ what only block tables make possible: sharing blocks between forks, and moving t
 
 Admission is one question with one answer (:meth:`KVPool.admit`): *does this sequence fit, and how
 many of its tokens are cached already?* The pool answers ``None`` (nothing changed) or allocates
-and returns an :class:`Admission`; a scheduler never counts blocks itself.
+and returns an :class:`Admission`: the scheduler does not count blocks to admit anyone, nor catch an
+error to learn that they did not fit.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class KVPool(Protocol):
     """The calls a :class:`~kvcourse.serving.Scheduler` makes on its memory, in units of blocks.
 
     ``enable_prefix_caching``: admission looks up cached blocks, and the pool is a
-    :class:`PrefixCachingPool`. ``num_host_blocks``: the size
-    of the host pool behind swap mode and the prefix cache's cold tier (0: none).
+    :class:`PrefixCachingPool`. ``num_host_blocks``: the host pool behind swap mode and the prefix
+    cache's cold tier (0: none; more, and the pool is a :class:`PagedKVPool`).
     """
 
     num_blocks: int
@@ -64,10 +65,6 @@ class KVPool(Protocol):
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens of one sequence."""
-        ...
-
-    def num_tokens(self, seq_id: Hashable) -> int:
-        """Tokens ``seq_id`` holds slots for."""
         ...
 
     def admit(
