@@ -26,8 +26,10 @@ external fragmentation.
 
 Admission, growth and preemption are not written here: the simulator is chapter 6's
 :class:`kvcourse.serving.Scheduler` (the serving engine's) driven by the trace instead
-of a model, with the paged pool a real :class:`~kvcourse.paged.BlockManager` and the
-reservations a :class:`ReservationPool` behind the same calls. One policy for both.
+of a model, with one pool per strategy behind the same :class:`~kvcourse.paged.KVPool` calls: the
+paged pool a real :class:`~kvcourse.paged.BlockManager` (:class:`PagedPool`), the reservations a
+:class:`ReservationPool`. One policy for both. Both pools count a token's slot from the step that
+makes it, so they admit a prompt with one slot more than the engine does.
 
 Memory accounting, per step, for a running request holding ``A`` allocated slots,
 ``L`` live tokens and final length ``T``:
@@ -50,16 +52,19 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from .checks import check_float, check_int
-from .paged import BlockManager, NoFreeBlocksError
+from .checks import check_choice, check_float, check_int
+from .paged import Admission, BlockManager
+from .paged.pool import num_tokens_to_admit
 from .sequence import SamplingParams, Sequence
 from .serving.scheduler import Scheduler
 
 __all__ = [
+    "MemoryTotals",
+    "PagedPool",
     "Request",
     "ReservationPool",
     "SimResult",
@@ -182,6 +187,31 @@ class SimResult:
     running_series: np.ndarray = field(repr=False)  # running requests at each step
     snapshot: list[dict] | None = field(default=None, repr=False)  # running requests at ``snapshot_step``
 
+    @classmethod
+    def from_totals(cls, strategy: str, block_size: int | None, pool_tokens: int, num_requests: int,
+                    saturated: MemoryTotals, every: MemoryTotals, series: list[MemoryTotals], preemptions: int,
+                    recomputed_tokens: int, finish_step: dict[int, int],
+                    snapshot: list[dict] | None) -> SimResult:  # fmt: skip
+        """A run's result from its totals over the saturated steps (over every step if none was) and its
+        per-step series."""
+        t = saturated if saturated.steps else every  # memory never held anyone back: the whole run
+        whole = t.steps * pool_tokens
+        column = lambda name: np.asarray([getattr(m, name) for m in series], dtype=np.int64)  # noqa: E731
+        return cls(
+            strategy=strategy, block_size=block_size, pool_tokens=pool_tokens, num_requests=num_requests,
+            steps=len(series), saturated_steps=saturated.steps,
+            live_frac=t.live / whole, reserved_frac=(t.useful - t.live) / whole,
+            internal_frac=(t.allocated - t.useful) / whole, external_frac=(whole - t.allocated) / whole,
+            live_over_allocated=t.live / t.allocated if t.allocated else float("nan"),
+            mean_running=t.running / t.steps, max_running=int(column("running").max()),
+            peak_allocated=int(column("allocated").max()), preemptions=preemptions,
+            recomputed_tokens=recomputed_tokens,
+            mean_block_table_len=(t.allocated // block_size / t.running if block_size and t.running
+                                  else float("nan")),
+            finish_step=finish_step, live_series=column("live"), allocated_series=column("allocated"),
+            running_series=column("running"), snapshot=snapshot,
+        )  # fmt: skip
+
     @property
     def throughput(self) -> float:
         """Requests finished per 1000 steps over the whole run."""
@@ -239,14 +269,18 @@ class _ContiguousPool:
 
 
 class ReservationPool:
-    """The reservation strategies behind the block manager's interface, so one scheduler serves all four.
+    """The reservation strategies as a :class:`~kvcourse.paged.KVPool`, so one scheduler serves all four.
 
     A pool of ``pool_tokens`` slots in blocks of one slot. Admitting a sequence reserves its whole
     reservation (``reservations[seq_id]`` slots: max, pow2 or oracle) at once, in one contiguous range
-    (first fit) unless ``contiguous=False``; it never needs another slot afterwards.
+    (first fit) unless ``contiguous=False``; it never needs another slot afterwards. Its whole prompt
+    is admitted, with one slot more for the token the step makes (the simulator counts a token's slot
+    from the step that makes it).
     """
 
     block_size = 1
+    enable_prefix_caching = False
+    num_host_blocks = 0  # no host pool: nothing is swapped
 
     def __init__(self, pool_tokens: int, contiguous: bool, reservations: dict) -> None:
         self.num_blocks = pool_tokens
@@ -271,31 +305,125 @@ class ReservationPool:
         """Start of ``seq_id``'s range (``-1`` when ranges need not be contiguous)."""
         return self._held[seq_id][0]
 
-    def reserved(self, seq_id) -> int:
+    def allocated_slots(self, seq_id) -> int:
+        """Slots handed to ``seq_id``: its reservation."""
         return self._held[seq_id][1]
 
-    def allocate(self, seq_id, num_tokens: int) -> None:
-        size = self._reservations[seq_id]
-        if num_tokens > size:
-            raise ValueError(f"{num_tokens} tokens exceed the reservation of {size} slots of {seq_id!r}")
+    def admit(self, seq, max_num_new_tokens: int, *, chunked: bool = True, keep_free: int = 0,
+              cache_salt: str | None = None) -> Admission | None:  # fmt: skip
+        """Reserve ``seq``'s range if one is free (first fit); ``None`` if not. ``keep_free`` and ``chunked``
+        are unused: a reservation never grows, and the prompt is admitted whole."""
+        n = num_tokens_to_admit(seq.num_tokens, max_num_new_tokens, chunked=False)
+        size = self._reservations[seq.seq_id]
+        if n is None or n + 1 > size:
+            raise ValueError(f"{seq.num_tokens} tokens and the next exceed the reservation of {size} slots")
         offset = self._pool.alloc(size)
         if offset is None:
-            raise NoFreeBlocksError(f"no free range of {size} slots for {seq_id!r}")
-        self._held[seq_id] = [offset, size, num_tokens]
+            return None
+        self._held[seq.seq_id] = [offset, size, n + 1]
+        return Admission(0, n)
 
-    def blocks_to_append(self, seq_id, num_tokens: int) -> int:
+    def append_slots(self, seq_id, num_tokens: int) -> None:
         offset, size, held = self._held[seq_id]
         if held + num_tokens > size:
             raise RuntimeError(f"{seq_id!r} outgrew its reservation of {size} slots")
-        return 0  # reserved up front
-
-    def append_slots(self, seq_id, num_tokens: int) -> None:
-        self.blocks_to_append(seq_id, num_tokens)
-        self._held[seq_id][2] += num_tokens
+        self._held[seq_id][2] += num_tokens  # reserved up front: never short of a block
 
     def free(self, seq_id) -> None:
         offset, size, _ = self._held.pop(seq_id)
         self._pool.free(offset, size)
+
+
+class PagedPool(BlockManager):
+    """The paged strategy: a :class:`~kvcourse.paged.BlockManager` whose admission holds one slot more
+    than the prompt, for the token the step makes (the simulator counts a token's slot from the step
+    that makes it). Prompts are admitted whole."""
+
+    def admit(self, seq, max_num_new_tokens: int, *, chunked: bool = True, keep_free: int = 0,
+              cache_salt: str | None = None) -> Admission | None:  # fmt: skip
+        n = num_tokens_to_admit(seq.num_tokens, max_num_new_tokens, chunked=False)
+        if n is None or self.blocks_needed(n + 1) > self.num_free_blocks - keep_free:
+            return None
+        self.allocate(seq.seq_id, n + 1)
+        return Admission(0, n)
+
+    def allocated_slots(self, seq_id) -> int:
+        """Slots handed to ``seq_id``: its blocks."""
+        return len(self.block_table(seq_id)) * self.block_size
+
+    def offset(self, seq_id) -> int:
+        """``-1``: blocks have no one start."""
+        return -1
+
+
+@dataclass
+class MemoryTotals:
+    """Slots summed over steps, and the steps summed: one step's measurement, or a run's totals."""
+
+    steps: int = 0
+    live: int = 0  # slots holding a token's K/V
+    useful: int = 0  # allocated slots that their request fills, now or later (live + reserved)
+    allocated: int = 0  # slots handed out (useful + internal)
+    running: int = 0  # requests running
+
+    def add(self, other: MemoryTotals) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+def _measure(pool: ReservationPool | PagedPool, running: list[Sequence], final_len: dict[int, int]) -> MemoryTotals:
+    """One step's memory. With its lookahead slot, a request holds exactly its tokens (prompt + produced)."""
+    live = sum(pool.num_tokens(seq.seq_id) for seq in running)
+    useful = sum(min(pool.allocated_slots(seq.seq_id), final_len[seq.seq_id]) for seq in running)
+    allocated = (pool.num_blocks - pool.num_free_blocks) * pool.block_size
+    return MemoryTotals(1, live, useful, allocated, len(running))
+
+
+def _snapshot(pool: ReservationPool | PagedPool, running: list[Sequence], final_len: dict[int, int]) -> list[dict]:
+    """The running requests, in pool order (stable: admission order for blocks)."""
+    return [
+        {"req_id": seq.seq_id, "prompt_len": seq.num_prompt_tokens, "live": pool.num_tokens(seq.seq_id),
+         "allocated": pool.allocated_slots(seq.seq_id), "total_len": final_len[seq.seq_id],
+         "offset": pool.offset(seq.seq_id)}
+        for seq in sorted(running, key=lambda s: pool.offset(s.seq_id))
+    ]  # fmt: skip
+
+
+def _make_pool(trace, pool_tokens, strategy, block_size, max_len, contiguous) -> ReservationPool | PagedPool:
+    """The strategy's pool, after checking that the longest request fits it alone."""
+    if strategy == "paged":
+        need = max(math.ceil(r.total_len / block_size) * block_size for r in trace)
+        usable = (pool_tokens // block_size) * block_size
+    else:
+        need, usable = max(reserved_slots(r, strategy, max_len) for r in trace), pool_tokens
+    if need > usable:
+        raise ValueError(f"pool_tokens={pool_tokens} cannot hold even one request of {need} slots")
+    if strategy == "paged":
+        return PagedPool(pool_tokens // block_size, block_size)
+    return ReservationPool(pool_tokens, contiguous, {r.req_id: reserved_slots(r, strategy, max_len) for r in trace})
+
+
+def _check_simulate_args(trace, pool_tokens, strategy, block_size, max_len, max_running, watermark):
+    if not isinstance(trace, (list, tuple)) or not trace or not all(isinstance(r, Request) for r in trace):
+        raise TypeError("trace must be a non-empty list of Request (see make_trace)")
+    pool_tokens = _positive_int("pool_tokens", pool_tokens)
+    max_len = _positive_int("max_len", max_len)
+    check_choice("strategy", strategy, STRATEGIES)
+    if strategy == "paged":
+        if block_size is None:
+            raise ValueError("block_size is required for strategy='paged'")
+        block_size = _positive_int("block_size", block_size)
+        if block_size > pool_tokens:
+            raise ValueError(f"block_size ({block_size}) must not exceed pool_tokens ({pool_tokens})")
+    elif block_size is not None:
+        raise ValueError(f"block_size is only used by strategy='paged', got block_size={block_size!r}")
+    if max_running is not None:
+        max_running = _positive_int("max_running", max_running)
+    check_float("watermark", watermark, min=0, max=1, max_open=True)
+    too_long = [r.req_id for r in trace if r.total_len > max_len]
+    if too_long:
+        raise ValueError(f"requests {too_long[:5]} are longer than max_len={max_len}")
+    return pool_tokens, block_size, max_len, max_running
 
 
 def simulate(
@@ -323,64 +451,20 @@ def simulate(
     The policy is chapter 6's :class:`~kvcourse.serving.Scheduler` (no token budget, no chunking),
     driven by the trace instead of a model: each request is a :class:`~kvcourse.Sequence` of
     ``prompt_len`` placeholder tokens that stops after ``output_len`` tokens, and its memory is a
-    :class:`~kvcourse.paged.BlockManager` (paged) or a :class:`ReservationPool`. A token's slot
-    counts from the step that produces it (``num_lookahead_slots=1``).
+    :class:`PagedPool` (paged) or a :class:`ReservationPool`. A token's slot counts from the step
+    that produces it: both pools admit a prompt with one slot more.
     """
-    if not isinstance(trace, (list, tuple)) or not trace or not all(isinstance(r, Request) for r in trace):
-        raise TypeError("trace must be a non-empty list of Request (see make_trace)")
-    pool_tokens = _positive_int("pool_tokens", pool_tokens)
-    max_len = _positive_int("max_len", max_len)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if strategy == "paged":
-        if block_size is None:
-            raise ValueError("block_size is required for strategy='paged'")
-        block_size = _positive_int("block_size", block_size)
-        if block_size > pool_tokens:
-            raise ValueError(f"block_size ({block_size}) must not exceed pool_tokens ({pool_tokens})")
-    elif block_size is not None:
-        raise ValueError(f"block_size is only used by strategy='paged', got block_size={block_size!r}")
-    if max_running is not None:
-        max_running = _positive_int("max_running", max_running)
-    check_float("watermark", watermark, min=0, max=1, max_open=True)
-    too_long = [r.req_id for r in trace if r.total_len > max_len]
-    if too_long:
-        raise ValueError(f"requests {too_long[:5]} are longer than max_len={max_len}")
-    if strategy == "paged":
-        need_max = max(math.ceil(r.total_len / block_size) * block_size for r in trace)
-    else:
-        need_max = max(reserved_slots(r, strategy, max_len) for r in trace)
-    usable = pool_tokens if strategy != "paged" else (pool_tokens // block_size) * block_size
-    if need_max > usable:
-        raise ValueError(f"pool_tokens={pool_tokens} cannot hold even one request of {need_max} slots")
-
-    if strategy == "paged":
-        pool = BlockManager(pool_tokens // block_size, block_size)
-        b = block_size
-    else:
-        reservations = {r.req_id: reserved_slots(r, strategy, max_len) for r in trace}
-        pool = ReservationPool(pool_tokens, contiguous, reservations)
-        b, watermark = 1, 0.0  # a reservation never grows: nothing to keep free for growth
-    scheduler = Scheduler(pool, max_num_seqs=max_running, watermark=watermark, num_lookahead_slots=1)
+    pool_tokens, block_size, max_len, max_running = _check_simulate_args(
+        trace, pool_tokens, strategy, block_size, max_len, max_running, watermark)  # fmt: skip
+    pool = _make_pool(trace, pool_tokens, strategy, block_size, max_len, contiguous)
+    # A reservation never grows: nothing to keep free for growth.
+    scheduler = Scheduler(pool, max_num_seqs=max_running, watermark=watermark if strategy == "paged" else 0.0)
     final_len = {r.req_id: r.total_len for r in trace}
-
-    def allocated_to(seq_id) -> int:  # slots handed to one request
-        if strategy == "paged":
-            return pool.blocks_needed(pool.num_tokens(seq_id)) * b
-        return pool.reserved(seq_id)
-
-    def offset_of(seq_id) -> int:  # where a contiguous reservation starts; -1 for blocks
-        return -1 if strategy == "paged" else pool.offset(seq_id)
-
     pending = deque(sorted(trace, key=lambda r: (r.arrival, r.req_id)))
+    saturated, every, series = MemoryTotals(), MemoryTotals(), []
     finish_step: dict[int, int] = {}
-    live_s, alloc_s, run_s = [], [], []
-    keys = ("n", "live", "reserved", "internal", "external", "running", "alloc", "blocks")
-    sat = dict.fromkeys(keys, 0)  # totals over saturated steps
-    every = dict.fromkeys(keys, 0)  # totals over all steps (used when no step was saturated)
-    preemptions = recomputed = 0
+    preemptions = recomputed = step = 0
     snapshot = None
-    step = 0
     while pending or scheduler.has_unfinished():
         while pending and pending[0].arrival <= step:
             r = pending.popleft()
@@ -389,77 +473,21 @@ def simulate(
         out = scheduler.schedule()  # every running request grows by one token; then admission
         preemptions += len(out.preempted)
         recomputed += sum(seq.num_tokens for seq in out.preempted)  # prefilled again when re-admitted
-        # measure: with one lookahead slot, a request holds exactly its tokens (prompt + produced)
-        running = scheduler.running
-        live = useful = 0
-        for seq in running:
-            held, alloc = pool.num_tokens(seq.seq_id), allocated_to(seq.seq_id)
-            live += held
-            useful += min(alloc, final_len[seq.seq_id])  # slots of this allocation that will hold tokens
-        allocated = (pool.num_blocks - pool.num_free_blocks) * b
-        live_s.append(live)
-        alloc_s.append(allocated)
-        run_s.append(len(running))
-        for totals in (every, sat) if scheduler.waiting else (every,):
-            totals["n"] += 1
-            totals["live"] += live
-            totals["reserved"] += useful - live
-            totals["internal"] += allocated - useful
-            totals["external"] += pool_tokens - allocated
-            totals["running"] += len(running)
-            totals["alloc"] += allocated
-            totals["blocks"] += allocated // b
-        if snapshot_step is not None and step == snapshot_step:
-            snapshot = [
-                {
-                    "req_id": seq.seq_id,
-                    "prompt_len": seq.num_prompt_tokens,
-                    "live": pool.num_tokens(seq.seq_id),
-                    "allocated": allocated_to(seq.seq_id),
-                    "total_len": final_len[seq.seq_id],
-                    "offset": offset_of(seq.seq_id),
-                }
-                for seq in sorted(running, key=lambda s: offset_of(s.seq_id))  # stable: admission order
-            ]
-        # the step runs: each scheduled request produces a (placeholder) token; finished ones free memory
+        memory = _measure(pool, scheduler.running, final_len)
+        series.append(memory)
+        for totals in (every, saturated) if scheduler.waiting else (every,):
+            totals.add(memory)
+        if step == snapshot_step:
+            snapshot = _snapshot(pool, scheduler.running, final_len)
+        # The step runs: each scheduled request produces a (placeholder) token; finished ones free memory.
         scheduler.advance(out)
         for seq in scheduler.append_tokens({s.seq.seq_id: 0 for s in out.scheduled if s.samples}):
             finish_step[seq.seq_id] = step
         step += 1
         if step > 10_000_000:  # a bug, not a workload
             raise RuntimeError("simulation did not terminate")
-
-    saturated_steps = sat["n"]
-    if saturated_steps == 0:  # memory never held anyone back: average over the whole run
-        sat = every
-    n = sat["n"]
-    live_series = np.asarray(live_s, dtype=np.int64)
-    alloc_series = np.asarray(alloc_s, dtype=np.int64)
-    run_series = np.asarray(run_s, dtype=np.int64)
-    return SimResult(
-        strategy=strategy,
-        block_size=block_size,
-        pool_tokens=pool_tokens,
-        num_requests=len(trace),
-        steps=step,
-        saturated_steps=saturated_steps,
-        live_frac=sat["live"] / (n * pool_tokens),
-        reserved_frac=sat["reserved"] / (n * pool_tokens),
-        internal_frac=sat["internal"] / (n * pool_tokens),
-        external_frac=sat["external"] / (n * pool_tokens),
-        live_over_allocated=sat["live"] / sat["alloc"] if sat["alloc"] else float("nan"),
-        mean_running=sat["running"] / n,
-        max_running=int(run_series.max()),
-        peak_allocated=int(alloc_series.max()),
-        preemptions=preemptions,
-        recomputed_tokens=recomputed,
-        mean_block_table_len=sat["blocks"] / sat["running"] if strategy == "paged" and sat["running"] else float("nan"),
-        finish_step=finish_step,
-        live_series=live_series,
-        allocated_series=alloc_series,
-        running_series=run_series,
-        snapshot=snapshot,
-    )
+    return SimResult.from_totals(strategy, block_size, pool_tokens, len(trace), saturated, every, series,
+                                 preemptions, recomputed, finish_step, snapshot)  # fmt: skip
 
 
 def block_size_sweep(

@@ -34,32 +34,32 @@ def _check_ids(model, ids) -> list[int]:
     return check_token_ids("ids", ids, model.config.vocab_size)
 
 
-def _params(max_new_tokens, temperature, seed, eos_token_ids, sampling_params) -> SamplingParams:
-    """One :class:`SamplingParams` from either the keyword arguments or ``sampling_params`` (not both)."""
+def _sampling_params(max_new_tokens: int | None, sampling_params: SamplingParams | None, sampling: dict
+                     ) -> SamplingParams:  # fmt: skip
+    """One :class:`SamplingParams` from either ``max_new_tokens`` and the ``sampling`` keywords (its
+    fields; ``eos_token_ids`` is its ``stop_token_ids``) or ``sampling_params`` (not both)."""
     if sampling_params is None:
-        if eos_token_ids is not None and (isinstance(eos_token_ids, (str, bytes)) or not isinstance(eos_token_ids, Iterable)):
+        eos = sampling.pop("eos_token_ids", None)
+        if eos is not None and (isinstance(eos, (str, bytes)) or not isinstance(eos, Iterable)):
             raise TypeError(
-                f"eos_token_ids must be a list of token ids, e.g. [{eos_token_ids!r}], or None (the model's), "
-                f"got {type(eos_token_ids).__name__} {eos_token_ids!r}"
+                f"eos_token_ids must be a list of token ids, e.g. [{eos!r}], or None (the model's), "
+                f"got {type(eos).__name__} {eos!r}"
             )
-        return SamplingParams(
-            max_new_tokens=16 if max_new_tokens is None else max_new_tokens,
-            temperature=temperature,
-            seed=seed,
-            stop_token_ids=None if eos_token_ids is None else tuple(eos_token_ids),
-        )
-    if not isinstance(sampling_params, SamplingParams):
+        params = SamplingParams(max_new_tokens=16 if max_new_tokens is None else max_new_tokens,
+                                stop_token_ids=None if eos is None else tuple(eos), **sampling)  # fmt: skip
+    elif not isinstance(sampling_params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-    given = [n for n, v, d in (("max_new_tokens", max_new_tokens, None), ("temperature", temperature, 0.0),
-                               ("seed", seed, None), ("eos_token_ids", eos_token_ids, None)) if v != d]  # fmt: skip
-    if given:
+    elif max_new_tokens is not None or sampling:
+        given = ["max_new_tokens"] * (max_new_tokens is not None) + list(sampling)
         raise ValueError(f"give either sampling_params or {', '.join(given)}, not both")
-    if sampling_params.n != 1:
+    else:
+        params = sampling_params
+    if params.n != 1:
         raise ValueError(
-            f"sampling_params.n = {sampling_params.n}: this loop makes one sample; kvcourse.serving.Engine "
+            f"sampling_params.n = {params.n}: this loop makes one sample; kvcourse.serving.Engine "
             "serves n > 1 (parallel sampling)"
         )
-    return sampling_params
+    return params
 
 
 def _step_function(model, use_cache: bool, cache) -> tuple[Callable[[list[int]], torch.Tensor], int]:
@@ -85,26 +85,24 @@ def stream_generate(
     model,
     ids: Sequence[int],
     max_new_tokens: int | None = None,
-    use_cache: bool = True,
-    temperature: float = 0.0,
-    seed: int | None = None,
-    eos_token_ids: Iterable[int] | None = None,
     *,
-    sampling_params: SamplingParams | None = None,
+    use_cache: bool = True,
     cache: KVCache | PagedKVCache | None = None,
+    sampling_params: SamplingParams | None = None,
+    **sampling,
 ) -> Iterator[int]:
-    """Yield new token ids one at a time, stopping after a stop token (EOS) or ``max_new_tokens``.
+    """Yield new token ids one at a time, stopping after a stop token (EOS) or ``max_new_tokens`` (16).
 
     Args:
         ids: the tokens to feed first: the prompt, or, with a ``cache`` that already holds a context,
             what comes after it.
-        max_new_tokens, temperature, seed, eos_token_ids: the sampling settings (see
-            :class:`~kvcourse.sequence.SamplingParams`; ``eos_token_ids`` defaults to the model's,
-            ``()`` never stops early), or pass ``sampling_params`` instead.
         use_cache: ``False`` for the naive loop that recomputes everything.
         cache: a cache to fill (and keep using afterwards); by default a fresh contiguous one.
+        sampling_params: how to pick tokens, as one :class:`~kvcourse.sequence.SamplingParams`; or give
+            ``max_new_tokens`` and its fields as keywords (``temperature``, ``top_k``, ``top_p``, ``seed``),
+            with ``eos_token_ids`` for its stop tokens (the model's by default, ``()`` never stops early).
     """
-    params = _params(max_new_tokens, temperature, seed, eos_token_ids, sampling_params)
+    params = _sampling_params(max_new_tokens, sampling_params, sampling)
     check_bool("use_cache", use_cache)
     ids = _check_ids(model, ids)
     step, cached = _step_function(model, use_cache, cache)
@@ -128,36 +126,19 @@ def stream_generate(
         feed = [token]
 
 
-def generate(
-    model,
-    ids: Sequence[int],
-    max_new_tokens: int | None = None,
-    use_cache: bool = True,
-    temperature: float = 0.0,
-    seed: int | None = None,
-    eos_token_ids: Iterable[int] | None = None,
-    *,
-    sampling_params: SamplingParams | None = None,
-    cache: KVCache | PagedKVCache | None = None,
-) -> list[int]:
-    """The new token ids (greedy by default), the stop token included if one was generated."""
-    return list(stream_generate(model, ids, max_new_tokens, use_cache, temperature, seed, eos_token_ids,
-                                sampling_params=sampling_params, cache=cache))  # fmt: skip
+def generate(model, ids: Sequence[int], max_new_tokens: int | None = None, **options) -> list[int]:
+    """The new token ids (greedy by default), the stop token included if one was generated.
+    ``options``: those of :func:`stream_generate` (``use_cache``, ``cache``, ``temperature``, ...)."""
+    return list(stream_generate(model, ids, max_new_tokens, **options))
 
 
 def generate_paged(
-    model,
-    ids: Sequence[int],
-    max_new_tokens: int,
-    cache: PagedKVCache | None = None,
-    temperature: float = 0.0,
-    seed: int | None = None,
-    eos_token_ids: Iterable[int] | None = None,
+    model, ids: Sequence[int], max_new_tokens: int, cache: PagedKVCache | None = None, **sampling
 ) -> list[int]:
     """:func:`generate` through a :class:`~kvcourse.paged.PagedKVCache` (by default a pool just big enough).
 
     ``ids`` are the tokens ``cache`` has not seen yet: the prompt for an empty cache, a continuation
-    for a forked one.
+    for a forked one. ``sampling``: ``temperature``, ``seed``, ``eos_token_ids``... (see :func:`stream_generate`).
     """
     if cache is None:
         ids = _check_ids(model, ids)
@@ -165,7 +146,7 @@ def generate_paged(
         cache = PagedKVCache.for_model(model.config, num_blocks, 16, dtype=model.dtype, device=model.device)
     elif not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be a PagedKVCache or None, got {type(cache).__name__}")
-    return generate(model, ids, max_new_tokens, True, temperature, seed, eos_token_ids, cache=cache)
+    return generate(model, ids, max_new_tokens, cache=cache, **sampling)
 
 
 @dataclass
@@ -191,23 +172,12 @@ class GenerationResult:
         return sum(self.step_times)
 
 
-def timed_generate(
-    model,
-    ids: Sequence[int],
-    max_new_tokens: int | None = None,
-    use_cache: bool = True,
-    temperature: float = 0.0,
-    seed: int | None = None,
-    eos_token_ids: Iterable[int] | None = None,
-    *,
-    sampling_params: SamplingParams | None = None,
-    cache: KVCache | PagedKVCache | None = None,
-) -> GenerationResult:
-    """:func:`generate`, timing each step with a wall clock (synchronising CUDA when used)."""
+def timed_generate(model, ids: Sequence[int], max_new_tokens: int | None = None, **options) -> GenerationResult:
+    """:func:`generate`, timing each step with a wall clock (synchronising CUDA when used).
+    ``options``: those of :func:`stream_generate`."""
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
     tokens, times = [], []
-    stream = stream_generate(model, ids, max_new_tokens, use_cache, temperature, seed, eos_token_ids,
-                             sampling_params=sampling_params, cache=cache)  # fmt: skip
+    stream = stream_generate(model, ids, max_new_tokens, **options)
     while True:
         sync()
         start = time.perf_counter()

@@ -140,6 +140,10 @@ class Sequence:
         self.num_prompt_tokens = len(prompt)
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
+        # The chained hashes of its first full blocks, filled in by the prefix cache's lookups (vLLM's
+        # Request.block_hashes), for the one pool and cache salt it is scheduled with. Tokens are only
+        # ever appended, so a hash once computed stays right.
+        self.block_hashes: list = []
         stops = self.params.stop_token_ids
         self.stop_token_ids = frozenset(eos_token_ids if stops is None else stops)
 
@@ -170,6 +174,7 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
+        child.block_hashes = list(self.block_hashes)
         child.stop_token_ids = self.stop_token_ids
         return child
 

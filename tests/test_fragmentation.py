@@ -260,3 +260,41 @@ def test_max_running_caps_the_batch():
     trace = make_trace(50, seed=0, max_len=256)
     res = simulate(trace, 100_000, "paged", 16, max_len=256, max_running=3)
     assert res.max_running == 3
+
+
+# ---- the pools behind the simulator: numbers recorded before they became PagedPool / ReservationPool ----
+@pytest.mark.parametrize(
+    "kwargs, want",
+    [
+        (dict(strategy="max"),
+         (877, 728, 0.390995235234, 0.267745804001, 0.341258960766, 0.0, 4.0,
+          4, 1024, 0, 0, 16241, 829440, 1536)),
+        (dict(strategy="pow2"),
+         (866, 717, 0.400991272228, 0.26840078016, 0.147836852772, 0.18277109484, 3.997210599721,
+          6, 992, 0, 0, 16010, 684752, 1472)),
+        (dict(strategy="oracle"),
+         (744, 594, 0.487209332912, 0.336305765993, 0.0, 0.176484901094, 4.984848484848,
+          8, 998, 0, 0, 11826, 551274, 2843)),
+        (dict(strategy="oracle", contiguous=False),
+         (687, 537, 0.533528645833, 0.373950695414, 0.0, 0.092520658752, 5.506517690875,
+          8, 1024, 0, 0, 10923, 551274, -7)),
+        (dict(strategy="paged", block_size=16),
+         (425, 199, 0.898093985553, 0.067240499372, 0.005849560302, 0.028815954774, 9.934673366834,
+          18, 1024, 37, 1790, 6666, 354384, -18)),
+        (dict(strategy="paged", block_size=4, watermark=0.1),
+         (407, 199, 0.908649693781, 0.014471772927, 0.000363143844, 0.076515389447, 10.090452261307,
+          18, 1024, 9, 507, 6585, 335036, -18)),
+        (dict(strategy="paged", block_size=16, max_running=5),
+         (704, 555, 0.451194749437, 0.034149774775, 0.002549619932, 0.512105855856, 5.0,
+          5, 960, 0, 0, 13048, 354384, -5)),
+    ],
+)  # fmt: skip
+def test_simulator_pools_reproduce_the_recorded_runs(kwargs, want):
+    trace = make_trace(40, seed=3, prompt_median=30, output_median=50, max_len=256)
+    r = simulate(trace, 1024, max_len=256, snapshot_step=30, **kwargs)
+    got = (r.steps, r.saturated_steps, r.live_frac, r.reserved_frac, r.internal_frac, r.external_frac,
+           r.mean_running, r.max_running, r.peak_allocated, r.preemptions, r.recomputed_tokens,
+           sum(r.finish_step.values()), int(r.allocated_series.sum()),
+           sum(d["offset"] for d in r.snapshot))  # fmt: skip
+    assert got == pytest.approx(want, abs=1e-11)
+    assert int(r.live_series.sum()) == 330168 and int(r.running_series.sum()) == 3240  # the same tokens served

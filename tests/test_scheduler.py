@@ -172,7 +172,6 @@ def test_a_request_bigger_than_the_pool_is_refused_at_add():
         (dict(max_num_seqs=0), "max_num_seqs must be an int >= 1"),
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an int >= 1"),
         (dict(watermark=1.0), "watermark"),
-        (dict(num_lookahead_slots=-1), "num_lookahead_slots"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -180,12 +179,14 @@ def test_bad_arguments(kwargs, match):
         Scheduler(BlockManager(4, 4), **kwargs)
 
 
-def test_fork_refuses_lookahead_slots():
-    sched = Scheduler(BlockManager(8, 4), num_lookahead_slots=1)
+def test_fork_needs_a_pool_that_shares_blocks():
+    from kvcourse.fragmentation import ReservationPool
+
+    sched = Scheduler(ReservationPool(16, True, {"A": 8}), watermark=0)
     a = seq("A", 3)
     sched.add(a)
     run_step(sched)
-    with pytest.raises(ValueError, match="num_lookahead_slots=0"):
+    with pytest.raises(TypeError, match="PagedKVPool"):
         sched.fork(a, a.fork("A1"))
 
 

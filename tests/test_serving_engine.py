@@ -177,6 +177,39 @@ def test_greedy_samples_are_identical_and_a_sample_can_be_preempted(tiny):
         assert_greedy_equal(tiny, prompt, s, solo)
 
 
+def test_a_request_samples_its_tokens_and_forks_its_samples_at_the_first_one():
+    from kvcourse.sequence import Sampler, Sequence
+    from kvcourse.serving import Request, RequestMetrics
+
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(max_new_tokens=4, n=3, temperature=1.0, seed=5)
+    request = Request(7, Sequence((7, 0), [1, 2, 3], params), RequestMetrics(0.0, 0, 3))
+    first = request.sample(request.seqs[0], logits, argmax=-1)
+    # The two forked samples come first (new sequences on the parent's tokens), then the parent.
+    assert [seq.seq_id for seq, _ in first] == [(7, 1), (7, 2), (7, 0)]
+    assert request.seqs == [first[2][0], first[0][0], first[1][0]]  # seqs[i] is sample i
+    assert [token for _, token in first] == [Sampler(params, i)(logits) for i in (1, 2, 0)]  # sample i: seed + i
+    assert [seq.seq_id for seq, _ in request.sample(request.seqs[1], logits, argmax=-1)] == [(7, 1)]  # no more forks
+    greedy = Request(8, Sequence((8, 0), [1], SamplingParams(n=2)), RequestMetrics(0.0, 0, 1))
+    assert [token for _, token in greedy.sample(greedy.seqs[0], logits, argmax=42)] == [42, 42]  # the batch's argmax
+
+
+def test_the_recorder_counts_what_the_event_log_shows(tiny):
+    rnd = random.Random(8)
+    prompts = [[rnd.randrange(VOCAB) for _ in range(n)] for n in (20, 7, 33)]
+    eng = Engine(tiny, num_blocks=12, block_size=4, max_num_batched_tokens=16, watermark=0)
+    eng.generate(prompts, SamplingParams(max_new_tokens=6, n=2, stop_token_ids=()))
+    st_, events = eng.stats, eng.events
+    assert st_["steps"] == len(events) == events[-1].step + 1
+    assert st_["batched_tokens"] == sum(e.num_tokens for e in events)
+    assert st_["preemptions"] == sum(len(e.preempted) for e in events) > 0
+    assert st_["finished"] == 3 and sum(len(e.finished) for e in events) == 6  # 3 requests, 2 samples each
+    assert st_["generated_tokens"] == 36 and st_["prompt_tokens"] == 60
+    for m in st_["requests"].values():
+        assert m.arrival_step <= m.first_scheduled_step <= m.first_token_step <= m.finish_step < len(events)
+        assert m.num_output_tokens == 12 and m.max_sample_tokens == 6
+
+
 # ---- the bugs other engines shipped -------------------------------------------------------------
 def test_decode_positions_follow_the_prompt_and_chunks_see_earlier_chunks(tiny, monkeypatch):
     prompt = [random.Random(7).randrange(VOCAB) for _ in range(50)]

@@ -1,5 +1,7 @@
 """Paged KV cache (chapter 4): a block allocator, a block pool, and one sequence on it, as in vLLM.
 
+* :mod:`.pool` -- :class:`KVPool`, the protocol a scheduler talks to its memory through (admission
+  in one call), and :class:`PagedKVPool` / :class:`PrefixCachingPool`, what block tables add.
 * :mod:`.block_manager` -- :class:`BlockManager`: free list, reference counts, block tables,
   copy-on-write forks. Pure bookkeeping, no tensors.
 * :mod:`.block_hash` -- :func:`hash_block_tokens` and :class:`CachedBlock` (chapter 7): what
@@ -23,20 +25,25 @@ from .cache import PagedKVCache, allocate_slots
 from .kv_store import PagedKVStore
 from .offload import BlockTransfer, HostBlockPool, OffloadedBlock, apply_transfers
 from .block_hash import CachedBlock, hash_block_tokens
+from .pool import Admission, KVPool, PagedKVPool, PrefixCachingPool
 from .prefix_cache import FreeBlockQueue, PrefixCachingBlockManager
 
 __all__ = [
+    "Admission",
     "BlockManager",
     "BlockTransfer",
     "CachedBlock",
     "CopyOnWrite",
     "FreeBlockQueue",
     "HostBlockPool",
+    "KVPool",
     "NoFreeBlocksError",
     "OffloadedBlock",
     "PagedKVCache",
+    "PagedKVPool",
     "PagedKVStore",
     "PrefixCachingBlockManager",
+    "PrefixCachingPool",
     "allocate_slots",
     "apply_transfers",
     "hash_block_tokens",

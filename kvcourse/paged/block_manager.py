@@ -32,9 +32,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..checks import check_int
 from .offload import BlockTransfer, HostBlockPool
+from .pool import Admission, num_tokens_to_admit
+
+if TYPE_CHECKING:
+    from ..sequence import Sequence
 
 __all__ = ["BlockManager", "CopyOnWrite", "NoFreeBlocksError"]
 
@@ -65,8 +70,10 @@ class BlockManager:
 
     Sequence ids are any hashable value (ints in the course). Unknown ids, reused ids
     and double frees raise ``ValueError``; running out of blocks raises
-    :class:`NoFreeBlocksError`.
+    :class:`NoFreeBlocksError`. It is a :class:`~kvcourse.paged.pool.PagedKVPool`.
     """
+
+    enable_prefix_caching = False
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
         self.num_blocks = _check_count("num_blocks", num_blocks, 1)
@@ -86,6 +93,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks on the free list (reference count 0)."""
         return len(self._free)
+
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the host pool (0: no swapping)."""
+        return self.host.num_blocks
 
     @property
     def num_used_blocks(self) -> int:
@@ -134,6 +146,24 @@ class BlockManager:
         return self._blocks_needed_to_append(seq_id, num_tokens)
 
     # ---- operations ---------------------------------------------------------
+    def admit(
+        self,
+        seq: Sequence,
+        max_num_new_tokens: int,
+        *,
+        chunked: bool = True,
+        keep_free: int = 0,
+        cache_salt: str | None = None,
+    ) -> Admission | None:
+        """Allocate ``seq``'s first slots if they fit, leaving ``keep_free`` blocks free (see
+        :meth:`KVPool.admit <kvcourse.paged.pool.KVPool.admit>`). Nothing is cached here, and ``cache_salt``
+        is unused."""
+        n = num_tokens_to_admit(seq.num_tokens, max_num_new_tokens, chunked)
+        if n is None or self.blocks_needed(n) > len(self._free) - keep_free:
+            return None
+        self.allocate(seq.seq_id, n)
+        return Admission(0, n)
+
     def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
         """Create sequence ``seq_id`` with slots for ``num_tokens`` tokens (its prompt); return its table.
 

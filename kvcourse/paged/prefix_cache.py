@@ -29,10 +29,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from .block_hash import BlockHash, CachedBlock, HashFn, extra_keys_of, hash_block_tokens
 from .block_manager import BlockManager
 from .offload import BlockTransfer, OffloadedBlock
+from .pool import Admission, num_tokens_to_admit
+
+if TYPE_CHECKING:
+    from ..sequence import Sequence as SequenceState
 
 __all__ = ["CachedBlock", "FreeBlockQueue", "PrefixCachingBlockManager", "hash_block_tokens"]
 
@@ -79,9 +84,12 @@ class PrefixCachingBlockManager(BlockManager):
         num_host_blocks: host blocks for swapped sequences and for the cold tier of evicted cached
             blocks (0: evicted blocks are dropped).
 
-    The scheduler calls :meth:`find_cached_blocks` before admitting a sequence, passes the hits to
-    :meth:`allocate`, and after every forward :meth:`cache_full_blocks` for the blocks that filled up.
+    The scheduler admits a sequence with :meth:`admit` (:meth:`find_cached_blocks`, then :meth:`allocate`
+    with the hits), and after every forward calls :meth:`cache_full_blocks` for the blocks that filled up.
+    It is a :class:`~kvcourse.paged.pool.PrefixCachingPool`.
     """
+
+    enable_prefix_caching = True
 
     def __init__(
         self, num_blocks: int, block_size: int, hash_fn: HashFn = hash_block_tokens, num_host_blocks: int = 0
@@ -113,14 +121,22 @@ class PrefixCachingBlockManager(BlockManager):
         return self._cached.get(block)
 
     def find_cached_blocks(
-        self, token_ids: Sequence[int], cache_salt: str | None = None
+        self, token_ids: Sequence[int], cache_salt: str | None = None, block_hashes: list | None = None
     ) -> list[int | OffloadedBlock]:
         """The longest run of ``token_ids``' full blocks found in the cache, verified: their block ids
-        (an :class:`OffloadedBlock` for a hit in the host's cold tier)."""
+        (an :class:`OffloadedBlock` for a hit in the host's cold tier).
+
+        ``block_hashes``: the chained hashes of the first blocks of these same tokens, computed by an
+        earlier lookup (a sequence's :attr:`~kvcourse.Sequence.block_hashes`); the lookup reads them
+        and appends the ones it computes, so a prompt waiting many steps is hashed once.
+        """
         bs, hits, parent = self.block_size, [], None
+        hashes = [] if block_hashes is None else block_hashes
         for i in range(len(token_ids) // bs):
             tokens, extra = tuple(token_ids[i * bs : (i + 1) * bs]), extra_keys_of(i, cache_salt)
-            block_hash = self.hash_fn(None if parent is None else parent.block_hash, tokens, extra)
+            if i == len(hashes):  # hashed lazily: the walk stops at the first miss
+                hashes.append(self.hash_fn(hashes[-1] if i else None, tokens, extra))
+            block_hash = hashes[i]
             candidates = self.cached_block_hash_to_block.get(block_hash, {})
             match = next((b for b, e in candidates.items() if e.holds(tokens, extra, parent)), None)
             if match is not None:
@@ -141,6 +157,28 @@ class PrefixCachingBlockManager(BlockManager):
         return new + sum(1 for b in cached_blocks if isinstance(b, OffloadedBlock) or self._ref_counts[b] == 0)
 
     # ---- operations ---------------------------------------------------------
+    def admit(
+        self,
+        seq: SequenceState,
+        max_num_new_tokens: int,
+        *,
+        chunked: bool = True,
+        keep_free: int = 0,
+        cache_salt: str | None = None,
+    ) -> Admission | None:
+        """Allocate ``seq``'s first slots if they fit, its cached prefix shared, leaving ``keep_free``
+        blocks free (see :meth:`KVPool.admit <kvcourse.paged.pool.KVPool.admit>`).
+
+        The lookup stops one token short: the last token is always fed, its logits give the next token.
+        """
+        hits = self.find_cached_blocks(seq.token_ids[:-1], cache_salt, seq.block_hashes)
+        num_cached = len(hits) * self.block_size
+        n = num_tokens_to_admit(seq.num_tokens - num_cached, max_num_new_tokens, chunked)
+        if n is None or self.blocks_to_allocate(num_cached + n, hits) > len(self._free) - keep_free:
+            return None
+        self.allocate(seq.seq_id, num_cached + n, hits)
+        return Admission(num_cached, n)
+
     def allocate(
         self, seq_id: Hashable, num_tokens: int, cached_blocks: Sequence[int | OffloadedBlock] = ()
     ) -> list[int]:

@@ -6,8 +6,10 @@ nano-vllm's ``LLMEngine.step``):
 1. the :class:`~kvcourse.serving.Scheduler` picks the step's sequences and reserves their slots;
 2. the :class:`~kvcourse.serving.ModelRunner` does the copy-on-write copies and runs one forward
    over all of them;
-3. every sequence that reached the end of its tokens samples its next one (a request with ``n``
-   samples forks into ``n`` sequences at its first token); finished sequences free their blocks.
+3. every sequence that reached the end of its tokens samples its next one, picked by its
+   :class:`~kvcourse.serving.Request` (a request with ``n`` samples forks into ``n`` sequences at its
+   first token); finished sequences free their blocks;
+4. a :class:`~kvcourse.serving.stats.StepRecorder` counts what the step did.
 
 :meth:`Engine.generate` runs the loop until a list of prompts is done; :meth:`Engine.add_request`,
 :meth:`Engine.step` and :meth:`Engine.abort` drive it live, and :meth:`Engine.stream` yields tokens
@@ -17,7 +19,6 @@ as they come. :attr:`Engine.stats` counts what happened; :attr:`Engine.events` l
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence as SequenceABC
@@ -28,9 +29,9 @@ from tqdm import tqdm
 from ..checks import check_callable, check_float, check_hashable, check_int, check_token_ids
 from ..sequence import SamplingParams, Sequence
 from .model_runner import ModelRunner
-from .request import Request, RequestMetrics, TokenOutput
-from .scheduler import Scheduler
-from .stats import StepEvent, latency_summary
+from .request import Request, TokenOutput
+from .scheduler import Scheduler, SchedulerOutput
+from .stats import StepEvent, StepRecorder
 
 __all__ = ["Engine"]
 
@@ -96,17 +97,10 @@ class Engine:
         eos = model.config.eos_token_id
         self.eos_token_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
         self.requests: dict[Hashable, Request] = {}  # every request ever added, in order
-        self.events: list[StepEvent] = []
         self._unfinished: dict[Hashable, Request] = {}
-        self._request_of: dict[Hashable, Request] = {}  # seq_id -> its request
+        self._request_of: dict[Hashable, Request] = {}  # seq_id -> its request, while the sequence runs
         self._next_id = 0  # where the search for a free request id starts
-        self._t0 = start
-        self._counters = dict.fromkeys(
-            ("steps", "preemptions", "prompt_tokens", "recomputed_tokens", "generated_tokens",
-             "batched_tokens", "finished", "cancelled", "copy_on_write_copies", "max_blocks_saved_by_sharing",
-             "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "swapped_out", "swapped_in"),
-            0,
-        )  # fmt: skip
+        self.recorder = StepRecorder(self.scheduler, self._request_of, t0=start)
 
     @property
     def block_manager(self):
@@ -151,7 +145,7 @@ class Engine:
         # It fits the pool alone, n fits max_num_seqs, the salt is valid, and without chunked prefill
         # its longest prefill fits the budget.
         self.scheduler.check(seq, cache_salt=cache_salt, name=f"request {request_id!r}")
-        metrics = RequestMetrics(math.nan, self._counters["steps"], seq.num_prompt_tokens)  # arrival: at _enqueue
+        metrics = self.recorder.new_metrics(seq.num_prompt_tokens)  # arrival: at _enqueue
         return Request(request_id, seq, metrics)  # builds its samplers: nothing left that can fail
 
     def _enqueue(self, request: Request, cache_salt: str | None, auto_id: bool) -> None:
@@ -159,7 +153,7 @@ class Engine:
         seq = request.seqs[0]
         if auto_id:
             self._next_id = request.request_id + 1
-        request.metrics.arrival_time = self.clock() - self._t0
+        self.recorder.arrived(request, self.clock())
         self.scheduler.enqueue(seq, cache_salt=cache_salt)
         self.requests[request.request_id] = self._unfinished[request.request_id] = request
         self._request_of[seq.seq_id] = request
@@ -174,9 +168,7 @@ class Engine:
                 self.scheduler.abort(seq.seq_id)
             self._request_of.pop(seq.seq_id, None)
         request.cancelled = True
-        request.metrics.finish_time = self.clock() - self._t0
-        request.metrics.finish_step = self._counters["steps"]
-        self._counters["cancelled"] += 1
+        self.recorder.cancelled(request, self.clock())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._unfinished)
@@ -197,77 +189,36 @@ class Engine:
         out = self.scheduler.schedule()
         if not out.scheduled:  # add_request guarantees the oldest request fits alone
             raise RuntimeError("the scheduler found nothing to run although requests are waiting")
-        step = self._counters["steps"]
-        for seq in out.admitted:
-            m = self._request_of[seq.seq_id].metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time, m.first_scheduled_step = start - self._t0, step
-        for seq in out.preempted:
-            self._request_of[seq.seq_id].metrics.num_preemptions += 1
         logits = self.runner.execute(out)
         self.scheduler.advance(out)
         sampled = self._sample(out, logits)
         finished = self.scheduler.append_tokens(sampled)
-        end = self.clock()
+        self.recorder.record(out, sampled, finished, start, self.clock())
+        self._retire(finished)
         done = {seq.seq_id for seq in finished}
-        tokens = [TokenOutput(seq_id[0], seq_id[1], token, seq_id in done) for seq_id, token in sampled.items()]
-        self._account(out, sampled, finished, step, start, end)
-        return tokens
+        return [TokenOutput(*seq_id, token, seq_id in done) for seq_id, token in sampled.items()]
 
-    def _sample(self, out, logits: torch.Tensor) -> dict[Hashable, int]:
-        """The next token of every sequence whose step reached the end of its tokens."""
-        greedy = logits.argmax(dim=-1).tolist()  # one call for the whole batch: most requests are greedy
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[Hashable, int]:
+        """The next token of every sequence whose step reached the end of its tokens (``seq_id -> token``)."""
+        argmax = logits.argmax(dim=-1).tolist()  # one call for the whole batch: most requests are greedy
         sampled: dict[Hashable, int] = {}
         for row, s in enumerate(out.scheduled):
             if not s.samples:
                 continue  # a prefill chunk short of the prompt's end: its logits are not needed
             request = self._request_of[s.seq.seq_id]
-            pick = (lambda i: greedy[row]) if request.params.greedy else (lambda i: request.samplers[i](logits[row]))
-            if request.needs_fork:  # the first token of an n-sample request: fork the other n - 1
-                for child in request.fork():
-                    self.scheduler.fork(s.seq, child)  # shares every prompt block
-                    self._request_of[child.seq_id] = request
-                    sampled[child.seq_id] = pick(child.seq_id[1])
-            sampled[s.seq.seq_id] = pick(s.seq.seq_id[1])
+            for seq, token in request.sample(s.seq, logits[row], argmax[row]):
+                if seq is not s.seq:  # a sample forked at the first token: it starts on the parent's blocks
+                    self.scheduler.fork(s.seq, seq)
+                    self._request_of[seq.seq_id] = request
+                sampled[seq.seq_id] = token
         return sampled
 
-    def _account(self, out, sampled, finished, step, start, end) -> None:
-        c = self._counters
-        c["steps"] += 1
-        c["preemptions"] += len(out.preempted)
-        c["swapped_out"] += len(out.swapped_out)
-        c["swapped_in"] += len(out.swapped_in)
-        c["copy_on_write_copies"] += len(out.copies)
-        c["prefix_cache_queried_tokens"] += out.num_prefix_cache_queried_tokens
-        c["prefix_cache_hit_tokens"] += out.num_prefix_cache_hit_tokens
-        c["generated_tokens"] += len(sampled)
-        for s in out.scheduled:
-            c["batched_tokens"] += s.num_new_tokens
-            c["recomputed_tokens"] += s.num_recomputed_tokens
-        for seq_id in sampled:
-            m = self._request_of[seq_id].metrics
-            m.num_output_tokens += 1
-            if m.first_token_time is None:
-                m.first_token_time, m.first_token_step = end - self._t0, step
-                c["prompt_tokens"] += m.num_prompt_tokens
+    def _retire(self, finished: list[Sequence]) -> None:
+        """Forget the finished sequences; a request leaves the unfinished ones with its last sample."""
         for seq in finished:
             request = self._request_of.pop(seq.seq_id)
-            request.metrics.max_sample_tokens = max(request.metrics.max_sample_tokens, len(seq.output_token_ids))
-            if request.is_finished and request.request_id in self._unfinished:
-                del self._unfinished[request.request_id]
-                request.metrics.finish_time, request.metrics.finish_step = end - self._t0, step
-                c["finished"] += 1
-        bm = self.block_manager
-        held = sum(len(bm.block_table(seq.seq_id)) for seq in self.scheduler.running)
-        c["max_blocks_saved_by_sharing"] = max(c["max_blocks_saved_by_sharing"], held - bm.num_used_blocks)
-        ids = lambda seqs: tuple(seq.seq_id for seq in seqs)  # noqa: E731  (request_id, sample index)
-        self.events.append(StepEvent(
-            step=step, start=start - self._t0, duration=end - start,
-            scheduled=tuple((s.seq.seq_id[0], s.seq.seq_id[1], s.num_new_tokens, s.kind) for s in out.scheduled),
-            admitted=ids(out.admitted), preempted=ids(out.preempted), finished=ids(finished),
-            num_free_blocks=bm.num_free_blocks, num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running), num_copies=len(out.copies),
-        ))  # fmt: skip
+            if request.is_finished:
+                self._unfinished.pop(request.request_id, None)
 
     # ---- whole runs ---------------------------------------------------------------------------
     def generate(
@@ -352,20 +303,12 @@ class Engine:
         ``swapped_out``/``swapped_in`` count swap-mode preemptions and returns; ``blocks_to_host``,
         ``blocks_to_device`` and ``transfer_seconds`` the block copies between the pools.
         """
-        stats = dict(self._counters)
-        queried = stats["prefix_cache_queried_tokens"]
-        stats["prefix_cache_hit_rate"] = stats["prefix_cache_hit_tokens"] / queried if queried else math.nan
-        bm = self.block_manager
-        stats["prefix_cache_evictions"] = getattr(bm, "num_evictions", 0)
-        stats["prefix_cache_offloaded_blocks"] = getattr(bm, "num_offloaded_blocks", 0)
-        stats["prefix_cache_host_hit_tokens"] = getattr(bm, "num_host_hit_blocks", 0) * bm.block_size
-        stats["blocks_to_host"] = self.runner.num_transferred_blocks["to_host"]
-        stats["blocks_to_device"] = self.runner.num_transferred_blocks["to_device"]
-        stats["transfer_seconds"] = self.runner.transfer_seconds
-        stats["max_bytes_saved_by_sharing"] = stats["max_blocks_saved_by_sharing"] * self.runner.kv_store.block_nbytes
-        stats.update(latency_summary(r.metrics for r in self.requests.values() if not r.cancelled))
-        stats["requests"] = {rid: r.metrics for rid, r in self.requests.items()}
-        return stats
+        return self.recorder.stats(self.requests, self.runner)
+
+    @property
+    def events(self) -> list[StepEvent]:
+        """One :class:`~kvcourse.serving.StepEvent` per step, in order."""
+        return self.recorder.events
 
     def __repr__(self) -> str:
         return (

@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..sequence import Sampler, SamplingParams, Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Request", "RequestMetrics", "TokenOutput"]
 
@@ -69,7 +72,8 @@ class RequestMetrics:
 
 
 class Request:
-    """One prompt and its samples. ``seqs[i]`` is sample ``i`` (only ``seqs[0]`` until the first token)."""
+    """One prompt and its samples. ``seqs[i]`` is sample ``i`` (only ``seqs[0]`` until the first token),
+    with id ``(request_id, i)``. It picks its samples' tokens and forks them (:meth:`sample`)."""
 
     def __init__(self, request_id: Hashable, seq: Sequence, metrics: RequestMetrics) -> None:
         self.request_id = request_id
@@ -84,6 +88,19 @@ class Request:
     def needs_fork(self) -> bool:
         """Its first token is being sampled and it wants more than one sample."""
         return self.params.n > 1 and len(self.seqs) == 1
+
+    def sample(self, seq: Sequence, logits: torch.Tensor, argmax: int) -> list[tuple[Sequence, int]]:
+        """The next token of sample ``seq`` from its ``logits`` row; ``argmax`` is that row's argmax (taken
+        for the whole batch at once: most requests are greedy).
+
+        At the first token of a request with ``n > 1`` samples, the other ``n - 1`` are forked from
+        ``seq`` and pick theirs too: they come first in the list, new sequences for the caller to start
+        on ``seq``'s blocks.
+        """
+        children = self.fork() if self.needs_fork else []
+        if self.params.greedy:
+            return [(s, argmax) for s in (*children, seq)]
+        return [(s, self.samplers[s.seq_id[1]](logits)) for s in (*children, seq)]
 
     def fork(self) -> list[Sequence]:
         """Samples ``1 .. n-1``, copies of sample 0 with their own seeds (call before sample 0's first token)."""

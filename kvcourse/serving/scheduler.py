@@ -31,14 +31,15 @@ The scheduler only does bookkeeping: the runner turns :class:`SchedulerOutput` i
 pass (chapter 6's :class:`~kvcourse.serving.Engine`), or a trace drives it with no model at all
 (chapter 4's simulator, :func:`kvcourse.fragmentation.simulate`): one policy for both.
 
-**Memory.** The scheduler talks to its pool through a few block-manager calls (``blocks_needed``,
-``num_free_blocks``, ``num_blocks``, ``num_tokens``, ``allocate``, ``blocks_to_append``,
-``append_slots``, ``free``, ``fork``; swap mode adds ``swap_out``, ``swap_in``); a
-:class:`~kvcourse.paged.BlockManager` is the real one. Its block moves (swaps, prefix blocks moved
-to the host tier and back) are handed to the runner in :attr:`SchedulerOutput.transfers`.
-After a step, a sequence holds slots for every token it has computed, plus
-``num_lookahead_slots`` for the token it just sampled (0 in the engine, which reserves that slot
-when it feeds the token; 1 in chapter 4, which counts a token's slot from the step that makes it).
+**Memory.** The scheduler talks to its pool through the calls of the
+:class:`~kvcourse.paged.KVPool` protocol: one call admits a sequence or says it does not fit
+(``admit``, which also answers how many of its tokens are cached), ``append_slots`` grows a running
+one, ``free`` takes its blocks back; a :class:`~kvcourse.paged.PagedKVPool` (a
+:class:`~kvcourse.paged.BlockManager`) adds ``fork`` and, with a host pool, ``swap_out`` and
+``swap_in``. Its block moves (swaps, prefix blocks moved to the host tier and back) are handed to
+the runner in :attr:`SchedulerOutput.transfers`. After a step, a sequence holds slots for every
+token it has computed; the token it just sampled gets its slot when it is fed (chapter 4's
+simulator, which counts a token's slot from the step that makes it, reserves one more in its pools).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 from ..checks import check_bool, check_choice, check_float, check_int
-from ..paged import BlockTransfer, CopyOnWrite, NoFreeBlocksError, PrefixCachingBlockManager
+from ..paged import BlockTransfer, CopyOnWrite, KVPool, NoFreeBlocksError, PagedKVPool
 from ..sequence import Sequence, SequenceStatus
 
 __all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
@@ -114,26 +115,24 @@ class Scheduler:
     """Continuous batching with a token budget, chunked prefill and preemption by recompute or swap.
 
     Args:
-        block_manager: the pool (a :class:`~kvcourse.paged.BlockManager`, or anything with its calls).
+        block_manager: the pool: a :class:`~kvcourse.paged.KVPool`, such as a :class:`~kvcourse.paged.BlockManager`.
         max_num_seqs: most sequences running at once (``None``: no cap). A request with ``n``
             samples counts ``n`` from admission.
         max_num_batched_tokens: most new tokens in one step, all sequences together (``None``: no cap).
         enable_chunked_prefill: split a prompt across steps to fit the budget.
         watermark: fraction of the pool's blocks that admission leaves free (vLLM's default 0.01).
-        num_lookahead_slots: slots reserved beyond the computed tokens of a sequence that samples.
         preemption_mode: ``"recompute"`` (free the blocks, compute them again later) or ``"swap"``
             (copy them to the block manager's host pool and back; needs ``num_host_blocks > 0``).
     """
 
     def __init__(
         self,
-        block_manager,
+        block_manager: KVPool,
         *,
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         enable_chunked_prefill: bool = True,
         watermark: float = 0.01,
-        num_lookahead_slots: int = 0,
         preemption_mode: str = "recompute",
     ) -> None:
         self.block_manager = block_manager
@@ -142,9 +141,8 @@ class Scheduler:
         self.enable_chunked_prefill = check_bool("enable_chunked_prefill", enable_chunked_prefill)
         self.watermark_blocks = int(check_float("watermark", watermark, min=0, max=1, max_open=True)
                                     * block_manager.num_blocks)  # fmt: skip
-        self.num_lookahead_slots = check_int("num_lookahead_slots", num_lookahead_slots, min=0)
         check_choice("preemption_mode", preemption_mode, ("recompute", "swap"))
-        if preemption_mode == "swap" and not getattr(getattr(block_manager, "host", None), "num_blocks", 0):
+        if preemption_mode == "swap" and not block_manager.num_host_blocks:
             raise ValueError("preemption_mode='swap' needs a block manager with num_host_blocks > 0")
         self.preemption_mode = preemption_mode
         self.waiting: deque[Sequence] = deque()  # head first; preempted sequences go back to the head
@@ -152,14 +150,13 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
         self._seqs: dict[Hashable, Sequence] = {}
         self._lost: dict[Hashable, int] = {}  # seq_id -> most tokens it had computed when preempted
-        self.enable_prefix_caching = isinstance(block_manager, PrefixCachingBlockManager)
+        self.enable_prefix_caching = block_manager.enable_prefix_caching
         self._cache_salts: dict[Hashable, str | None] = {}
 
     # ---- requests come and go -------------------------------------------------------------------
     def max_slots(self, seq: Sequence) -> int:
-        """The most slots ``seq`` can ever hold: prompt + outputs, less the last output (never fed),
-        plus the lookahead."""
-        return seq.num_prompt_tokens + seq.params.max_new_tokens - 1 + self.num_lookahead_slots
+        """The most slots ``seq`` can ever hold: prompt + outputs, less the last output (never fed)."""
+        return seq.num_prompt_tokens + seq.params.max_new_tokens - 1
 
     def add(self, seq: Sequence, *, cache_salt: str | None = None) -> None:
         """Queue a new sequence: :meth:`check`, then :meth:`enqueue`. ``cache_salt``: it shares cached
@@ -192,13 +189,12 @@ class Scheduler:
         if need > bm.num_blocks:
             raise ValueError(
                 f"{name or f'sequence {seq.seq_id!r}'} alone needs {need} blocks of {bm.block_size} "
-                f"({seq.num_prompt_tokens} prompt + max_new_tokens={seq.params.max_new_tokens} - 1 tokens"
-                f"{f' + {self.num_lookahead_slots} lookahead' if self.num_lookahead_slots else ''}) but "
+                f"({seq.num_prompt_tokens} prompt + max_new_tokens={seq.params.max_new_tokens} - 1 tokens) but "
                 f"num_blocks={bm.num_blocks}: it could never run"
             )
         if seq.params.n > self.max_num_seqs:
             raise ValueError(f"n={seq.params.n} samples exceed max_num_seqs={self.max_num_seqs}")
-        longest_prefill = self.max_slots(seq) - self.num_lookahead_slots
+        longest_prefill = self.max_slots(seq)
         if not self.enable_chunked_prefill and longest_prefill > self.max_num_batched_tokens:
             raise ValueError(
                 f"without chunked prefill a sequence of up to {longest_prefill} tokens "
@@ -227,9 +223,8 @@ class Scheduler:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Start ``child`` (``parent.fork(...)``) running on ``parent``'s blocks (copy-on-write later)."""
-        if self.num_lookahead_slots:
-            # A reserved, unwritten slot would be shared, and both would write it.
-            raise ValueError("fork needs num_lookahead_slots=0")
+        if not isinstance(self.block_manager, PagedKVPool):
+            raise TypeError(f"fork needs a pool that shares blocks (a PagedKVPool), got {self.block_manager!r}")
         if self._seqs.get(parent.seq_id) is not parent or parent.status is not SequenceStatus.RUNNING:
             raise ValueError(f"parent {parent.seq_id!r} is not running")
         if child.seq_id in self._seqs:
@@ -246,9 +241,18 @@ class Scheduler:
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Choose the next step; reserve its slots (preempting if needed). See the module doc."""
-        bm, out = self.block_manager, SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        # 1. Running sequences, oldest first.
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:  # a step that had to preempt takes nobody in: the pool is too tight
+            budget = self._schedule_swapped(out, budget)
+            if not self.swapped:  # the swapped-out sequences came first
+                self._schedule_waiting(out, budget)
+        if self.block_manager.num_host_blocks:  # only a host pool moves blocks
+            out.transfers = self.block_manager.take_transfers()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """1. Running sequences, oldest first; the newest are preempted while the pool is short."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -257,55 +261,39 @@ class Scheduler:
                 break  # seq preempted itself: it was the newest, nobody is left after it
             budget -= n
             i += 1
-        # 2. Swapped sequences, oldest first, none in a step that preempted (the pool is too tight).
-        while self.swapped and budget > 0 and not out.preempted:
+        return budget
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        """2. Swapped sequences, oldest first, back into fresh blocks."""
+        bm = self.block_manager
+        while self.swapped and budget > 0 and self._seats_used() + 1 <= self.max_num_seqs:
             seq = self.swapped[0]
             n = min(seq.num_uncomputed_tokens, budget)
-            if self._seats_used() + 1 > self.max_num_seqs:
-                break
-            keep = self.watermark_blocks if self.running else 0
-            if bm.blocks_to_swap_in(seq.seq_id, n + self.num_lookahead_slots) > bm.num_free_blocks - keep:
+            if bm.blocks_to_swap_in(seq.seq_id, n) > bm.num_free_blocks - self._keep_free():
                 break
             bm.swap_in(seq.seq_id)
-            self.swapped.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.swapped_in.append(seq)
-            self._reserve(seq, n, out)  # cannot preempt: the blocks were checked above
+            self._start(self.swapped.popleft(), out.swapped_in)
+            self._reserve(seq, n, out)  # cannot preempt: the blocks were counted above
             budget -= n
-        # 3. Waiting sequences, first come first served, none in a step that preempted or while
-        # someone is swapped out (they came first).
-        while self.waiting and budget > 0 and not out.preempted and not self.swapped:
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """3. Waiting sequences, first come first served (no overtaking), while the pool says they fit."""
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
             if self._seats_used() + self._seats(seq) > self.max_num_seqs:
                 break
-            cached = self._find_cached_blocks(seq)
-            num_cached = len(cached) * bm.block_size
-            n = seq.num_tokens - num_cached
-            if n > budget:
-                if not self.enable_chunked_prefill:
-                    break
-                n = budget
-            held = num_cached + n + (self.num_lookahead_slots if num_cached + n == seq.num_tokens else 0)
-            keep = self.watermark_blocks if self.running else 0  # alone, a sequence may use every block
-            need = bm.blocks_to_allocate(held, cached) if cached else bm.blocks_needed(held)
-            if need > bm.num_free_blocks - keep:
+            salt = self._cache_salts.get(seq.seq_id)  # None for a sequence queued by hand (chapter 6's exercise)
+            admission = self.block_manager.admit(seq, budget, chunked=self.enable_chunked_prefill,
+                                                 keep_free=self._keep_free(), cache_salt=salt)
+            if admission is None:
                 break
-            try:
-                bm.allocate(seq.seq_id, held, cached) if cached else bm.allocate(seq.seq_id, held)
-            except NoFreeBlocksError:  # free blocks, but not usable (chapter 4's contiguous reservations)
-                break
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
+            num_cached, n = admission
             seq.num_computed_tokens = num_cached
-            self.running.append(seq)
-            out.admitted.append(seq)
+            self._start(self.waiting.popleft(), out.admitted)
             out.scheduled.append(self._scheduled(seq, n, num_cached))
             out.num_prefix_cache_queried_tokens += seq.num_tokens if self.enable_prefix_caching else 0
             budget -= n
-        if hasattr(bm, "take_transfers"):
-            out.transfers = bm.take_transfers()
-        return out
 
     def advance(self, out: SchedulerOutput) -> None:
         """After the forward: the scheduled tokens now have K/V in the cache (and their full blocks
@@ -336,13 +324,9 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Reserve the slots of ``seq``'s next ``n`` tokens, preempting the newest sequences while the
         pool is short. False if ``seq`` itself had to go."""
-        s = self._scheduled(seq, n)
-        # Slots for the new tokens, and the lookahead for the token it will sample; a decode feeds the
-        # token sampled last step, whose lookahead slot is already held.
-        extra = n + (self.num_lookahead_slots if s.samples and s.kind != "decode" else 0)
         while True:
             try:
-                cow = self.block_manager.append_slots(seq.seq_id, extra)
+                cow = self.block_manager.append_slots(seq.seq_id, n)
                 break
             except NoFreeBlocksError:  # nothing changed: free the newest sequence's blocks and retry
                 victim = self.running.pop()
@@ -353,7 +337,7 @@ class Scheduler:
                     return False
         if cow is not None:
             out.copies.append(cow)
-        out.scheduled.append(s)
+        out.scheduled.append(self._scheduled(seq, n))
         return True
 
     def _preempt(self, seq: Sequence) -> bool:
@@ -372,11 +356,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
         return False
 
-    def _find_cached_blocks(self, seq: Sequence) -> list:
-        if not self.enable_prefix_caching:
-            return []
-        # One token short: the last token is always fed, its logits give the next token.
-        return self.block_manager.find_cached_blocks(seq.token_ids[:-1], self._cache_salts[seq.seq_id])
+    def _start(self, seq: Sequence, into: list[Sequence]) -> None:
+        """``seq`` runs from this step on (admitted or swapped in; ``into`` says which)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        into.append(seq)
+
+    def _keep_free(self) -> int:
+        # The watermark leaves room for the running sequences to grow; alone, a sequence may use every block.
+        return self.watermark_blocks if self.running else 0
 
     def _scheduled(self, seq: Sequence, n: int, num_cached: int = 0) -> ScheduledSeq:
         start, total = seq.num_computed_tokens, seq.num_tokens
