@@ -140,20 +140,31 @@ class PagedTorchBackend(PagedBackend):
         lens = torch.tensor(batch.seq_lens_host, dtype=torch.int64, device=self.decode_rows.device)
         if self.decode_seqs:
             d = torch.tensor(self.decode_seqs, dtype=torch.int64, device=lens.device)
-            self.decode_blocks, key_ok = self._blocks(d, lens[d], self.decode_max_len)
+            self.decode_blocks, key_ok, self.decode_padding = self._blocks(d, lens[d], self.decode_max_len)
             # Every decode sees its whole context: mask only the padding of the shorter ones.
             self.decode_mask = None if bool(key_ok.all()) else key_ok[:, None, None, :]
-            self.decode_padding = (~key_ok).flatten().nonzero().flatten()
         if self.prefill_seqs:
             self._prepare_prefill(lens)
 
-    def _blocks(self, seqs: torch.Tensor, lens: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The blocks holding positions ``0 .. max_len-1`` of ``seqs``, ``[B * M]`` (a table's padding
-        reads block 0), and which of their ``M * block_size`` slots are real, ``[B, M * block_size]``."""
+    def _blocks(self, seqs: torch.Tensor, lens: torch.Tensor, max_len: int) -> tuple[torch.Tensor, ...]:
+        """What a group reads: the blocks holding positions ``0 .. max_len-1`` of ``seqs``, ``[B * M]``;
+        which of their ``M * block_size`` rows are keys, ``[B, M * block_size]``; and the gathered
+        rows that may hold another sequence's leftovers, to be zeroed (see :meth:`attend`).
+
+        A shorter sequence's table is padded (-1) up to ``M`` columns; the padding reads the sequence's
+        own first block, whose rows ``0 .. len-1`` hold its own K/V. So the only rows that can hold
+        anything else are past ``len`` in its own last block, or past ``len`` in that repeated first
+        block: at most ``block_size`` per sequence, not every padding row.
+        """
         bs = self.batch.block_size
         m = -(-max_len // bs)
-        key_ok = torch.arange(m * bs, device=lens.device)[None, :] < lens[:, None]
-        return self.batch.block_tables[seqs, :m].to(torch.int64).clamp_min(0).flatten(), key_ok
+        tables = self.batch.block_tables[seqs, :m].to(torch.int64)
+        tables = torch.where(tables >= 0, tables, tables[:, :1])  # table padding -> the sequence's first block
+        pos = torch.arange(m * bs, device=lens.device)[None, :]
+        key_ok = pos < lens[:, None]
+        in_padding = pos // bs >= -(-lens[:, None] // bs)  # rows read through a padding entry
+        own = key_ok | (in_padding & (pos % bs < lens[:, None]))
+        return tables.flatten(), key_ok, (~own).flatten().nonzero().flatten()
 
     def _prepare_prefill(self, lens: torch.Tensor) -> None:
         batch, qsl = self.batch, self.batch.query_start_loc_host
@@ -161,8 +172,7 @@ class PagedTorchBackend(PagedBackend):
         q_lens = torch.tensor([qsl[b + 1] - qsl[b] for b in self.prefill_seqs], device=lens.device)
         self.prefill_t = int(q_lens.max())
         max_len = max(batch.seq_lens_host[b] for b in self.prefill_seqs)
-        self.prefill_blocks, key_ok = self._blocks(p, lens[p], max_len)
-        self.prefill_padding = (~key_ok).flatten().nonzero().flatten()
+        self.prefill_blocks, key_ok, self.prefill_padding = self._blocks(p, lens[p], max_len)
         # Queries padded to [Bp, T]: a padding row repeats its sequence's first row (its output is dropped).
         t = torch.arange(self.prefill_t, device=lens.device)
         self.prefill_q_ok = (t[None, :] < q_lens[:, None]).flatten()
@@ -182,9 +192,10 @@ class PagedTorchBackend(PagedBackend):
                padding: torch.Tensor) -> torch.Tensor:  # fmt: skip
         """``q [B, T, Hq, D]`` against the K/V of ``blocks [B * M]`` (M per sequence) -> ``[B, T, Hq, D]``.
 
-        ``padding``: the gathered slots past each sequence's length, masked out of the softmax. They
-        may hold anything (a freed sequence's K/V, NaN in the tests), and a masked weight of 0 times
-        NaN is still NaN: so they are zeroed in the gathered copy first, as a kernel never loads them.
+        ``padding``: gathered rows past a sequence's length that may hold another sequence's leftovers
+        (a freed sequence's K/V; NaN in the tests). The mask keeps them out of the softmax, but a
+        weight of 0 times NaN is still NaN: so they are zeroed in the gathered copy first, as a kernel
+        never loads them.
         """
         b = q.shape[0]
         cdt = compute_dtype(q.dtype) if q.dtype == torch.float64 else q.dtype
