@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-__all__ = ["approx", "check_config", "seed_everything", "default_device", "glue", "in_colab"]
+__all__ = ["approx", "check_config", "seed_everything", "default_device", "glue", "in_colab", "show_source"]
 
 
 def seed_everything(seed: int = 0) -> None:
@@ -73,3 +73,17 @@ def check_config(config: object, name: str = "config") -> None:
         raise TypeError(
             f"{name} must be a kvcourse.LlamaConfig (model.config), got {type(config).__name__} without {missing}"
         )
+
+
+def show_source(*functions) -> object:
+    """The package's own source of ``functions``, as a Markdown code block a notebook displays.
+
+    A chapter quotes the engine this way rather than copying it, so the page shows the code that runs;
+    ``tests/test_book.py`` checks that the committed output still matches the package.
+    """
+    import inspect
+
+    from IPython.display import Markdown
+
+    return Markdown("\n\n".join(f"```python\n{inspect.getsource(f)}```" for f in functions))
+

@@ -35,16 +35,17 @@ from .triton_runtime import check_kernel_device, compute_capability, dot_precisi
 __all__ = ["MAX_SPLITS", "choose_num_splits", "paged_decode", "paged_decode_attention", "paged_decode_attention_int8"]
 
 MAX_SPLITS = 64  # stage 2 merges up to this many partial results per head in one tile
-MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it saves
+MIN_SPLIT_TOKENS = 256  # at most one split per started 256 positions: fewer, longer splits merge cheaper
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int | None) -> int:
-    """How many KV splits a decode step should use: enough programs to fill the GPU, no shorter splits than needed.
+    """How many KV splits a decode step should use: enough programs to fill the GPU, no more than the context allows.
 
     Stage 1 runs ``batch_size * num_kv_heads * num_splits`` programs. Aim for two per streaming
-    multiprocessor (``num_sms``), but never cut a context into splits of fewer than
-    :data:`MIN_SPLIT_TOKENS` positions. A big batch already fills the GPU: 1 split. ``num_sms=None``
-    (the CPU interpreter, where programs run one after another) also gives 1.
+    multiprocessor (``num_sms``), with at most one split per started :data:`MIN_SPLIT_TOKENS` positions
+    of the longest context (so 300 tokens allow 2 splits of 150: the constant bounds the count, it is
+    not a minimum length), and at most :data:`MAX_SPLITS`. A big batch already fills the GPU: 1 split.
+    ``num_sms=None`` (the CPU interpreter, where programs run one after another) also gives 1.
     """
     for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("max_seq_len", max_seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -8,7 +8,7 @@
   after the step's block moves between the device and host pools.
 * :mod:`.request` -- :class:`Request` (a prompt, its samples, its :class:`RequestMetrics`).
 * :mod:`.engine` -- :class:`Engine`: ``generate``, ``add_request`` / ``step`` / ``abort``, ``stream``, ``stats``.
-* :mod:`.stats` -- the per-step event log and latency percentiles.
+* :mod:`.stats` -- :class:`StepRecorder`: the per-step event log and counters; latency percentiles.
 * :mod:`.baselines` -- one-at-a-time and static batching, to compare against.
 * :mod:`.plots` -- the timeline of an event log.
 """
@@ -17,7 +17,7 @@ from .engine import Engine
 from .model_runner import ModelRunner
 from .request import Request, RequestMetrics, TokenOutput
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from .stats import StepEvent, latency_summary
+from .stats import StepEvent, StepRecorder, latency_summary
 
 __all__ = [
     "Engine",
@@ -28,6 +28,7 @@ __all__ = [
     "Scheduler",
     "SchedulerOutput",
     "StepEvent",
+    "StepRecorder",
     "TokenOutput",
     "latency_summary",
 ]
