@@ -69,3 +69,23 @@ def test_chapter_conventions(path):
     for c in code:
         src = "".join(c["source"])
         assert c.get("execution_count") is not None or not src.strip(), f"unexecuted cell in {path.name}: {src[:60]}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_quoted_source_matches_the_package(path):
+    """A cell tagged ``source-quote`` shows ``kvcourse.utils.show_source(...)``: its committed output must be the
+    package's current source, or the book would quote code that no longer runs (re-execute the chapter)."""
+    import kvcourse.serving  # noqa: F401  (what the quotes name)
+    from kvcourse.utils import show_source
+
+    nb = json.loads(path.read_text())
+    for cell in nb["cells"]:
+        if "source-quote" not in cell.get("metadata", {}).get("tags", []):
+            continue
+        src = "".join(cell["source"])
+        call = src[src.index("show_source(") :]
+        namespace = {"show_source": show_source, "Engine": kvcourse.serving.Engine,
+                     "Scheduler": kvcourse.serving.Scheduler}  # fmt: skip
+        want = eval(call, namespace).data  # noqa: S307 - our own notebook's one call
+        shown = [o["data"]["text/markdown"] for o in cell["outputs"] if "text/markdown" in o.get("data", {})]
+        assert shown and "".join(shown[0]) == want, f"{path.name}: a quoted function changed; re-execute the chapter"
