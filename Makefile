@@ -99,6 +99,7 @@ bench: setup
 	$(PY) benchmarks/bench_batch.py --json benchmarks/results/cpu-batch-$$(date +%F).json
 	$(PY) benchmarks/bench_serving.py --json benchmarks/results/cpu-serving-$$(date +%F).json
 	$(PY) benchmarks/bench_engine.py --json benchmarks/results/cpu-engine-$$(date +%F).json
+	$(PY) benchmarks/bench_contention.py --json benchmarks/results/cpu-contention-$$(date +%F).json
 	$(PY) benchmarks/bench_prefix.py --json benchmarks/results/cpu-prefix-$$(date +%F).json
 	$(PY) benchmarks/bench_offload.py --json benchmarks/results/cpu-offload-$$(date +%F).json
 	$(PY) -m kvcourse.bench kernels
@@ -107,6 +108,7 @@ bench: setup
 # The engine's own benchmark (issue 17): every ratio from one run, repeats on a busy machine marked noisy.
 bench-engine: setup
 	$(PY) benchmarks/bench_engine.py --json benchmarks/results/cpu-engine-$$(date +%F).json
+	$(PY) benchmarks/bench_contention.py --json benchmarks/results/cpu-contention-$$(date +%F).json
 
 # Chapter 5's kernels compiled for a T4, an A100 and an H100 on this machine (no GPU needed): compile errors,
 # shared memory over the limit and register spills fail it. `make test` runs the quick subset.

@@ -23,6 +23,18 @@ PROMPTS = [
 ]
 
 
+def tiny_llama(seed: int, **config) -> kvcourse.LlamaModel:
+    """A tiny random-weight Llama (2 layers, GQA 6:2, head_dim 8) for fast tests; ``config`` overrides its shape."""
+    shape = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=6,
+                 num_key_value_heads=2, head_dim=8, rope_theta=10000.0, max_position_embeddings=1024)  # fmt: skip
+    model = kvcourse.LlamaModel(kvcourse.LlamaConfig(**(shape | config)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
 def pytest_collection_modifyitems(config, items):
     """The full native-compile sweep (minutes of ptxas) runs only when asked for: ``-m native_full``."""
     if "native_full" in (config.getoption("-m") or ""):

@@ -21,6 +21,8 @@ from kvcourse.model import rope_cos_sin
 from kvcourse.paged import PagedKVStore
 from kvcourse.serving import ModelRunner
 
+from .conftest import tiny_llama
+
 PACKAGE = Path(kvcourse.__file__).parent
 
 
@@ -124,15 +126,7 @@ def test_the_runner_builds_the_store_its_backend_needs(tiny_model):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    cfg = kvcourse.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                               num_attention_heads=6, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
-                               max_position_embeddings=600)  # fmt: skip
-    model = kvcourse.LlamaModel(cfg)
-    g = torch.Generator().manual_seed(99)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model.eval()
+    return tiny_llama(99, vocab_size=50, max_position_embeddings=600)
 
 
 # ---- one step object: the batch built with tensor ops equals the formula, token by token -------------
