@@ -24,7 +24,7 @@ help:
 	@echo "make compile-report       the same sweep, written to benchmarks/results/compile-report-<date>.json"
 	@echo "make gpu-check  on a CUDA GPU: kernel tests compiled, model/engine tests on cuda, kernel benchmark, chapters 5-7 (exit 3 without a GPU)"
 	@echo "make bench      benchmarks: CPU decode (ours vs Hugging Face, naive vs cached), batched decode, serving, the engine, prefix caching, offloading, compressed caches; GPU kernels if a GPU is present"
-	@echo "make bench-engine  the engine against Hugging Face's continuous batching and generate, batch 1, attention's share of a step, under a neighbour (issue 17)"
+	@echo "make bench-engine  the engine against Hugging Face's continuous batching and generate, batch 1, attention's share of a step, under a neighbour (issue 17), the step-cost model of chapter 6's load sweep"
 	@echo "make student    student copies of the notebooks, solutions removed, in _build/student"
 	@echo "make check-book build the book and open every page in headless Chromium (screenshots in _build/screenshots)"
 	@echo "make published  reader and student copies for Colab in _build/published (make book runs it)"
@@ -100,6 +100,7 @@ bench: setup
 	$(PY) benchmarks/bench_serving.py --json benchmarks/results/cpu-serving-$$(date +%F).json
 	$(PY) benchmarks/bench_engine.py --json benchmarks/results/cpu-engine-$$(date +%F).json
 	$(PY) benchmarks/bench_contention.py --json benchmarks/results/cpu-contention-$$(date +%F).json
+	$(PY) benchmarks/bench_load.py --json benchmarks/results/cpu-load-$$(date +%F).json
 	$(PY) benchmarks/bench_prefix.py --json benchmarks/results/cpu-prefix-$$(date +%F).json
 	$(PY) benchmarks/bench_offload.py --json benchmarks/results/cpu-offload-$$(date +%F).json
 	$(PY) -m kvcourse.bench kernels
@@ -109,6 +110,7 @@ bench: setup
 bench-engine: setup
 	$(PY) benchmarks/bench_engine.py --json benchmarks/results/cpu-engine-$$(date +%F).json
 	$(PY) benchmarks/bench_contention.py --json benchmarks/results/cpu-contention-$$(date +%F).json
+	$(PY) benchmarks/bench_load.py --json benchmarks/results/cpu-load-$$(date +%F).json
 
 # Chapter 5's kernels compiled for a T4, an A100 and an H100 on this machine (no GPU needed): compile errors,
 # shared memory over the limit and register spills fail it. `make test` runs the quick subset.

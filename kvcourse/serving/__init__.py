@@ -9,6 +9,8 @@
 * :mod:`.request` -- :class:`Request` (a prompt, its samples, its :class:`RequestMetrics`).
 * :mod:`.engine` -- :class:`Engine`: ``generate``, ``add_request`` / ``step`` / ``abort``, ``stream``, ``stats``.
 * :mod:`.stats` -- :class:`StepRecorder`: the per-step event log and counters; latency percentiles.
+* :mod:`.load` -- open-loop load: Poisson arrivals on a modelled clock, SLO attainment, goodput,
+  Little's law.
 * :mod:`.baselines` -- one-at-a-time and static batching, to compare against.
 * :mod:`.plots` -- the timeline of an event log.
 """
