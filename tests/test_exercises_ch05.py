@@ -234,7 +234,162 @@ def test_paged_offsets_rejects_wrong_kernels(mistake, hint):
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Bytes of K and V
+# 4. Split-KV's merge, written whole: rows of NUM_SPLITS partial results
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def merge_kernel(Partial, Lse, Out, Out_lse, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
+                 MISTAKE: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    split = tl.arange(0, BLOCK_S)
+    col = tl.arange(0, D)
+    if MISTAKE == "split_mask":
+        lse = tl.load(Lse + row * NUM_SPLITS + split)
+    else:
+        lse = tl.load(Lse + row * NUM_SPLITS + split, mask=split < NUM_SPLITS, other=float("-inf"))
+    ptrs = Partial + row * NUM_SPLITS * D + split[:, None] * D + col[None, :]
+    if MISTAKE == "empty":
+        parts = tl.load(ptrs, mask=(split < NUM_SPLITS)[:, None], other=0.0)
+    elif MISTAKE == "split_mask":
+        parts = tl.load(ptrs)
+        parts = tl.where((lse == float("-inf"))[:, None], 0.0, parts)
+    else:
+        parts = tl.load(ptrs, mask=(split < NUM_SPLITS)[:, None] & (lse != float("-inf"))[:, None], other=0.0)
+    top = tl.max(lse, 0)
+    if MISTAKE == "no_max":
+        weight = tl.exp(lse)
+    elif MISTAKE == "mean":
+        weight = tl.where(lse != float("-inf"), 1.0, 0.0)
+    elif MISTAKE == "exp2":
+        weight = tl.exp2(lse - top)
+    else:
+        weight = tl.exp2((lse - top) * 1.4426950408889634)  # e^x = 2^(x log2 e)
+    denominator = tl.sum(weight, 0)
+    merged = tl.sum(parts * weight[:, None], 0)
+    if MISTAKE != "unnormalised":
+        merged = merged / denominator
+    tl.store(Out + row * D + col, merged)
+    if MISTAKE == "lse_max":
+        tl.store(Out_lse + row, top)
+    elif MISTAKE == "lse_sum":
+        tl.store(Out_lse + row, tl.sum(tl.where(lse != float("-inf"), lse, 0.0), 0))
+    elif MISTAKE == "no_max":
+        tl.store(Out_lse + row, tl.log(denominator))
+    else:
+        tl.store(Out_lse + row, top + tl.log(denominator))
+
+
+def _merge(mistake: str) -> Bound:
+    return Bound(merge_kernel, MISTAKE=mistake)
+
+
+def test_merge_splits_accepts_right_kernel():
+    assert ch05.check_merge_splits(_merge("none"))
+    assert ch05.check_merge_splits(_merge("none"), seed=5)
+
+
+@pytest.mark.parametrize(
+    "mistake, hint",
+    [("empty", "0 x NaN is NaN"), ("split_mask", "read the next row's splits"), ("no_max", "exp\\(lse\\) overflows"),
+     ("mean", "the same weight"), ("exp2", "natural logarithms"), ("unnormalised", "without the division"),
+     ("lse_max", "the maximum M alone"), ("lse_sum", "logs of sums do not add")],  # fmt: skip
+)
+def test_merge_splits_rejects_wrong_kernels(mistake, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch05.check_merge_splits(_merge(mistake))
+
+
+def test_merge_splits_wants_the_kernel_and_reports_a_stub():
+    with pytest.raises(ExerciseError, match="@triton.jit kernel merge_splits_kernel itself"):
+        ch05.check_merge_splits(lambda *a: None)
+
+    @triton.jit
+    def stub(Partial, Lse, Out, Out_lse, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr):
+        raise NotImplementedError("write the merge")
+
+    assert not ch05.check_merge_splits(stub)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. A GQA decode kernel, tiled: one program per (sequence, KV head)
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def tiled_kernel(Q, K, V, Seq_lens, Out, scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
+                 GROUP: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, MISTAKE: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    kv = tl.program_id(1)
+    length = tl.load(Seq_lens + b)
+    rows = tl.arange(0, GROUP)
+    cols = tl.arange(0, D)
+    if MISTAKE == "interleaved":
+        heads = kv + rows * tl.num_programs(1)
+    else:
+        heads = kv * GROUP + rows
+    q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + cols[None, :]
+    q = tl.load(q_ptrs) * scale  # fold the scale into the query once
+    run_max = tl.zeros([GROUP], tl.float32) - float("inf")
+    run_sum = tl.zeros([GROUP], tl.float32)
+    run_out = tl.zeros([GROUP, D], tl.float32)
+    if MISTAKE == "tail":
+        stop = length // BLOCK_N * BLOCK_N
+    else:
+        stop = length
+    for first in range(0, stop, BLOCK_N):
+        pos = first + tl.arange(0, BLOCK_N)
+        inside = pos < length
+        base = K + b * stride_kb + kv * stride_kh + pos[:, None] * stride_ks + cols[None, :]
+        vbase = V + b * stride_kb + kv * stride_kh + pos[:, None] * stride_ks + cols[None, :]
+        if MISTAKE == "no_mask":
+            keys = tl.load(base)
+            vals = tl.load(vbase)
+        elif MISTAKE == "scores_only":
+            keys = tl.load(base, mask=inside[:, None], other=0.0)
+            vals = tl.load(vbase)
+        else:
+            keys = tl.load(base, mask=inside[:, None], other=0.0)
+            vals = tl.load(vbase, mask=inside[:, None], other=0.0)
+        scores = tl.sum(q[:, None, :] * keys[None, :, :], 2)
+        if MISTAKE != "no_mask" and MISTAKE != "loads_only":
+            scores = tl.where(inside[None, :], scores, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(scores, 1))
+        shrink = tl.exp(run_max - new_max)
+        probs = tl.exp(scores - new_max[:, None])
+        if MISTAKE == "l":
+            run_sum = run_sum + tl.sum(probs, 1)
+        else:
+            run_sum = run_sum * shrink + tl.sum(probs, 1)
+        contrib = tl.sum(probs[:, :, None] * vals[None, :, :], 1)
+        if MISTAKE == "acc":
+            run_out = run_out + contrib
+        else:
+            run_out = run_out * shrink[:, None] + contrib
+        run_max = new_max
+    if MISTAKE != "divide":
+        run_out = run_out / run_sum[:, None]
+    tl.store(Out + b * stride_qb + heads[:, None] * stride_qh + cols[None, :], run_out)
+
+
+def _tiled(mistake: str) -> Bound:
+    return Bound(tiled_kernel, MISTAKE=mistake)
+
+
+def test_tiled_decode_accepts_right_kernel():
+    assert ch05.check_tiled_decode(_tiled("none"))
+    assert ch05.check_tiled_decode(_tiled("none"), seed=11)
+
+
+@pytest.mark.parametrize(
+    "mistake, hint",
+    [("tail", "reads whole tiles only"), ("no_mask", "reads past seq_len"), ("scores_only", "NaN padding leaks"),
+     ("loads_only", "a score of 0 still gets weight"), ("acc", "multiply it by alpha"), ("l", "l is not"),
+     ("divide", "divide it by l"), ("interleaved", "consecutive heads")],  # fmt: skip
+)
+def test_tiled_decode_rejects_wrong_kernels(mistake, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch05.check_tiled_decode(_tiled(mistake))
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Bytes of K and V
 # ---------------------------------------------------------------------------------------------
 def test_kv_bytes_accepts_right_answer():
     assert ch05.check_kv_bytes(lambda lens, hkv, d, nb: 2 * sum(lens) * hkv * d * nb)

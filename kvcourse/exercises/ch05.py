@@ -1,9 +1,12 @@
-"""Checks for chapter 5, *Triton kernels*. Three exercises hand the learner a broken kernel to fix; one counts bytes.
+"""Checks for chapter 5, *Triton kernels*. Three warm-ups hand the learner a broken kernel to fix, two ask for a
+whole kernel from its signature, one counts bytes.
 
 1. :func:`check_masked_decode` -- a decode kernel that reads past ``seq_len``: add the masks.
 2. :func:`check_online_softmax` -- a tiled decode kernel whose running sums are not all rescaled.
 3. :func:`check_paged_offsets` -- a paged kernel that computes the wrong address from the block table.
-4. :func:`check_kv_bytes` -- bytes of K and V one decode step reads, and so its fastest possible time.
+4. :func:`check_merge_splits` -- split-KV's stage 2, written whole: merge partial outputs by their log-sum-exps.
+5. :func:`check_tiled_decode` -- a GQA decode kernel written whole: a loop over tiles, an online softmax, masks.
+6. :func:`check_kv_bytes` -- bytes of K and V one decode step reads, and so its fastest possible time.
 
 Each kernel check launches the learner's ``@triton.jit`` kernel (with the signature the exercise gives)
 on hidden cases seeded from the check's ``seed`` argument, and compares it with torch. Wrong outputs are
@@ -19,6 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ..kernels.online_softmax import online_softmax_attention
 from ..kernels.reference import paged_decode_attention_ref
 from ..kernels.roofline import GPU_PEAKS
 from ..kernels.testing import random_paged_case
@@ -28,6 +32,7 @@ from ._core import (
     case_generator,
     case_rng,
     CheckResult,
+    describe,
     Diagnosis,
     ExerciseError,
     fail,
@@ -36,7 +41,14 @@ from ._core import (
     wrap_checks,
 )
 
-__all__ = ["check_kv_bytes", "check_masked_decode", "check_online_softmax", "check_paged_offsets"]
+__all__ = [
+    "check_kv_bytes",
+    "check_masked_decode",
+    "check_merge_splits",
+    "check_online_softmax",
+    "check_paged_offsets",
+    "check_tiled_decode",
+]
 
 
 def _expect_kernel(kernel: object, name: str) -> None:
@@ -144,18 +156,18 @@ def check_masked_decode(kernel, seed: int = 0) -> CheckResult:
 ONLINE_BLOCK_N, ONLINE_D, ONLINE_S = 16, 16, 80
 
 
-def _online(q, k, v, lens, scale, mistake: str = "") -> torch.Tensor:
+def _online(q, k, v, lens, scale, mistake: str = "", block_n: int = ONLINE_BLOCK_N) -> torch.Tensor:
     """What the tiled loop computes (float64), right or with one typical mistake."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     for b, n in enumerate(lens):
         m, l, acc = -math.inf, 0.0, torch.zeros(q.shape[1], dtype=torch.float64)
-        for start in range(0, n, ONLINE_BLOCK_N):
-            s = (k[b, start : min(start + ONLINE_BLOCK_N, n)].double() @ q[b].double()) * scale
+        for start in range(0, n, block_n):
+            s = (k[b, start : min(start + block_n, n)].double() @ q[b].double()) * scale
             m_new = max(m, float(s.max()))
             alpha = math.exp(m - m_new)
             p = torch.exp(s - m_new)
             l = (l if mistake == "l" else l * alpha) + float(p.sum())
-            acc = (acc if mistake == "acc" else acc * alpha) + p @ v[b, start : min(start + ONLINE_BLOCK_N, n)].double()
+            acc = (acc if mistake == "acc" else acc * alpha) + p @ v[b, start : min(start + block_n, n)].double()
             m = m_new
         out[b] = acc if mistake == "divide" else acc / l
     return out
@@ -289,7 +301,257 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Bytes a decode step reads
+# 4. Split-KV, stage 2: the merge
+# ---------------------------------------------------------------------------------------------
+MERGE_D, MERGE_HEADS = 16, 2
+
+
+def _merge_case(gen, lens: list[int], num_splits: int, shift: float):
+    """Stage 1's results for ``len(lens)`` sequences x MERGE_HEADS heads, as the merge kernel receives them.
+
+    Returns ``(partial, lse, want_out, want_lse, rows)``: fp32 buffers ``partial [rows + 1, num_splits, D]`` and
+    ``lse [rows + 1, num_splits]`` (one spare row of NaN: buffers are sized for a bigger batch), and the float64
+    answer for the ``rows`` real rows. Split ``i`` of a sequence of ``n`` tokens covers positions
+    ``i * ceil(n / num_splits) .. `` (the package's layout); an empty one has ``lse = -inf`` and a partial output
+    never written (NaN). ``shift`` is added to every score: the answer does not move, every lse moves by it.
+    """
+    rows = len(lens) * MERGE_HEADS
+    partial = torch.full((rows + 1, num_splits, MERGE_D), float("nan"), dtype=torch.float64)
+    lse = torch.full((rows + 1, num_splits), float("nan"), dtype=torch.float64)
+    want_out = torch.empty(rows, MERGE_D, dtype=torch.float64)
+    want_lse = torch.empty(rows, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        q = torch.randn(MERGE_HEADS, MERGE_D, generator=gen, dtype=torch.float64) * 1.5
+        k = torch.randn(n, MERGE_D, generator=gen, dtype=torch.float64)
+        v = torch.randn(n, MERGE_D, generator=gen, dtype=torch.float64)
+        k[: n // 2] += 0.5 * q[0]  # the splits' log-sum-exps differ: the weights matter
+        split_len = -(-n // num_splits)
+        for i in range(num_splits):
+            lo, hi = i * split_len, min((i + 1) * split_len, n)
+            if lo >= hi:  # an empty split: stage 1 wrote lse = -inf and left its output slot alone
+                lse[b * MERGE_HEADS : (b + 1) * MERGE_HEADS, i] = float("-inf")
+                continue
+            o, l = online_softmax_attention(q, k[lo:hi], v[lo:hi], tile=16)
+            partial[b * MERGE_HEADS : (b + 1) * MERGE_HEADS, i] = o
+            lse[b * MERGE_HEADS : (b + 1) * MERGE_HEADS, i] = l + shift
+        out, l = online_softmax_attention(q, k, v, tile=64)
+        want_out[b * MERGE_HEADS : (b + 1) * MERGE_HEADS] = out
+        want_lse[b * MERGE_HEADS : (b + 1) * MERGE_HEADS] = l + shift
+    return partial.float(), lse.float(), want_out, want_lse, rows
+
+
+def _merge_as(partial, lse, rows, block_s, mistake: str = ""):
+    """What a merge kernel computes (float64 unless the mistake is about float32's range), right or wrong.
+
+    Returns ``(out [rows, D], lse [rows])``; ``None`` in place of a part the mistake does not touch.
+    """
+    num_splits = lse.shape[1]
+    if mistake == "split_mask":  # lanes past NUM_SPLITS read on into the next row's splits
+        flat_o, flat_l = partial.reshape(-1, MERGE_D), lse.reshape(-1)
+        flat_o = torch.cat([flat_o, torch.full((block_s, MERGE_D), float("nan"))])
+        flat_l = torch.cat([flat_l, torch.full((block_s,), float("nan"))])
+        o = torch.stack([flat_o[r * num_splits : r * num_splits + block_s] for r in range(rows)]).double()
+        l = torch.stack([flat_l[r * num_splits : r * num_splits + block_s] for r in range(rows)]).double()
+    else:
+        o, l = partial[:rows].double(), lse[:rows].double()
+    empty = torch.isneginf(l)
+    if mistake != "empty":
+        o = torch.where(empty[..., None], 0.0, o)  # a right kernel never lets an empty split's slot in
+    m = l.amax(dim=1, keepdim=True)
+    if mistake == "no_max":  # exp of raw log-sum-exps, in float32 as the kernel computes it: overflow or underflow
+        w = torch.exp(l.float())
+        out = (w[..., None] * o.float()).sum(1) / w.sum(1, keepdim=True)
+        return out.double(), torch.log(w.sum(1)).double()
+    if mistake == "mean":
+        w = (~empty).double()
+        return (w[..., None] * o).sum(1) / w.sum(1, keepdim=True), None
+    w = torch.exp2(l - m) if mistake == "exp2" else torch.exp(l - m)
+    total = w.sum(1, keepdim=True)
+    out = (w[..., None] * o).sum(1) / (1.0 if mistake == "unnormalised" else total)
+    merged = (m + torch.log(total))[:, 0]
+    if mistake == "lse_max":
+        return None, m[:, 0]
+    if mistake == "lse_sum":
+        return None, torch.where(empty, 0.0, l).sum(1)
+    if mistake in ("exp2", "unnormalised", "empty"):
+        return out, None
+    return out, merged
+
+
+class _Merged(tuple):
+    """A merge's two results, ``(out, lse)``, shown briefly in a failure message."""
+
+    def __repr__(self) -> str:
+        return f"Out {describe(self[0], limit=4)}; Out_lse {describe(self[1], limit=4)}"
+
+
+def check_merge_splits(kernel, seed: int = 0) -> CheckResult:
+    """``merge_splits_kernel(Partial, Lse, Out, Out_lse, NUM_SPLITS, BLOCK_S, D)``, grid ``(rows,)``.
+
+    Row ``r`` (one sequence and query head) merges ``NUM_SPLITS`` partial results: ``Partial [>= rows, NUM_SPLITS, D]``
+    (each split's output, normalised over its own positions) and ``Lse [>= rows, NUM_SPLITS]`` (their natural
+    log-sum-exps, ``-inf`` for an empty split, whose output slot holds garbage). It writes ``Out [rows, D]`` and
+    ``Out_lse [rows]``, the log-sum-exp of the whole row. ``BLOCK_S`` is ``NUM_SPLITS`` rounded up to a power of two.
+    All fp32, contiguous.
+    """
+    _expect_kernel(kernel, "merge_splits_kernel")
+    rng = case_rng("ch05.check_merge_splits", seed)
+    gen = case_generator("ch05.check_merge_splits", seed)
+
+    def same(got, wrong):  # a mistake's None part is whatever the kernel wrote there
+        return all(w is None or _same(g, w) for g, w in zip(got, wrong))
+
+    diagnosis = Diagnosis([
+        ("Some rows came out NaN where a split is empty: its weight is exp(-inf) = 0, but its output slot was never "
+         "written, and 0 x NaN is NaN. Load an empty split's output as 0 (mask = lse > -inf), or tl.where it away.",
+         lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "empty")),
+        ("Lanes s >= NUM_SPLITS of the BLOCK_S-wide tile read the next row's splits: mask the loads with "
+         "s < NUM_SPLITS (other=-inf for the lse, 0.0 for the outputs).",
+         lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "split_mask")),
+        ("Right until the log-sum-exps are large (or very negative): exp(lse) overflows float32 past 88. Subtract "
+         "their maximum M first: w_i = exp(lse_i - M), which is at most 1.",
+         lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "no_max")),
+        ("Every split got the same weight: a split's share of the row is its share of the softmax denominator, "
+         "w_i = exp(lse_i - M), not 1 / (number of splits).", lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "mean")),
+        ("The lse are natural logarithms (m + log l): weigh with tl.exp(lse_i - M), not tl.exp2 (the package's "
+         "kernels keep theirs in log2 units, these are not).", lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "exp2")),
+        ("Out is sum_i w_i o_i without the division: each partial output is already normalised over its split, so "
+         "divide by sum_i w_i.", lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "unnormalised")),
+        ("Out_lse is the maximum M alone: the whole row's log-sum-exp is M + log(sum_i exp(lse_i - M)).",
+         lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "lse_max")),
+        ("Out_lse adds the splits' log-sum-exps: logs of sums do not add. The row's denominator is the sum of the "
+         "splits' denominators, so Out_lse = M + log(sum_i exp(lse_i - M)).",
+         lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "lse_sum")),
+    ], "Merge with M = max_i lse_i and w_i = exp(lse_i - M): Out = sum_i w_i o_i / sum_i w_i, "
+       "Out_lse = M + log(sum_i w_i); empty splits (lse = -inf) weigh nothing.", same)  # fmt: skip
+    cases = [(4, [1, 37, 9], 0.0), (3, [2, 50, 5], 0.0), (5, [3, 21, 64], 0.0), (4, [30, 6, 47], 200.0),
+             (3, [13, 1, 40], -200.0)]  # fmt: skip
+    cases += [(rng.choice([2, 3, 4, 5, 6]), [rng.randint(1, 64) for _ in range(3)], 0.0)]
+    for num_splits, lens, shift in cases:
+        partial, lse, want_out, want_lse, rows = _merge_case(gen, lens, num_splits, shift)
+        block_s = triton.next_power_of_2(num_splits)
+        out = torch.full((rows, MERGE_D), float("nan"))
+        out_lse = torch.full((rows,), float("nan"))
+        _launch("merge_splits_kernel", kernel, (rows,), partial, lse, out, out_lse, NUM_SPLITS=num_splits,
+                BLOCK_S=block_s, D=MERGE_D)  # fmt: skip
+        right = _right(out, want_out) and _right(out_lse, want_lse)
+        if not right:
+            what = f"{num_splits} splits of seq_lens {lens}" + (f", every score shifted by {shift:+g}" if shift else "")
+            bad_out = not _right(out, want_out)
+            got, want = (out, want_out) if bad_out else (out_lse, want_lse)
+            diagnosis.record(f"merge_splits_kernel with {what} ({'Out' if bad_out else 'Out_lse'})",
+                             (partial, lse, rows, block_s), _Merged((out, out_lse)), _Merged((want_out, want_lse)),
+                             extra=f"; {tensor_diff(got, want)}")  # fmt: skip
+    diagnosis.raise_if_wrong()
+    return passed("each split weighs exp(lse_i - M), its share of the softmax denominator: the merge is exact, "
+                  "empty splits and all.")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. A GQA decode kernel, tiled by the learner
+# ---------------------------------------------------------------------------------------------
+TILED_D, TILED_HKV, TILED_BLOCK_N = 16, 2, 16
+
+
+def _tiled_as(q, k, v, lens, group, block_n, scale, mistake: str = "") -> torch.Tensor:
+    """What a tiled GQA decode kernel computes, right or with one typical mistake, in float64: ``[B, Hq, D]``."""
+    bsz, hq, d = q.shape
+    hkv = k.shape[1]
+    out = torch.empty(bsz, hq, d, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        padded = -(-n // block_n) * block_n  # the positions the loop's tiles cover
+        for h in range(hq):
+            kv = h % hkv if mistake == "interleaved" else h // group
+            qh, kb, vb = q[b, h].double(), k[b, kv].double(), v[b, kv].double()
+            if mistake in ("acc", "l", "divide"):
+                out[b, h] = _online(qh[None], kb[None], vb[None], [n], scale, mistake, block_n)[0]
+                continue
+            if mistake == "tail":  # whole tiles only: the ragged tail is never read
+                n_read = n // block_n * block_n
+                out[b, h] = _attend(qh, kb[:n_read], vb[:n_read], scale) if n_read else math.nan
+                continue
+            if mistake in ("no_mask", "loads_only", "scores_only"):
+                kt, vt = kb[:padded].clone(), vb[:padded].clone()
+                if mistake == "loads_only":  # masked loads give 0, and a score of 0 still counts
+                    kt[n:], vt[n:] = 0.0, 0.0
+                s = (kt @ qh) * scale
+                if mistake == "scores_only":  # padding scores -inf, but V's padding is loaded: 0 x NaN
+                    kt[n:] = 0.0
+                    s = (kt @ qh) * scale
+                    s[n:] = -math.inf
+                out[b, h] = torch.softmax(s, 0) @ vt
+                continue
+            out[b, h] = _attend(qh, kb[:n], vb[:n], scale)
+    return out
+
+
+def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
+    """``tiled_decode_kernel(Q, K, V, Seq_lens, Out, scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
+    GROUP, BLOCK_N, D)``, grid ``(B, Hkv)``: one program per (sequence, KV head) for the ``GROUP`` query heads
+    ``kv * GROUP .. kv * GROUP + GROUP - 1`` that read it.
+
+    ``Q, Out [B, Hq, D]``, ``K, V [B, Hkv, S_MAX, D]`` (strides as named, ``D`` contiguous), fp32; sequence ``b``
+    owns positions ``0 .. Seq_lens[b] - 1``, the slots after it hold stale numbers or NaN.
+    """
+    _expect_kernel(kernel, "tiled_decode_kernel")
+    rng = case_rng("ch05.check_tiled_decode", seed)
+    gen = case_generator("ch05.check_tiled_decode", seed)
+    scale = 1 / math.sqrt(TILED_D)
+
+    def mistake(name):
+        return lambda q, k, v, lens, group, block_n: _tiled_as(q, k, v, lens, group, block_n, scale, name)
+
+    diagnosis = Diagnosis([
+        ("The loop reads whole tiles only, so the last Seq_len % BLOCK_N positions (and every sequence shorter than "
+         "one tile) are dropped: loop over range(0, seq_len, BLOCK_N) and mask the last tile's lanes n >= seq_len.",
+         mistake("tail")),
+        ("NaN padding leaks into the output: a probability of 0 times a NaN value is NaN. Mask the loads of V (and K), "
+         "not only the scores.", mistake("scores_only")),
+        ("The last tile reads past seq_len: the slots there hold stale numbers or NaN. Mask the loads "
+         "(mask=n < seq_len, other=0.0) and set those scores to -inf.", mistake("no_mask")),
+        ("Masked loads return 0, and a score of 0 still gets weight exp(0 - m): set the scores of lanes n >= seq_len "
+         "to -inf (tl.where).", mistake("loads_only")),
+        ("acc was summed under the old maximum: multiply it by alpha = exp(m_old - m_new) before adding the tile's "
+         "p @ v.", mistake("acc")),
+        ("acc is rescaled but l is not: l = l * alpha + sum(p).", mistake("l")),
+        ("acc holds an unnormalised sum: divide it by l at the end.", mistake("divide")),
+        ("Query head h reads KV head h // GROUP: program kv serves the consecutive heads kv * GROUP + g, not "
+         "kv + g * Hkv.", mistake("interleaved")),
+    ], "Compare with softmax attention of each query head over its KV head's first seq_len positions: check the "
+       "pointers (stride_qh for query heads, stride_kh and stride_ks for the cache), the masks, and the update order "
+       "m_new, alpha, p, l, acc.", _same)  # fmt: skip
+    cases = [(2, 16, [1, 16, 17, 47], "nan", False), (4, 16, [33, 5, 48], "stale", True),
+             (1, 8, [9, 24, 3], "nan", True), (2, 8, [40, 8, 15], "stale", False)]  # fmt: skip
+    cases += [(rng.choice([1, 2, 4]), rng.choice([8, 16]), [rng.randint(1, 48) for _ in range(3)],
+               rng.choice(["nan", "stale"]), rng.random() < 0.5)]  # fmt: skip
+    s_max = 48  # a multiple of every BLOCK_N: even an unmasked tile stays inside the cache
+    for group, block_n, lens, pad, growing in cases:
+        hq = TILED_HKV * group
+        q = torch.randn(len(lens), hq, TILED_D, generator=gen)
+        k = torch.randn(len(lens), TILED_HKV, s_max, TILED_D, generator=gen)
+        v = torch.randn(len(lens), TILED_HKV, s_max, TILED_D, generator=gen)
+        if growing:  # scores rise along the sequence: later tiles raise the running maximum
+            k += torch.arange(s_max)[None, None, :, None] * 0.1 * q[:, ::group, None, :] / TILED_D**0.5
+        outside = (torch.arange(s_max)[None, :] >= torch.tensor(lens)[:, None])[:, None, :, None]
+        k = torch.where(outside, k * 3 if pad == "stale" else float("nan"), k)
+        v = torch.where(outside, v + 2 if pad == "stale" else float("nan"), v)
+        out = torch.full_like(q, float("nan"))
+        _launch("tiled_decode_kernel", kernel, (len(lens), TILED_HKV), q, k, v, torch.tensor(lens, dtype=torch.int32),
+                out, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), GROUP=group,
+                BLOCK_N=block_n, D=TILED_D)  # fmt: skip
+        want = _tiled_as(q, k, v, lens, group, block_n, scale)
+        if not _right(out, want):
+            what = f"GROUP={group}, BLOCK_N={block_n}, seq_lens {lens}, {pad} padding" + (
+                ", scores rising along the sequence" if growing else "")
+            diagnosis.record(f"tiled_decode_kernel with {what}", (q, k, v, lens, group, block_n), out, want,
+                             extra=f"; {tensor_diff(out, want)}")  # fmt: skip
+    diagnosis.raise_if_wrong()
+    return passed("one program per KV head reads each tile once for its whole group; the online softmax rescales "
+                  "on every new maximum, and the ragged tail is masked in the loads and in the scores.")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Bytes a decode step reads
 # ---------------------------------------------------------------------------------------------
 def _kv_bytes(seq_lens: list[int], num_kv_heads: int, head_dim: int, bytes_per_value: int) -> int:
     """Reference: bytes of K and V one decode step reads in one layer."""
