@@ -90,6 +90,8 @@ _SPECS = [
     ExerciseSpec("ch05-ex-mask", "ch05.check_masked_decode", ("masked_decode_kernel_fixed",)),
     ExerciseSpec("ch05-ex-rescale", "ch05.check_online_softmax", ("online_decode_kernel_fixed",)),
     ExerciseSpec("ch05-ex-offset", "ch05.check_paged_offsets", ("paged_decode_kernel_fixed",)),
+    ExerciseSpec("ch05-ex-merge", "ch05.check_merge_splits", ("merge_splits_kernel",)),
+    ExerciseSpec("ch05-ex-tiled", "ch05.check_tiled_decode", ("tiled_decode_kernel",)),
     ExerciseSpec("ch05-ex-bytes", "ch05.check_kv_bytes", ("kv_bytes",)),
     # chapter 6
     ExerciseSpec("ch06-ex-admit", "ch06.check_admit", ("admit",)),
