@@ -414,7 +414,8 @@ def check_merge_splits(kernel, seed: int = 0) -> CheckResult:
         ("Every split got the same weight: a split's share of the row is its share of the softmax denominator, "
          "w_i = exp(lse_i - M), not 1 / (number of splits).", lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "mean")),
         ("The lse are natural logarithms (m + log l): weigh with tl.exp(lse_i - M), not tl.exp2 (the package's "
-         "kernels keep theirs in log2 units, these are not).", lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "exp2")),
+         "kernels keep theirs in log2 units, these are not).",
+         lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "exp2")),
         ("Out is sum_i w_i o_i without the division: each partial output is already normalised over its split, so "
          "divide by sum_i w_i.", lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "unnormalised")),
         ("Out_lse is the maximum M alone: the whole row's log-sum-exp is M + log(sum_i exp(lse_i - M)).",

@@ -65,7 +65,8 @@ def plot_kernel_measurements(ax=None) -> tuple[object, str]:
                     ax.semilogx([r["tokens"] for r in rows], [r["gbps"] for r in rows], marker,
                                 label=f"{variant}, {run['provenance']['gpu']} (measured, batch > 1)")  # fmt: skip
             if run.get("peak"):
-                ax.axhline(run["peak"]["bandwidth"] / 1e9, ls="--", color="grey", label=f"{run['peak']['name']} vendor peak")
+                peak = run["peak"]
+                ax.axhline(peak["bandwidth"] / 1e9, ls="--", color="grey", label=f"{peak['name']} vendor peak")
             prov = run["provenance"]
             print(f"{name}: {prov['gpu']}, driver {prov.get('driver')}, CUDA {prov.get('cuda')}, torch {prov['torch']}, "
                   f"triton {prov['triton']}")  # fmt: skip
