@@ -61,3 +61,8 @@ def test_measurement_plot_reads_committed_results(monkeypatch):
     assert status == ("Measured on NVIDIA H100 with python -m kvcourse.bench kernels (the files above): "
                       "0 of 1 speed targets met.")  # fmt: skip
     assert fig.axes[0].get_ylabel() == "effective bandwidth (GB/s)"
+
+
+def test_measurement_plot_refuses_what_is_not_an_axes():
+    with pytest.raises(TypeError, match="ax must be a matplotlib Axes"):
+        provenance.plot_kernel_measurements(ax="left")

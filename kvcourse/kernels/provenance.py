@@ -54,6 +54,8 @@ def plot_kernel_measurements(ax=None) -> tuple[object, str]:
 
     if ax is None:
         _, ax = plt.subplots(figsize=(7.5, 4.2))
+    elif not isinstance(ax, plt.Axes):
+        raise TypeError(f"ax must be a matplotlib Axes or None, got {type(ax).__name__}")
     names = committed.find("kernels-*.json")
     if names:
         runs = [committed.load(name) for name in names]
