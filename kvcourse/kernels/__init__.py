@@ -16,6 +16,8 @@ Chapter 5's Triton kernels, each beside the reference it must equal:
   :func:`kernel_runs`: how every launch ran (compiled, interpreted, or fell back to torch);
 * :mod:`.compile_check` -- the kernels compiled for a T4, an A100 and an H100 without a GPU: registers,
   spills, shared memory, tensor-core instructions or not.
+* :mod:`.provenance` -- where a page's kernel numbers came from: how every launch ran, and the committed
+  GPU measurements (or, where there are none, the floor that vendor peak bandwidth sets).
 
 The Triton names are loaded on first use, so ``import kvcourse`` works without Triton installed
 (chapters 1-4).
