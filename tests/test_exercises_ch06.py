@@ -27,7 +27,7 @@ def test_victims_reference_is_the_schedulers_default_and_the_cases_preempt():
         assert ch06._preemptions(case, ch06._pick_victim) == ch06._preemptions(case, preempt_newest)
         assert ch06._preemptions(case, None)[0]
     first = ch06._victim_cases(random.Random(1))[0]
-    runs = {ch06._run(first, f) for f in (right_pick, lambda c: c[0], least_work)}
+    runs = {ch06._run(first, ch06._learner_policy(f)) for f in (right_pick, lambda c: c[0], least_work)}
     assert len(runs) == 3
 
 
@@ -68,13 +68,13 @@ def right_pick(candidates):
 
 
 def longest(candidates):
-    return max(candidates, key=lambda s: len(s.token_ids))
+    return max(candidates, key=lambda s: s["num_tokens"])
 
 
 def least_work(candidates):
     best = candidates[0]
     for s in candidates[1:]:
-        if s.num_computed_tokens <= best.num_computed_tokens:  # ties: the newer one
+        if s["num_computed_tokens"] <= best["num_computed_tokens"]:  # ties: the newer one
             best = s
     return best
 
@@ -174,20 +174,21 @@ def test_the_newest_first_policy_passes_in_the_engine_on_the_real_model(model, s
 
 
 def shortest_prompt(candidates):
-    return sorted(candidates, key=lambda s: s.num_prompt_tokens + len(s.output_token_ids))[0]
+    return sorted(candidates, key=lambda s: s["num_tokens"])[0]
 
 
 @pytest.mark.parametrize(
     "wrong, hint",
     [
         (lambda c: c[0], r"candidates\[0\] is the request that asks for the block"),
-        (lambda c: min(c, key=lambda s: s.seq_id), "it starves"),  # the oldest, by id
+        (lambda c: min(c, key=lambda s: s["seq_id"]), "it starves"),  # the oldest, by id
         (longest, "Choosing by length"),
-        (lambda c: sorted(c, key=lambda s: s.num_tokens)[-1], "Choosing by length"),  # ties: the newest
+        (lambda c: sorted(c, key=lambda s: s["num_tokens"])[-1], "Choosing by length"),  # ties: the newest
         (least_work, "the least work, is not the rule"),
         (shortest_prompt, "Choosing the shortest"),
         (lambda c: c[1] if len(c) > 1 else c[0], "the last of the candidates"),
-        (lambda c: c[-1].seq_id, "Return one of the Sequence objects"),
+        (lambda c: c[-1]["seq_id"], "the dict itself, not its seq_id"),
+        (lambda c: len(c) - 1, "return one of the candidates"),
         (lambda c: c[5], "raised IndexError"),
         (3, "pass your function"),
         (preempt_newest, "kvcourse's own preempt_newest"),

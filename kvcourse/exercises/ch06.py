@@ -211,17 +211,26 @@ def _victim_cases(rng) -> list[Workload]:
 
 
 
+_FIELDS = ("seq_id", "num_prompt_tokens", "num_tokens", "num_computed_tokens")
+
+
 def _learner_policy(pick_victim: Callable) -> Callable:
-    """The learner's function as the scheduler calls it: a crash says where."""
-    return lambda candidates: call_learner("pick_victim", pick_victim, candidates)
+    """The learner's function as the scheduler's preemption policy. It is handed each candidate as a dict of the
+    Sequence's counts (plain data: the grader runs it in another process, where a Sequence cannot be lent) and
+    returns one of the dicts; a crash, or anything else returned, says where."""
+    def policy(candidates: list[Sequence]) -> Sequence:
+        views = [{f: getattr(seq, f) for f in _FIELDS} for seq in candidates]
+        got = call_learner("pick_victim", pick_victim, [dict(v) for v in views])  # copies: it may pop or sort them
+        for seq, view in zip(candidates, views):
+            if isinstance(got, dict) and got == view:
+                return seq
+        raise ExerciseError(f"pick_victim({views}) returned {describe(got)}: return one of the candidates (the dict "
+                            f"itself, not its seq_id or its position)")  # fmt: skip
+    return policy
 
 
 def _run_trace(case: Workload, pick_victim: Callable) -> tuple[list[tuple[int, int]], int]:
-    try:
-        return _preemptions(case, _learner_policy(pick_victim))
-    except ValueError as err:  # the scheduler refused the choice
-        raise ExerciseError(f"in workload {case}: {err}. Return one of the Sequence objects in candidates (not its "
-                            f"seq_id or its position).", case=str(case)) from err  # fmt: skip
+    return _preemptions(case, _learner_policy(pick_victim))
 
 
 def _engine_case(rng, vocab_size: int) -> tuple[list[list[int]], int, int, int, int]:
@@ -237,9 +246,11 @@ def _engine_case(rng, vocab_size: int) -> tuple[list[list[int]], int, int, int, 
 
 def check_victims(pick_victim: Callable[[list[Sequence]], Sequence], model=None, seed: int = 0) -> CheckResult:
     """``pick_victim(candidates) -> victim``: the scheduler's preemption policy (``Engine(...,
-    preemption_policy=pick_victim)``). ``candidates``: running sequences, oldest first; ``candidates[0]`` needs
-    a block and none is free. First on workloads without a model, then in the engine on ``model`` (SmolLM2,
-    loaded if not given): the outputs must equal each request run alone, and the preemptions the expected ones."""
+    preemption_policy=...)``). ``candidates``: the running sequences that may give way, oldest first, each as a
+    dict of its ``seq_id``, ``num_prompt_tokens``, ``num_tokens`` and ``num_computed_tokens``; ``candidates[0]``
+    needs a block and none is free. First on workloads without a model, then in the engine on ``model``
+    (SmolLM2, loaded if not given): the outputs must equal each request run alone, and the preemptions the
+    expected ones."""
     if not callable(pick_victim):
         raise ExerciseError(f"pass your function pick_victim(candidates), got {type(pick_victim).__name__}")
     refuse_references(pick_victim, {"preempt_newest": preempt_newest}, "write the choice yourself.")
