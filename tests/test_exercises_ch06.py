@@ -8,9 +8,7 @@ import random
 import pytest
 
 from kvcourse.exercises import ExerciseError, ch06
-from kvcourse.paged import BlockManager
-from kvcourse.sequence import SamplingParams, Sequence, SequenceStatus
-from kvcourse.serving import Scheduler
+from kvcourse.serving import Scheduler, preempt_newest
 
 
 # ---- the references -----------------------------------------------------------------------------
@@ -22,24 +20,23 @@ def test_admit_reference_by_hand():
     assert ch06._admit([17], 64, 2, 16) == [17]
 
 
-def test_victims_reference_equals_the_scheduler():
-    """Random pools: the reference's victims are exactly those Scheduler.schedule() preempts."""
-    rng = random.Random(1)
-    for _ in range(200):
-        bs, free = 4, rng.randint(0, 3)
-        running = [(f"r{j}", rng.randint(1, 5), rng.choice([0, 1])) for j in range(rng.randint(1, 6))]
-        bm = BlockManager(sum(h for _, h, _ in running) + free, bs)
-        sched = Scheduler(bm, watermark=0)
-        for name, held, need in running:
-            # a decoding sequence whose next token needs a new block (need 1: its blocks are full) or not
-            computed = held * bs - (0 if need else 1)
-            seq = Sequence(name, [1] * computed, SamplingParams(max_new_tokens=100))
-            seq.append_token(1)
-            seq.num_computed_tokens, seq.status = computed, SequenceStatus.RUNNING
-            bm.allocate(name, computed)
-            sched.running.append(seq)
-        out = sched.schedule()
-        assert [s.seq_id for s in out.preempted] == ch06._victims(running, free), (running, free)
+def test_victims_reference_is_the_schedulers_default_and_the_cases_preempt():
+    """The reference policy is the package's default (the newest); every hidden workload preempts, and the first
+    case tells the newest, the one asking and the least work apart."""
+    for case in ch06._victim_cases(random.Random(1)):
+        assert ch06._preemptions(case, ch06._pick_victim) == ch06._preemptions(case, preempt_newest)
+        assert ch06._preemptions(case, None)[0]
+    first = ch06._victim_cases(random.Random(1))[0]
+    runs = {ch06._run(first, ch06._learner_policy(f)) for f in (right_pick, lambda c: c[0], least_work)}
+    assert len(runs) == 3
+
+
+def test_a_recompute_count_is_what_the_engine_log_shows():
+    # X (prompt 2) and Y (prompt 6), blocks of 2, 5 blocks, 4 new tokens each. Step 0: X takes 1 block, Y 3.
+    # Step 1: X takes the last free block for position 2; Y needs a fourth for position 6 and, the newest,
+    # preempts itself. Re-admitted, it recomputes the 6 tokens whose K/V it had (its first output never had any).
+    log, recomputed = ch06._preemptions(((2, 6), 4, 5, 2, 64), None)
+    assert log == [(1, 1)] and recomputed == 6
 
 
 def test_chunk_size_reference():
@@ -66,26 +63,25 @@ def right_admit(prompt_lens, budget, free, bs):
     return out
 
 
-def right_preempt(running, free):
-    running, out = list(running), []
-    i = 0
-    while i < len(running):
-        name, _, need = running[i]
-        while need > free and name not in out:
-            victim = running.pop()
-            free += victim[1]
-            out.append(victim[0])
-        if name in out:
-            break
-        free -= need
-        i += 1
-    return out
+def right_pick(candidates):
+    return candidates[len(candidates) - 1]
+
+
+def longest(candidates):
+    return max(candidates, key=lambda s: s["num_tokens"])
+
+
+def least_work(candidates):
+    best = candidates[0]
+    for s in candidates[1:]:
+        if s["num_computed_tokens"] <= best["num_computed_tokens"]:  # ties: the newer one
+            best = s
+    return best
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7])
 def test_right_answers_pass(seed):
     assert ch06.check_admit(right_admit, seed=seed)
-    assert ch06.check_victims(right_preempt, seed=seed)
     assert ch06.check_chunk_size(lambda f, p, d, t: max(0, math.floor((t - f) / p) - d), seed=seed)
 
 
@@ -172,47 +168,41 @@ def test_admit_hint_for_blocks_of_the_whole_prompt():
         ch06.check_admit(whole_prompt_blocks)
 
 
-def oldest_victim(running, free):
-    running, out = list(running), []
-    i = 0
-    while i < len(running):
-        name, _, need = running[i]
-        while need > free and running:
-            victim = running.pop(0)
-            free += victim[1]
-            out.append(victim[0])
-            if victim[0] == name:
-                break
-        if name in out:
-            continue
-        free -= need
-        i += 1
-    return out
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_newest_first_policy_passes_in_the_engine_on_the_real_model(model, seed):
+    assert ch06.check_victims(right_pick, model, seed=seed)
 
 
-def self_victim(running, free):
-    out = []
-    for name, held, need in running:
-        if need > free:
-            out.append(name)
-            free += held
-        else:
-            free -= need
-    return out
+def shortest_prompt(candidates):
+    return sorted(candidates, key=lambda s: s["num_tokens"])[0]
 
 
 @pytest.mark.parametrize(
     "wrong, hint",
     [
-        (oldest_victim, "newest running request"),
-        (self_victim, "does not give up its own first"),
-        (lambda r, f: [], "Serve the oldest first"),
-        (lambda r, f: "a", "list of names"),
+        (lambda c: c[0], r"candidates\[0\] is the request that asks for the block"),
+        (lambda c: min(c, key=lambda s: s["seq_id"]), "it starves"),  # the oldest, by id
+        (longest, "Choosing by length"),
+        (lambda c: sorted(c, key=lambda s: s["num_tokens"])[-1], "Choosing by length"),  # ties: the newest
+        (least_work, "the least work, is not the rule"),
+        (shortest_prompt, "Choosing the shortest"),
+        (lambda c: c[1] if len(c) > 1 else c[0], "the last of the candidates"),
+        (lambda c: c[-1]["seq_id"], "the dict itself, not its seq_id"),
+        (lambda c: len(c) - 1, "return one of the candidates"),
+        (lambda c: c[5], "raised IndexError"),
+        (3, "pass your function"),
+        (preempt_newest, "kvcourse's own preempt_newest"),
     ],
 )
 def test_victims_reject_wrong_answers(wrong, hint):
     with pytest.raises(ExerciseError, match=hint):
-        ch06.check_victims(wrong)
+        ch06.check_victims(wrong)  # they fail on the traces, before the model is loaded
+
+
+def test_a_policy_that_never_lets_the_workload_finish_is_stopped(monkeypatch):
+    monkeypatch.setattr(ch06, "_MAX_STEPS", 3)
+    with pytest.raises(ExerciseError, match="did not finish in 3 steps"):
+        ch06.check_victims(right_pick)
 
 
 @pytest.mark.parametrize(

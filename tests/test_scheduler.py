@@ -108,6 +108,54 @@ def test_a_request_that_is_itself_the_newest_preempts_itself_and_resumes_later()
     assert x.output_token_ids == [7] * 4 and y.output_token_ids == [7] * 3 and bm.num_free_blocks == 2
 
 
+def test_a_preemption_policy_picks_the_victim_among_the_sequence_in_need_and_those_after_it():
+    # Blocks of 2, a pool of 6: X, Y, Z (prompt 2 each, 4 new) fill it at step 1; at step 3 X needs a block.
+    def run(policy):
+        bm = BlockManager(6, 2)
+        sched = Scheduler(bm, watermark=0, preemption_policy=policy)
+        for s in (seq("X", 2, 4), seq("Y", 2, 4), seq("Z", 2, 4)):
+            sched.add(s)
+        for _ in range(3):
+            run_step(sched)
+        out, _ = run_step(sched)
+        return out, sched
+
+    seen = []
+    out, sched = run(lambda c: seen.append([s.seq_id for s in c]) or c[1])  # Y: not the newest
+    assert seen[0] == ["X", "Y", "Z"]  # candidates: X, who needs the block, then the others, oldest first
+    assert [s.seq_id for s in out.preempted] == ["Y"] and plan(out)[0] == ("X", 4, 1, "decode")
+    assert [p[0] for p in plan(out)] == ["X", "Z"] and [s.seq_id for s in sched.waiting] == ["Y"]
+    out, _ = run(None)  # vLLM's default: the newest
+    assert [s.seq_id for s in out.preempted] == ["Z"]
+    # X preempts itself although newer sequences run: they still run this step
+    out, sched = run(lambda c: c[0])
+    assert [s.seq_id for s in out.preempted] == ["X"] and [p[0] for p in plan(out)] == ["Y", "Z"]
+    while sched.has_unfinished():
+        run_step(sched)
+    assert sched.block_manager.num_free_blocks == 6
+
+
+@pytest.mark.parametrize("policy, match", [
+    (lambda c: "Z", "returned 'Z', which is not one of its candidates"),
+    (lambda c: seq("W", 2), "not one of its candidates"),
+])
+def test_a_policy_that_returns_no_candidate_is_refused_before_anything_changes(policy, match):
+    bm = BlockManager(4, 2)
+    sched = Scheduler(bm, watermark=0, preemption_policy=policy)
+    for s in (seq("X", 2, 4), seq("Y", 2, 4)):
+        sched.add(s)
+    for _ in range(3):
+        run_step(sched)
+    with pytest.raises(ValueError, match=match):
+        sched.schedule()
+    assert [s.seq_id for s in sched.running] == ["X", "Y"] and bm.num_free_blocks == 0  # nobody was preempted
+
+
+def test_a_preemption_policy_must_be_callable():
+    with pytest.raises(TypeError, match="preemption_policy must be a function"):
+        Scheduler(BlockManager(4, 2), preemption_policy="newest")
+
+
 def test_admission_keeps_the_watermark_free_unless_nothing_runs():
     bm = BlockManager(20, 4)
     sched = Scheduler(bm, watermark=0.25)  # keeps 5 blocks free for growth

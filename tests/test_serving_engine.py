@@ -177,6 +177,28 @@ def test_greedy_samples_are_identical_and_a_sample_can_be_preempted(tiny):
         assert_greedy_equal(tiny, prompt, s, solo)
 
 
+def fewest_computed(candidates):
+    """A victim policy other than vLLM's: the running sequence with the fewest computed tokens (ties: the newest)."""
+    return min(reversed(candidates), key=lambda s: s.num_computed_tokens)
+
+
+def test_a_preemption_policy_changes_the_victims_not_the_outputs(tiny):
+    rnd = random.Random(11)
+    prompts = [[rnd.randrange(VOCAB) for _ in range(n)] for n in (30, 5, 18, 9)]
+    params = SamplingParams(max_new_tokens=16, stop_token_ids=())
+    runs = {}
+    for name, policy in (("newest", None), ("fewest computed", fewest_computed), ("itself", lambda c: c[0])):
+        eng = Engine(tiny, num_blocks=17, block_size=4, max_num_batched_tokens=64, watermark=0,
+                     preemption_policy=policy)
+        outs = eng.generate(prompts, params)
+        for p, o in zip(prompts, outs):
+            assert_greedy_equal(tiny, p, o, kvcourse.generate(tiny, p, 16, eos_token_ids=()))
+        check_events_match_stats(eng)
+        runs[name] = [tuple(rid for rid, _ in e.preempted) for e in eng.events]
+    assert all(any(r) for r in runs.values())  # every policy had to preempt
+    assert len({tuple(r) for r in runs.values()}) == 3  # and each chose its own victims
+
+
 def test_a_request_samples_its_tokens_and_forks_its_samples_at_the_first_one():
     from kvcourse.sequence import Sampler, Sequence
     from kvcourse.serving import Request, RequestMetrics
@@ -251,6 +273,7 @@ def test_a_request_too_big_for_the_pool_is_refused_at_add_request_not_left_to_ha
          r"max_num_batched_tokens must be at least one block \(block_size=16\)"),
         (dict(num_blocks=8, backend="cuda-magic"), ValueError, "backend must be one of"),
         (dict(num_blocks=8, watermark=2), ValueError, "watermark"),
+        (dict(num_blocks=8, preemption_policy="newest"), TypeError, "preemption_policy must be a function"),
     ],
 )
 def test_bad_engine_arguments(tiny, kwargs, exc, match):

@@ -95,7 +95,7 @@ _SPECS = [
     ExerciseSpec("ch05-ex-bytes", "ch05.check_kv_bytes", ("kv_bytes",)),
     # chapter 6
     ExerciseSpec("ch06-ex-admit", "ch06.check_admit", ("admit",)),
-    ExerciseSpec("ch06-ex-victims", "ch06.check_victims", ("preempt",)),
+    ExerciseSpec("ch06-ex-victims", "ch06.check_victims", ("pick_victim", MODEL)),
     ExerciseSpec("ch06-ex-chunk", "ch06.check_chunk_size", ("chunk_size",)),
     # chapter 7
     ExerciseSpec("ch07-ex-hash-chain", "ch07.check_block_hashes", ("block_hashes",)),

@@ -1,13 +1,15 @@
 """Checks for chapter 6, *Serving a crowd*: the learner writes three pieces of the scheduler.
 
 1. :func:`check_admit` -- admission under a token budget, with chunked prefill and free blocks.
-2. :func:`check_victims` -- which running requests to preempt when the pool runs out.
+2. :func:`check_victims` -- the preemption policy, plugged into :class:`~kvcourse.serving.Engine`: which
+   running request gives way when the pool runs out.
 3. :func:`check_chunk_size` -- the largest prefill chunk that keeps decodes under a TPOT target.
 
 Each check runs the learner's function on hidden cases seeded from the check's ``seed`` argument
-and compares it with the package: admission with :class:`kvcourse.serving.Scheduler` itself, the
-victims and the chunk size with private references that ``tests/test_exercises_ch06.py`` tests
-against the scheduler. Wrong answers are compared with the typical mistakes
+and compares it with the package: admission with :class:`kvcourse.serving.Scheduler` itself; the
+victim policy in the scheduler on workloads without a model, then in the engine on the real model
+(outputs equal to solo runs, preemptions equal to vLLM's policy); the chunk size with a private
+reference that ``tests/test_exercises_ch06.py`` tests. Wrong answers are compared with the typical mistakes
 (:class:`~kvcourse.exercises._core.Diagnosis`) to say which one they look like.
 """
 
@@ -18,7 +20,7 @@ from collections.abc import Callable
 
 from ..paged import BlockManager
 from ..sequence import SamplingParams, Sequence
-from ..serving.scheduler import Scheduler
+from ..serving.scheduler import Scheduler, preempt_newest
 from ._core import (
     call_learner,
     case_rng,
@@ -118,95 +120,172 @@ def check_admit(admit: Callable[[list[int], int, int, int], list[int]], seed: in
     return passed("admission takes requests in order, each min(tokens, budget left), while blocks last.")
 
 
-# --- Exercise 2: choosing victims ----------------------------------------------------------------
-def _victims(running: list[tuple[str, int, int]], free_blocks: int) -> list[str]:
-    """Running requests ``(name, blocks_held, new_blocks_needed)``, oldest first, each take their new blocks in
-    turn; while the pool is short, the newest running request is preempted and its blocks freed; a request that is
-    itself the newest preempts itself. The names preempted, in order."""
-    running, free, out = list(running), free_blocks, []
-    i = 0
-    while i < len(running):
-        name, _, need = running[i]
-        while need > free:
-            victim, held, _ = running.pop()
-            free += held
-            out.append(victim)
-            if victim == name:
-                return out
-        free -= need
-        i += 1
-    return out
+# --- Exercise 2: the victim policy, in the real engine ----------------------------------------------
+# A case is a workload: (prompt_lens, max_new_tokens, num_blocks, block_size, max_num_batched_tokens).
+Workload = tuple[tuple[int, ...], int, int, int, int]
+_MAX_STEPS = 2000  # the workloads finish in under 100 steps under any sane policy
 
 
-def _victims_oldest(running, free) -> list[str]:
-    """Preempts the oldest request instead of the newest."""
-    running, out = list(running), []
-    i = 0
-    while i < len(running):
-        name, _, need = running[i]
-        while need > free and running:
-            victim, held, _ = running.pop(0)
-            free += held
-            out.append(victim)
-            if victim == name:
-                break
-        if name in out:
-            continue  # the list shifted: running[i] is the next request
-        free -= need
-        i += 1
-    return out
+def _preemptions(case: Workload, policy: Callable | None) -> tuple[list[tuple[int, int]], int]:
+    """Drive :class:`~kvcourse.serving.Scheduler` with ``policy`` through ``case`` without a model (the
+    decisions do not depend on the tokens: every request makes exactly its ``max_new_tokens``).
+    Returns ``([(step, request preempted), ...], tokens recomputed)``."""
+    prompt_lens, max_new, num_blocks, block_size, budget = case
+    sched = Scheduler(BlockManager(num_blocks, block_size), max_num_batched_tokens=budget, watermark=0,
+                      preemption_policy=policy)  # fmt: skip
+    params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
+    for i, n in enumerate(prompt_lens):
+        sched.add(Sequence(i, [1] * n, params))
+    log, recomputed, step = [], 0, 0
+    while sched.has_unfinished():
+        if step == _MAX_STEPS:
+            raise ExerciseError(f"workload {case} did not finish in {_MAX_STEPS} steps: the requests keep preempting "
+                                f"each other", case=str(case))  # fmt: skip
+        out = sched.schedule()
+        log += [(step, seq.seq_id) for seq in out.preempted]
+        recomputed += sum(s.num_recomputed_tokens for s in out.scheduled)
+        sched.advance(out)
+        sched.append_tokens({s.seq.seq_id: 0 for s in out.scheduled if s.samples})
+        step += 1
+    return log, recomputed
 
 
-def _victims_self(running, free) -> list[str]:
-    """A request short of blocks gives up its own."""
-    out = []
-    for name, held, need in running:
-        if need > free:
-            out.append(name)
-            free += held
-        else:
-            free -= need
-    return out
+def _pick_victim(candidates: list[Sequence]) -> Sequence:
+    """vLLM's choice: the newest (the package's :func:`~kvcourse.serving.scheduler.preempt_newest`)."""
+    return candidates[-1]
+
+
+def _by(key, largest: bool, last_on_ties: bool) -> Callable:
+    """A policy choosing by ``key`` (the first or the last of equal candidates)."""
+    def policy(candidates):
+        pool = list(reversed(candidates)) if last_on_ties else candidates
+        return (max if largest else min)(pool, key=key)
+    return policy
+
+
+def _describe_run(log: list[tuple[int, int]], recomputed: int) -> str:
+    return (", ".join(f"step {s}: request {r}" for s, r in log) or "nobody") + f"; {recomputed} tokens recomputed"
+
+
+def _run(case: Workload, policy: Callable) -> str:
+    """What the preemptions of ``case`` under ``policy`` look like in a failure message."""
+    return _describe_run(*_preemptions(case, policy))
+
+
+def _lengths(largest: bool) -> list[Callable]:
+    return [_by(lambda s: s.num_tokens, largest, last) for last in (False, True)]
 
 
 _VICTIM_MISTAKES = [
-    ("Preempt the newest running request (the last admitted): it has done the least work, and the oldest requests "
-     "then always finish.", _victims_oldest),
-    ("A request that needs a block does not give up its own first: it takes the blocks of the newest request; only "
-     "when it is itself the newest does it preempt itself.", _victims_self),
+    ("candidates[0] is the request that asks for the block, and the oldest of them: preempting it makes the "
+     "oldest request give way to newer ones, and under steady pressure it may never finish (it starves). Keep "
+     "the arrival order: the newest running request gives way.", lambda case: _run(case, lambda c: c[0])),
+    *[("Choosing by length (the longest frees the most blocks at once) lets shorter newcomers preempt a long "
+       "request again and again, and it is the costliest to recompute. The rule is about arrival order, not size: "
+       "the newest gives way.", lambda case, f=f: _run(case, f)) for f in _lengths(largest=True)],
+    *[("Choosing the shortest, or the one that has done the least work, is not the rule: the newest request may "
+       "well have prefilled a long prompt. Preempting the newest keeps first come, first served: the oldest "
+       "request is never preempted while a newer one runs, so nobody starves.",
+       lambda case, f=f: _run(case, f))
+      for f in [*_lengths(largest=False),
+                *[_by(lambda s: s.num_computed_tokens, False, last) for last in (False, True)]]],
 ]
 
 
-def _victim_cases(rng) -> list[tuple[list[tuple[str, int, int]], int]]:
-    cases = [
-        ([("a", 3, 1), ("b", 2, 1)], 1),  # a takes the last block; b is the newest and preempts itself
-        ([("a", 3, 1), ("b", 2, 0), ("c", 1, 1)], 0),  # a preempts c; b needs nothing
-        ([("a", 2, 1), ("b", 4, 0), ("c", 2, 0)], 0),
-        ([("a", 1, 1)], 1),  # no preemption
-        ([("a", 5, 1), ("b", 1, 1), ("c", 1, 1), ("d", 1, 1)], 0),
+def _victim_cases(rng) -> list[Workload]:
+    cases: list[Workload] = [
+        ((30, 5, 18, 9), 16, 17, 4, 64),  # three policies, three different victim lists
+        ((8, 8, 8), 8, 9, 4, 64),  # equal lengths: only the order tells them apart
+        ((40, 4, 4, 4), 12, 16, 4, 32),  # a long prompt first, short ones after it
+        ((6, 20, 3, 12, 9), 10, 14, 4, 48),
     ]
-    for _ in range(30):
-        k = rng.randint(1, 7)
-        cases.append(([(chr(97 + j), rng.randint(1, 6), rng.choice([0, 1, 1, 2])) for j in range(k)],
-                      rng.randint(0, 3)))  # fmt: skip
+    while len(cases) < 12:
+        k, bs, max_new = rng.randint(3, 6), rng.choice([2, 4]), rng.randint(4, 16)
+        lens = tuple(rng.randint(1, 24) for _ in range(k))
+        need = -(-(max(lens) + max_new - 1) // bs)  # the biggest request must fit alone
+        case = (lens, max_new, rng.randint(need, need + 4), bs, rng.choice([16, 32, 64]))
+        if _preemptions(case, None)[0]:  # pressure: somebody is preempted
+            cases.append(case)
     return cases
 
 
-def check_victims(preempt: Callable[[list[tuple[str, int, int]], int], list[str]], seed: int = 0) -> CheckResult:
-    """``preempt(running, free_blocks)`` -> names of the preempted requests, in the order preempted."""
+
+
+_FIELDS = ("seq_id", "num_prompt_tokens", "num_tokens", "num_computed_tokens")
+
+
+def _learner_policy(pick_victim: Callable) -> Callable:
+    """The learner's function as the scheduler's preemption policy. It is handed each candidate as a dict of the
+    Sequence's counts (plain data: the grader runs it in another process, where a Sequence cannot be lent) and
+    returns one of the dicts; a crash, or anything else returned, says where."""
+    def policy(candidates: list[Sequence]) -> Sequence:
+        views = [{f: getattr(seq, f) for f in _FIELDS} for seq in candidates]
+        got = call_learner("pick_victim", pick_victim, [dict(v) for v in views])  # copies: it may pop or sort them
+        for seq, view in zip(candidates, views):
+            if isinstance(got, dict) and got == view:
+                return seq
+        raise ExerciseError(f"pick_victim({views}) returned {describe(got)}: return one of the candidates (the dict "
+                            f"itself, not its seq_id or its position)")  # fmt: skip
+    return policy
+
+
+def _run_trace(case: Workload, pick_victim: Callable) -> tuple[list[tuple[int, int]], int]:
+    return _preemptions(case, _learner_policy(pick_victim))
+
+
+def _engine_case(rng, vocab_size: int) -> tuple[list[list[int]], int, int, int, int]:
+    """A few short requests on the real model, in a pool small enough to preempt."""
+    while True:
+        lens = [rng.randint(4, 20) for _ in range(4)]
+        need = -(-(max(lens) + 9) // 4)
+        case = (tuple(lens), 10, need + 2, 4, 32)
+        if len(_preemptions(case, None)[0]) >= 2:
+            prompts = [[rng.randrange(100, vocab_size) for _ in range(n)] for n in lens]
+            return prompts, *case[1:]
+
+
+def check_victims(pick_victim: Callable[[list[Sequence]], Sequence], model=None, seed: int = 0) -> CheckResult:
+    """``pick_victim(candidates) -> victim``: the scheduler's preemption policy (``Engine(...,
+    preemption_policy=...)``). ``candidates``: the running sequences that may give way, oldest first, each as a
+    dict of its ``seq_id``, ``num_prompt_tokens``, ``num_tokens`` and ``num_computed_tokens``; ``candidates[0]``
+    needs a block and none is free. First on workloads without a model, then in the engine on ``model``
+    (SmolLM2, loaded if not given): the outputs must equal each request run alone, and the preemptions the
+    expected ones."""
+    if not callable(pick_victim):
+        raise ExerciseError(f"pass your function pick_victim(candidates), got {type(pick_victim).__name__}")
+    refuse_references(pick_victim, {"preempt_newest": preempt_newest}, "write the choice yourself.")
     diagnosis = Diagnosis(_VICTIM_MISTAKES, same=_same, default=(
-        "Serve the oldest first; while it is short of blocks, pop the newest running request and free its blocks; "
-        "stop when the one being served is itself popped."))  # fmt: skip
-    for running, free in _victim_cases(case_rng("check_victims", seed)):
-        label = f"preempt({running}, {free})"
-        got = call_learner("preempt", preempt, list(running), free)
-        if not isinstance(got, list):
-            raise ExerciseError(f"{label} should return a list of names, got {describe(got)}", case=label)
-        want = _victims(running, free)
+        "Under vLLM's policy the newest running request gives way, whatever its size: the last of the candidates."))
+    rng = case_rng("check_victims", seed)
+    for case in _victim_cases(rng):
+        got, want = _describe_run(*_run_trace(case, pick_victim)), _run(case, _pick_victim)
         if got != want:
-            diagnosis.record(label, (running, free), got, want)
+            diagnosis.record(f"preemptions in workload (prompt_lens, max_new_tokens, num_blocks, block_size, "
+                             f"budget) = {case}", (case,), got, want)
     diagnosis.raise_if_wrong()
-    return passed("the oldest requests keep running; the newest give their blocks back, one at a time.")
+
+    import kvcourse  # the real model, only once the policy is right on the traces
+    from ..serving.engine import Engine
+
+    if model is None:
+        model, _ = kvcourse.load_pretrained()
+    prompts, max_new, num_blocks, block_size, budget = _engine_case(rng, model.config.vocab_size)
+    eng = Engine(model, num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget, watermark=0,
+                 preemption_policy=_learner_policy(pick_victim))  # fmt: skip
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=max_new, stop_token_ids=()))
+    label = f"Engine(model, num_blocks={num_blocks}, block_size={block_size}, preemption_policy=pick_victim)"
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        alone = kvcourse.generate(model, p, max_new, eos_token_ids=())
+        if o != alone:
+            raise ExerciseError(f"{label}: request {i}'s output differs from its solo run", case=label,
+                                expected=str(alone), got=str(o))  # fmt: skip
+    got = ([(e.step, rid) for e in eng.events for rid, _ in e.preempted], eng.stats["recomputed_tokens"])
+    want = _preemptions((tuple(map(len, prompts)), max_new, num_blocks, block_size, budget), _pick_victim)
+    if got != want:
+        raise ExerciseError(f"{label}: the preemptions differ from vLLM's policy", case=label,
+                            expected=_describe_run(*want), got=_describe_run(*got))  # fmt: skip
+    return passed(f"in the engine on the real model: {len(want[0])} preemptions of the newest request, "
+                  f"{want[1]} tokens recomputed, every output equal to its solo run.")
 
 
 # --- Exercise 3: a chunk size --------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Serving many requests at once (chapter 6), one file per job as nano-vllm lays it out.
 
 * :mod:`.scheduler` -- :class:`Scheduler`: continuous batching under a token budget, chunked
-  prefill, admission by free blocks with a watermark, preemption by recompute or by swap to host
-  memory (chapter 7); prefix-cache hits at admission (chapter 7, on a
+  prefill, admission by free blocks with a watermark, preemption (of the newest request, or of a
+  policy's choice) by recompute or by swap to host memory (chapter 7); prefix-cache hits at admission (chapter 7, on a
   :class:`~kvcourse.paged.PrefixCachingBlockManager`).
 * :mod:`.model_runner` -- :class:`ModelRunner`: a scheduled step as one ``ForwardBatch`` and one forward,
   after the step's block moves between the device and host pools.
@@ -18,7 +18,7 @@
 from .engine import Engine
 from .model_runner import ModelRunner
 from .request import Request, RequestMetrics, TokenOutput
-from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput, preempt_newest
 from .stats import StepEvent, StepRecorder, latency_summary
 
 __all__ = [
@@ -33,4 +33,5 @@ __all__ = [
     "StepRecorder",
     "TokenOutput",
     "latency_summary",
+    "preempt_newest",
 ]

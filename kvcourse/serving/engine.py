@@ -30,7 +30,7 @@ from ..checks import check_callable, check_float, check_hashable, check_int, che
 from ..sequence import SamplingParams, Sequence
 from .model_runner import ModelRunner
 from .request import Request, TokenOutput
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import PreemptionPolicy, Scheduler, SchedulerOutput
 from .stats import StepEvent, StepRecorder
 
 __all__ = ["Engine"]
@@ -51,6 +51,9 @@ class Engine:
         num_cpu_blocks: blocks of host memory (chapter 7, :mod:`kvcourse.paged.offload`) for swapped
             requests and, with prefix caching, a cold tier for evicted cached blocks. 0: none.
         preemption_mode: ``"recompute"`` (vLLM's default) or ``"swap"`` (needs ``num_cpu_blocks``).
+        preemption_policy: ``policy(candidates) -> victim``, which running sequence to preempt when
+            the pool is out of blocks (:data:`~kvcourse.serving.scheduler.PreemptionPolicy`); ``None``:
+            the newest, vLLM's choice (:func:`~kvcourse.serving.scheduler.preempt_newest`).
         backend: the paged attention backend (``"paged-torch"``; chapter 5 adds ``"triton"``).
         clock: seconds, for the latency metrics (``time.perf_counter``).
     """
@@ -68,12 +71,15 @@ class Engine:
         enable_prefix_caching: bool = False,
         num_cpu_blocks: int = 0,
         preemption_mode: str = "recompute",
+        preemption_policy: PreemptionPolicy | None = None,
         backend: str = "paged-torch",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         # The cheap checks first, before the pool is allocated; the scheduler checks its own limits.
         check_int("num_blocks", num_blocks, min=1)
         check_int("block_size", block_size, min=1)
+        if preemption_policy is not None:
+            check_callable("preemption_policy", preemption_policy, "a function candidates -> victim")
         check_callable("clock", clock, "a function returning seconds, such as time.perf_counter")
         start = check_float("clock()", clock())  # seconds
         if max_num_batched_tokens is not None:
@@ -92,6 +98,7 @@ class Engine:
             enable_chunked_prefill=enable_chunked_prefill,
             watermark=watermark,
             preemption_mode=preemption_mode,
+            preemption_policy=preemption_policy,
         )
         self.clock = clock
         eos = model.config.eos_token_id

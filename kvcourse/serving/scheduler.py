@@ -7,11 +7,14 @@ the whole batch waiting for its longest member. One step, in vLLM v1's shape:
 1. **Running sequences first, oldest first.** Each gets ``min(tokens it has not computed, budget
    left)`` new tokens: 1 for a decode, a chunk for a prompt admitted earlier and not yet finished.
    Its slots are reserved now, in the :class:`~kvcourse.paged.BlockManager`, before the forward.
-   If the pool is out of blocks, the **newest** running sequence is **preempted**: its blocks go
-   back to the pool, its K/V are forgotten, and it returns to the head of the queue to be
-   recomputed later (recompute mode). If the sequence that needs the block is itself the newest,
-   it is the one preempted. In **swap mode** (chapter 7) its K/V are copied to host memory first
-   and it waits in the swapped queue instead (recompute when the host pool is full).
+   If the pool is out of blocks, a running sequence is **preempted**: its blocks go back to the
+   pool, its K/V are forgotten, and it returns to the head of the queue to be recomputed later
+   (recompute mode). The **preemption policy** picks it among the sequence that needs the block
+   and the running sequences after it (those before it already hold this step's slots); vLLM's
+   choice, the default, is the **newest** (:func:`preempt_newest`), so the sequence that needs
+   the block preempts itself only when it is the newest. In **swap mode** (chapter 7) its K/V are
+   copied to host memory first and it waits in the swapped queue instead (recompute when the host
+   pool is full).
 2. **Then swapped sequences**, oldest first, in a step that preempted nobody: swapped back into
    fresh blocks, they carry on where they stopped.
 3. **Then waiting sequences, first come first served** (no overtaking), once nobody is swapped out, while the token budget
@@ -46,16 +49,26 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
-from ..checks import check_bool, check_choice, check_float, check_int
+from ..checks import check_bool, check_callable, check_choice, check_float, check_int
 from ..paged import BlockTransfer, CopyOnWrite, KVPool, NoFreeBlocksError, PagedKVPool
 from ..sequence import Sequence, SequenceStatus
 
-__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput"]
+__all__ = ["PreemptionPolicy", "ScheduledSeq", "Scheduler", "SchedulerOutput", "preempt_newest"]
 
 _NO_LIMIT = sys.maxsize
+
+PreemptionPolicy = Callable[[list[Sequence]], Sequence]
+"""``policy(candidates) -> victim``: ``candidates`` are running sequences, oldest first; ``candidates[0]``
+needs a block the pool does not have, the others run after it in this step. It returns one of them."""
+
+
+def preempt_newest(candidates: list[Sequence]) -> Sequence:
+    """vLLM's victim: the newest running sequence. The requests keep their first-come-first-served
+    order: the oldest one is never preempted while a newer one runs, so it always finishes."""
+    return candidates[-1]
 
 
 @dataclass(slots=True)
@@ -89,7 +102,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)  # in batch order: running, then admitted
     admitted: list[Sequence] = field(default_factory=list)  # left the queue this step
-    preempted: list[Sequence] = field(default_factory=list)  # lost their blocks this step, newest first
+    preempted: list[Sequence] = field(default_factory=list)  # lost their blocks this step, in the order preempted
     swapped_out: list[Sequence] = field(default_factory=list)  # of those, the ones swapped to host memory
     swapped_in: list[Sequence] = field(default_factory=list)  # came back from host memory this step
     transfers: list[BlockTransfer] = field(default_factory=list)  # block moves, in order, before the copies
@@ -123,6 +136,8 @@ class Scheduler:
         watermark: fraction of the pool's blocks that admission leaves free (vLLM's default 0.01).
         preemption_mode: ``"recompute"`` (free the blocks, compute them again later) or ``"swap"``
             (copy them to the block manager's host pool and back; needs ``num_host_blocks > 0``).
+        preemption_policy: which running sequence to preempt when the pool is out of blocks, a
+            :data:`PreemptionPolicy` (``None``: :func:`preempt_newest`, vLLM's choice).
     """
 
     def __init__(
@@ -134,6 +149,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         watermark: float = 0.01,
         preemption_mode: str = "recompute",
+        preemption_policy: PreemptionPolicy | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = _limit("max_num_seqs", max_num_seqs, 1)
@@ -145,6 +161,8 @@ class Scheduler:
         if preemption_mode == "swap" and not block_manager.num_host_blocks:
             raise ValueError("preemption_mode='swap' needs a block manager with num_host_blocks > 0")
         self.preemption_mode = preemption_mode
+        self.preemption_policy = preempt_newest if preemption_policy is None else check_callable(
+            "preemption_policy", preemption_policy, "a function candidates -> victim, such as preempt_newest")
         self.waiting: deque[Sequence] = deque()  # head first; preempted sequences go back to the head
         self.swapped: deque[Sequence] = deque()  # K/V in host memory, oldest first
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
@@ -252,15 +270,15 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """1. Running sequences, oldest first; the newest are preempted while the pool is short."""
+        """1. Running sequences, oldest first; victims are preempted while the pool is short."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, n, out):
-                break  # seq preempted itself: it was the newest, nobody is left after it
-            budget -= n
-            i += 1
+            if self._reserve(seq, n, out):
+                budget -= n
+                i += 1
+            # else seq preempted itself and left the list: running[i] is the next one, if any
         return budget
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
@@ -322,14 +340,15 @@ class Scheduler:
 
     # ---- internals ------------------------------------------------------------------------------
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Reserve the slots of ``seq``'s next ``n`` tokens, preempting the newest sequences while the
+        """Reserve the slots of ``seq``'s next ``n`` tokens, preempting the policy's victims while the
         pool is short. False if ``seq`` itself had to go."""
         while True:
             try:
                 cow = self.block_manager.append_slots(seq.seq_id, n)
                 break
-            except NoFreeBlocksError:  # nothing changed: free the newest sequence's blocks and retry
-                victim = self.running.pop()
+            except NoFreeBlocksError:  # nothing changed: free a victim's blocks and retry
+                victim = self._pick_victim(seq)
+                self.running.remove(victim)
                 if self._preempt(victim):
                     out.swapped_out.append(victim)
                 out.preempted.append(victim)
@@ -339,6 +358,18 @@ class Scheduler:
             out.copies.append(cow)
         out.scheduled.append(self._scheduled(seq, n))
         return True
+
+    def _pick_victim(self, seq: Sequence) -> Sequence:
+        """The policy's victim among ``seq`` and the running sequences after it (the ones before it
+        already hold their slots for this step). Checked before anything changes."""
+        candidates = self.running[self.running.index(seq):]
+        victim = self.preemption_policy(list(candidates))  # a copy: the policy cannot reorder the queue
+        if not any(victim is c for c in candidates):
+            raise ValueError(
+                f"preemption_policy returned {victim!r}, which is not one of its candidates (the running sequences "
+                f"{[c.seq_id for c in candidates]}: the one that needs a block, then those after it)"
+            )
+        return victim
 
     def _preempt(self, seq: Sequence) -> bool:
         """Swap mode, if the host pool has room: the K/V go to host memory, the sequence to the head
