@@ -5,9 +5,12 @@ The wrong answers are written the way a learner would write them, independently 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+from kvcourse.compression.dropping import DroppingKVCache, select_tokens
 from kvcourse.compression.quantize import fake_quantize
 from kvcourse.compression.window import ring_slot
 from kvcourse.exercises import ExerciseError, ch08
@@ -140,3 +143,136 @@ def test_ring_refuses_the_package_own():
         ch08.check_ring_slot(ring_slot)
     with pytest.raises(ExerciseError, match="ring_slot"):
         ch08.check_ring_slot(lambda p, s, w: ring_slot(p, s, w))
+
+
+# ---- 3. SnapKV's scores --------------------------------------------------------------------------
+def snapkv_keep(probs, num_kv_heads, budget, window, kernel):
+    num_heads, seq_len, _ = probs.shape
+    group = num_heads // num_kv_heads
+    votes = probs[:, seq_len - window :, :].sum(dim=1)
+    votes = torch.stack([votes[j * group : (j + 1) * group].sum(0) for j in range(num_kv_heads)])
+    pooled = torch.nn.functional.max_pool1d(votes.unsqueeze(1), kernel, 1, kernel // 2).squeeze(1)
+    pooled[:, seq_len - window :] = float("inf")
+    return torch.sort(torch.topk(pooled, budget).indices).values
+
+
+def test_snapkv_reference_is_what_the_cache_keeps():
+    gen = torch.Generator().manual_seed(0)
+    for num_heads, num_kv_heads, s, budget, window, kernel in [(4, 2, 60, 30, 8, 7), (9, 3, 80, 20, 16, 5),
+                                                               (6, 1, 50, 45, 4, 3)]:
+        probs = ch08._attention_probs(gen, num_heads, s)
+        assert torch.allclose(probs.sum(-1), torch.ones(num_heads, s))
+        want = ch08._package_keep(probs, num_kv_heads, budget, window, kernel)
+        got = ch08._snapkv_keep(probs, num_kv_heads, budget, window, kernel)
+        assert ch08._same_keep(got, want, ch08._snapkv_ranked(probs, num_kv_heads, window, kernel))
+
+
+def test_snapkv_right_answers_pass():
+    assert ch08.check_snapkv_keep(snapkv_keep)
+    assert ch08.check_snapkv_keep(snapkv_keep, seed=4)
+
+
+@pytest.mark.parametrize("mistake,hint", [
+    ("all_queries", "H2O's heavy-hitter score"),
+    ("no_pool", "Max-pool the scores"),
+    ("no_window", "Keep the observation window's own"),
+    ("interleaved", "consecutive heads"),
+    ("unsorted", "Sort each KV head's kept positions"),
+])
+def test_snapkv_mistakes_get_their_hint(mistake, hint):
+    def wrong(probs, num_kv_heads, budget, window, kernel):
+        num_heads, seq_len, _ = probs.shape
+        rows = probs if mistake == "all_queries" else probs[:, seq_len - window :]
+        votes = rows.sum(1)
+        if mistake == "interleaved":  # heads j, j + num_kv_heads, ... as if torch.repeat had laid them out
+            votes = torch.stack([votes[j::num_kv_heads].sum(0) for j in range(num_kv_heads)])
+        else:
+            votes = votes.reshape(num_kv_heads, -1, seq_len).sum(1)
+        if mistake != "no_pool":
+            votes = torch.nn.functional.max_pool1d(votes[:, None], kernel, 1, kernel // 2)[:, 0]
+        if mistake != "no_window":
+            votes[:, -window:] = votes.max() + 1
+        keep = votes.topk(budget).indices
+        return keep if mistake == "unsorted" else keep.sort().values
+
+    with pytest.raises(ExerciseError, match=re.escape(hint)):
+        ch08.check_snapkv_keep(wrong)
+
+
+def uses_the_cache(probs, num_kv_heads, budget, window, kernel):
+    cache = DroppingKVCache(1, 1, num_kv_heads, 2, observation_window=window)
+    cache.update(0, torch.zeros(1, num_kv_heads, probs.shape[-1], 2), torch.zeros(1, num_kv_heads, probs.shape[-1], 2))
+    cache.observe_attention(0, probs[None])
+    cache.compress(budget, "snapkv", pool_kernel=kernel)
+    return cache.key_positions(0)[0]
+
+
+def test_snapkv_refuses_the_package():
+    with pytest.raises(ExerciseError, match="kvcourse's own select_tokens"):
+        ch08.check_snapkv_keep(select_tokens)
+    with pytest.raises(ExerciseError, match="your code calls kvcourse's DroppingKVCache"):
+        ch08.check_snapkv_keep(uses_the_cache)
+
+
+# ---- 4. MLA's weight absorption ------------------------------------------------------------------
+def absorbed_decode(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale):
+    outs = []
+    for h in range(q_nope.shape[0]):
+        q_latent = w_uk[h].T @ q_nope[h]  # [c]
+        scores = (latent @ q_latent + k_rope @ q_rope[h]) * scale  # [S]
+        context = torch.softmax(scores, 0) @ latent  # [c]
+        outs.append(w_uv[h] @ context)  # [v]
+    return torch.stack(outs)
+
+
+def expanded_decode(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale):
+    keys = torch.einsum("sc,hnc->hsn", latent, w_uk)  # every head's keys, rebuilt: right, but not absorbed
+    values = torch.einsum("sc,hvc->hsv", latent, w_uv)
+    scores = (torch.einsum("hn,hsn->hs", q_nope, keys) + q_rope @ k_rope.T) * scale
+    return torch.einsum("hs,hsv->hv", torch.softmax(scores, -1), values)
+
+
+def test_mla_case_expected_is_the_layers_expanded_output():
+    import random
+
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    for i in range(4):
+        mla, args, want, layer_out = ch08._mla_case(rng, gen, i)
+        heads, v_dim = want.shape
+        assert torch.allclose(mla.o_proj(want.reshape(1, heads * v_dim)), layer_out[0], atol=1e-5)
+        assert torch.allclose(ch08._absorbed(*args), want, atol=1e-5)
+
+
+def test_mla_right_answers_pass():
+    assert ch08.check_absorbed_decode(absorbed_decode)
+    assert ch08.check_absorbed_decode(absorbed_decode, seed=2)
+
+
+@pytest.mark.parametrize("mistake,hint", [
+    ("no_rope", "Add the RoPE part of the score"),
+    ("no_scale", "Multiply the scores by `scale`"),
+    ("softmax_heads", "not over the heads"),
+    ("swapped", "they are swapped"),
+])
+def test_mla_mistakes_get_their_hint(mistake, hint):
+    def wrong(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale):
+        w_k, w_v = (w_uv, w_uk) if mistake == "swapped" else (w_uk, w_uv)
+        outs = []
+        scores = []
+        for h in range(q_nope.shape[0]):
+            s = latent @ (w_k[h].T @ q_nope[h])
+            if mistake != "no_rope":
+                s = s + k_rope @ q_rope[h]
+            scores.append(s if mistake == "no_scale" else s * scale)
+        probs = torch.softmax(torch.stack(scores), 0 if mistake == "softmax_heads" else 1)
+        for h in range(q_nope.shape[0]):
+            outs.append(w_v[h] @ (probs[h] @ latent))
+        return torch.stack(outs)
+
+    with pytest.raises(ExerciseError, match=re.escape(hint)):
+        ch08.check_absorbed_decode(wrong)
+
+
+def test_mla_expanded_form_is_refused():
+    with pytest.raises(ExerciseError, match="That is the expanded form"):
+        ch08.check_absorbed_decode(expanded_decode)

@@ -104,6 +104,8 @@ _SPECS = [
     # chapter 8
     ExerciseSpec("ch08-ex-quantizer", "ch08.check_quantizer", ("quantize_dequantize",)),
     ExerciseSpec("ch08-ex-ring", "ch08.check_ring_slot", ("slot_for", MODEL)),
+    ExerciseSpec("ch08-ex-snapkv", "ch08.check_snapkv_keep", ("snapkv_keep",)),
+    ExerciseSpec("ch08-ex-absorb", "ch08.check_absorbed_decode", ("absorbed_decode",)),
 ]
 
 EXERCISES: dict[str, ExerciseSpec] = {spec.label: spec for spec in _SPECS}

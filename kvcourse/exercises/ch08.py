@@ -3,6 +3,11 @@
 1. :func:`check_quantizer` -- asymmetric integer quantization of each row, and back.
 2. :func:`check_ring_slot` -- where a sliding-window cache with attention sinks writes each token
    (optionally driving the real model through a ring buffer built on the learner's answer).
+3. :func:`check_snapkv_keep` -- SnapKV's choice of tokens from a prefill's attention, against what
+   :class:`~kvcourse.compression.DroppingKVCache` keeps.
+4. :func:`check_absorbed_decode` -- an MLA decode step computed on the cached latents (``W_uk`` absorbed
+   into the query, ``W_uv`` into the output), against attention over the per-head K and V that
+   :mod:`kvcourse.mla` expands.
 
 Each check runs the learner's code on hidden random cases (seeded from the check's ``seed``
 argument) and raises :class:`~kvcourse.exercises.ExerciseError` with the case, the expected and
@@ -14,9 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compression import window as _window
+from ..compression.dropping import DroppingKVCache, select_tokens
 from ..compression.quantize import fake_quantize
+from ..mla import LatentCache, MLAConfig, MultiHeadLatentAttention
 from ._core import (
     call_learner,
     case_generator,
@@ -33,7 +42,7 @@ from ._core import (
     wrap_checks,
 )
 
-__all__ = ["check_quantizer", "check_ring_slot"]
+__all__ = ["check_absorbed_decode", "check_quantizer", "check_ring_slot", "check_snapkv_keep"]
 
 
 # --- Exercise 1: a quantizer ---------------------------------------------------------------------
@@ -220,6 +229,237 @@ def _ring_on_the_model(slot_for: Callable[[int, int, int], int], model) -> None:
              f"window={window})", expected="the logits of exact sliding-window attention with sinks",
              got=tensor_diff(got, want), hint="The positions held look right; check the slot is an int for every "
              "position and that nothing else writes into the sinks.")  # fmt: skip
+
+
+# --- Exercise 3: SnapKV's scores ------------------------------------------------------------------
+
+def _attention_probs(gen: torch.Generator, num_heads: int, seq_len: int) -> torch.Tensor:
+    """Causal attention weights ``[num_heads, seq_len, seq_len]`` that look like a prefill's: a sink at
+    position 0, a few keys every head's queries favour, and noise."""
+    logits = torch.randn(num_heads, seq_len, seq_len, generator=gen)
+    hot = torch.randint(0, seq_len, (num_heads, 4), generator=gen)
+    logits.scatter_add_(-1, hot[:, None].expand(num_heads, seq_len, 4), torch.full((num_heads, seq_len, 4), 3.0))
+    logits[..., 0] += 2.0  # an attention sink
+    future = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1)
+    return torch.softmax(logits.masked_fill(future, float("-inf")), -1)
+
+
+def _snapkv_votes(probs: torch.Tensor, num_kv_heads: int, window: int, *, all_queries: bool = False,
+                  interleaved: bool = False) -> torch.Tensor:
+    """``[num_kv_heads, S]``: the attention each prompt token gets from the observation window's queries,
+    summed over the query heads that share a KV head (or, as mistakes, from every query / the wrong heads)."""
+    h, s, _ = probs.shape
+    votes = probs.sum(1) if all_queries else probs[:, -window:].sum(1)  # [H, S]
+    if interleaved:
+        return votes.view(h // num_kv_heads, num_kv_heads, s).sum(0)
+    return votes.view(num_kv_heads, h // num_kv_heads, s).sum(1)
+
+
+def _snapkv_scores(probs, num_kv_heads, window, kernel, *, pool=True, **mistake) -> torch.Tensor:
+    votes = _snapkv_votes(probs, num_kv_heads, window, **mistake)
+    if pool:  # a token next to a hit counts as a hit: phrases survive whole
+        votes = F.max_pool1d(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
+    return votes
+
+
+def _snapkv_keep(probs, num_kv_heads, budget, window, kernel, *, keep_window=True, **mistake) -> torch.Tensor:
+    """A typical answer's kept positions ``[num_kv_heads, budget]``, ascending (every flag default: right)."""
+    scores = _snapkv_scores(probs, num_kv_heads, window, kernel, **mistake)
+    if keep_window:
+        scores = scores.clone()
+        scores[:, -window:] = float("inf")
+    return scores.topk(budget, -1).indices.sort(-1).values
+
+
+def _package_keep(probs, num_kv_heads, budget, window, kernel) -> torch.Tensor:
+    """What :class:`~kvcourse.compression.DroppingKVCache` keeps: the attention is handed to a one-layer cache
+    exactly as the model's attention hands it over, then the cache compresses itself with SnapKV."""
+    h, s, _ = probs.shape
+    cache = DroppingKVCache(1, 1, num_kv_heads, 2, observation_window=window)
+    cache.update(0, torch.zeros(1, num_kv_heads, s, 2), torch.zeros(1, num_kv_heads, s, 2))
+    cache.observe_attention(0, probs[None])
+    cache.compress(budget, "snapkv", pool_kernel=kernel)
+    return cache.key_positions(0)[0]
+
+
+def _same_keep(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor) -> bool:
+    """The same tokens kept, or tokens whose scores tie with them (max-pooling makes plateaus of equal
+    scores; which of a tied group a top-k returns is arbitrary)."""
+    if torch.equal(got, want):
+        return True
+    if got.shape != want.shape or not bool((got[:, 1:] > got[:, :-1]).all()):
+        return False
+    if got.min() < 0 or got.max() >= scores.shape[-1]:
+        return False
+    return torch.allclose(scores.gather(-1, got).sort(-1).values, scores.gather(-1, want).sort(-1).values,
+                          rtol=1e-5, atol=1e-7)
+
+
+def _mostly_same(got: torch.Tensor, wrong: torch.Tensor) -> bool:
+    """A typical mistake explains an answer that keeps (almost) the same tokens: ties may be broken otherwise."""
+    if got.shape != wrong.shape:
+        return False
+    shared = sum(len(set(g.tolist()) & set(w.tolist())) for g, w in zip(got, wrong))
+    return shared >= 0.95 * got.numel()
+
+
+def _snapkv_ranked(probs, num_kv_heads, window, kernel) -> torch.Tensor:
+    scores = _snapkv_scores(probs, num_kv_heads, window, kernel).clone()
+    scores[:, -window:] = float("inf")
+    return scores
+
+
+_SNAPKV_MISTAKES = [
+    ("Score with the observation window's queries only, the last `window` rows of probs: summing every query's "
+     "attention is H2O's heavy-hitter score, not SnapKV's.",
+     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, all_queries=True)),
+    ("Max-pool the scores along the tokens (kernel `kernel`, stride 1, padding kernel // 2) before choosing: a "
+     "token next to a hit is kept with it, so phrases survive whole.",
+     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, pool=False)),
+    ("Keep the observation window's own `window` tokens whatever their score, and give the rest of the budget to "
+     "the best pooled scores.",
+     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, keep_window=False)),
+    ("KV head j serves query heads j * group ... (j + 1) * group - 1 (group = num_heads // num_kv_heads), "
+     "consecutive heads as `repeat_interleave` lays them out, not heads j, j + num_kv_heads, ...",
+     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, interleaved=True)),
+]
+
+
+def check_snapkv_keep(snapkv_keep: Callable, seed: int = 0) -> CheckResult:
+    """``snapkv_keep(probs, num_kv_heads, budget, window, kernel)`` -> the positions ``[num_kv_heads, budget]``
+    (ascending) of the prompt tokens SnapKV keeps for each KV head, from one layer's prefill attention
+    ``probs [num_heads, S, S]``; compared with what :class:`~kvcourse.compression.DroppingKVCache` keeps."""
+    refuse_references(snapkv_keep, {"select_tokens": select_tokens, "DroppingKVCache": DroppingKVCache},
+                      "score and choose the tokens yourself.")  # fmt: skip
+    rng, gen = case_rng("ch08.check_snapkv_keep", seed), case_generator("ch08.check_snapkv_keep", seed)
+    cases = []
+    for num_heads, num_kv_heads in [(4, 2), (6, 3), (9, 3), (6, 2), (4, 1), (8, 4)]:
+        s = rng.randint(40, 96)
+        window, kernel = rng.choice([4, 8, 16]), rng.choice([3, 5, 7])
+        budget = rng.randint(window + 4, s - 8)
+        cases.append((_attention_probs(gen, num_heads, s), num_kv_heads, budget, window, kernel))
+    diagnosis = Diagnosis(_SNAPKV_MISTAKES, same=_mostly_same, default=(
+        "Per query head: sum probs over the last `window` queries; add up the heads of each KV head's group; "
+        "max-pool along the tokens; force the last `window` tokens in; keep the top `budget`; sort the positions."))
+    for probs, g, b, w, k in cases:
+        label = f"snapkv_keep(probs {list(probs.shape)}, num_kv_heads={g}, budget={b}, window={w}, kernel={k})"
+        got = call_learner("snapkv_keep", snapkv_keep, probs.clone(), g, b, w, k)
+        expect_tensor(label, got, (g, b), what="(per KV head, the kept positions)")
+        got = got.long()
+        if not bool((got[:, 1:] > got[:, :-1]).all()):
+            fail(label, expected="positions in ascending order, each once", got=got,
+                 hint="Sort each KV head's kept positions (topk returns them by score), e.g. .sort(-1).values.")
+        want = _package_keep(probs, g, b, w, k)
+        if not _same_keep(got, want, _snapkv_ranked(probs, g, w, k)):
+            diagnosis.record(label, (probs, g, b, w, k), got, want)
+    diagnosis.raise_if_wrong()
+    return passed("the observation window's votes, pooled, choose the same tokens as DroppingKVCache.compress.")
+
+
+# --- Exercise 4: MLA's weight absorption ----------------------------------------------------------
+
+def _absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, rope=True, scaled=True, softmax_dim=-1,
+              swap=False) -> torch.Tensor:
+    """One decode step in latent space (every flag default: right; one flag changed: a typical mistake)."""
+    w_k, w_v = (w_uv, w_uk) if swap else (w_uk, w_uv)
+    q_latent = torch.einsum("hn,hnc->hc", q_nope, w_k)  # W_uk absorbed into the query
+    scores = q_latent @ latent.T + (q_rope @ k_rope.T if rope else 0)
+    probs = torch.softmax(scores * (scale if scaled else 1.0), dim=softmax_dim)
+    return torch.einsum("hc,hvc->hv", probs @ latent, w_v)  # W_uv absorbed into the output
+
+
+_MLA_MISTAKES = [
+    ("Add the RoPE part of the score, q_rope @ k_rope.T: RoPE depends on the key's position, so it cannot be "
+     "absorbed into the latent and MLA caches that small key beside it.",
+     lambda *case: _absorbed(*case, rope=False)),
+    ("Multiply the scores by `scale` (1 / sqrt of the whole query head, nope + rope) before the softmax.",
+     lambda *case: _absorbed(*case, scaled=False)),
+    ("Take the softmax over the cached tokens (the last axis of the [heads, tokens] scores), not over the heads.",
+     lambda *case: _absorbed(*case, softmax_dim=0)),
+    ("The keys come from W_uk (absorb it into the query) and the values from W_uv (absorb it into the output); "
+     "they are swapped.",
+     lambda *case: _absorbed(*case, swap=True)),
+]
+
+
+class _ShapeRecorder(TorchDispatchMode):
+    """Records the shape of every tensor an aten op returns while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def _mla_case(rng, gen, seed: int):
+    """A random MLA layer, a prompt prefilled into its latent cache, and one decode step: the learner's
+    arguments, and the per-head output of the expanded form (:meth:`MultiHeadLatentAttention.expanded_kv`)."""
+    heads, head_dim, rope_dim = rng.choice([2, 3, 4]), rng.choice([8, 16]), rng.choice([4, 6])
+    config = MLAConfig(hidden_size=rng.choice([48, 64]), num_heads=heads, qk_nope_head_dim=head_dim,
+                       qk_rope_head_dim=rope_dim, v_head_dim=head_dim, kv_lora_rank=rng.choice([20, 24, 40]))
+    mla = MultiHeadLatentAttention(config, seed=seed)
+    # Every size distinct, so that a tensor's shape says what it holds (the check looks for per-head K or V).
+    sizes = {heads, head_dim, rope_dim, config.kv_lora_rank, config.hidden_size, heads * head_dim}
+    prompt = rng.choice([n for n in range(5, 60) if n + 1 not in sizes])
+    x = torch.randn(1, prompt + 1, config.hidden_size, generator=gen)
+    cache = LatentCache()
+    mla(x[:, :prompt], cache)
+    layer_out = mla(x[:, prompt:], cache)  # the expanded form's output for the new token; appends its latent
+    q = mla.q_proj(x[:, prompt:]).view(heads, head_dim + rope_dim)
+    q_nope, q_rope = q.split([head_dim, rope_dim], -1)
+    q_rope = mla._rope(q_rope[None, None], torch.tensor([prompt]))[0, 0]  # RoPE at the new token's position
+    k, v = mla.expanded_kv(cache)  # [1, H, S, nope + rope], [1, H, S, v]: what an MHA cache would hold
+    probs = torch.softmax(torch.einsum("hd,hsd->hs", torch.cat([q_nope, q_rope], -1), k[0]) * mla.scale, -1)
+    want = torch.einsum("hs,hsv->hv", probs, v[0])
+    w_uk = mla.k_up.weight.view(heads, head_dim, config.kv_lora_rank)
+    w_uv = mla.v_up.weight.view(heads, head_dim, config.kv_lora_rank)
+    args = (q_nope, q_rope, cache.latent[0], cache.k_rope[0], w_uk, w_uv, mla.scale)
+    return mla, args, want, layer_out
+
+
+def check_absorbed_decode(absorbed_decode: Callable, seed: int = 0) -> CheckResult:
+    """``absorbed_decode(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale)`` -> the new token's attention
+    output per head ``[heads, v_head_dim]``, computed on the cached latents (``W_uk`` absorbed into the query,
+    ``W_uv`` into the output) and compared with attention over the per-head K and V that
+    :meth:`kvcourse.mla.MultiHeadLatentAttention.expanded_kv` rebuilds."""
+    refuse_references(absorbed_decode, {"MultiHeadLatentAttention": MultiHeadLatentAttention},
+                      "compute the step in latent space yourself.")  # fmt: skip
+    rng, gen = case_rng("ch08.check_absorbed_decode", seed), case_generator("ch08.check_absorbed_decode", seed)
+    diagnosis = Diagnosis(_MLA_MISTAKES, same=lambda got, wrong: torch.allclose(got, wrong, rtol=1e-4, atol=1e-5),
+                          default="q_latent = q_nope through W_uk (per head: q_nope[h] @ w_uk[h]); scores = "
+                                  "(q_latent @ latent.T + q_rope @ k_rope.T) * scale; softmax over the tokens; "
+                                  "context = probs @ latent; output = context through W_uv (per head: "
+                                  "w_uv[h] @ context[h]).")  # fmt: skip
+    for i in range(6):
+        mla, args, want, layer_out = _mla_case(rng, gen, seed * 100 + i)
+        q_nope, _, latent, _, w_uk, _, _ = args
+        label = (f"absorbed_decode(heads={q_nope.shape[0]}, head_dim={q_nope.shape[1]}, kv_lora_rank="
+                 f"{latent.shape[1]}, {latent.shape[0]} cached tokens)")
+        recorder = _ShapeRecorder()
+        with recorder:
+            got = call_learner("absorbed_decode", absorbed_decode, *(a.clone() if isinstance(a, torch.Tensor) else a
+                                                                      for a in args))  # fmt: skip
+        expect_tensor(label, got, tuple(want.shape), what="(heads, v_head_dim)")
+        if not torch.allclose(got.float(), want, rtol=1e-4, atol=1e-5):
+            diagnosis.record(label, args, got.float(), want, extra=f" ({tensor_diff(got, want)})")
+            continue
+        s, n = latent.shape[0], q_nope.shape[1]
+        built = [shape for shape in recorder.shapes if s in shape and n in shape and len(shape) >= 2]
+        if built:
+            fail(label, expected="nothing per head built for the cached tokens: tensors of [heads, tokens] and "
+                                 "[heads, kv_lora_rank] only", got=f"a tensor of shape {list(built[0])}",
+                 hint="That is the expanded form: it rebuilt every head's keys or values for all cached tokens. "
+                      "Absorb instead: move the query into latent space through W_uk, attend over the latents, "
+                      "and apply W_uv to the latent context.")  # fmt: skip
+    diagnosis.raise_if_wrong()
+    return passed("attention over the latents, W_uk in the query and W_uv in the output, equals attention over "
+                  "the expanded per-head K and V, and never builds them.")
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished
