@@ -18,11 +18,11 @@ help:
 	@echo "make setup      create .venv with kvcourse, its dev tools and the SmolLM2 weights"
 	@echo "make book       build the HTML book into _build/html (from committed outputs)"
 	@echo "make test       unit tests + nbval over every notebook (+ the numerics again on the other x86 kernels)"
-	@echo "make other-cpu  the quantized-cache tests and chapter 7 with torch's AVX2 kernels, as an AMD Zen 3 runs them"
+	@echo "make other-cpu  the quantized-cache tests and chapter 8 with torch's AVX2 kernels, as an AMD Zen 3 runs them"
 	@echo "make notebooks  re-execute every notebook in place"
 	@echo "make test-kernels-native  compile chapter 5's kernels for sm_75/80/90 over the full configuration sweep (no GPU needed)"
 	@echo "make compile-report       the same sweep, written to benchmarks/results/compile-report-<date>.json"
-	@echo "make gpu-check  on a CUDA GPU: kernel tests compiled, model/engine tests on cuda, kernel benchmark, chapters 5-7 (exit 3 without a GPU)"
+	@echo "make gpu-check  on a CUDA GPU: kernel tests compiled, model/engine tests on cuda, kernel benchmark, chapters 5-8 (exit 3 without a GPU)"
 	@echo "make bench      benchmarks: CPU decode (ours vs Hugging Face, naive vs cached), batched decode, serving, the engine, prefix caching, offloading, compressed caches; GPU kernels if a GPU is present"
 	@echo "make bench-engine  the engine against Hugging Face's continuous batching and generate, batch 1, attention's share of a step, under a neighbour (issue 17)"
 	@echo "make student    student copies of the notebooks, solutions removed, in _build/student"
@@ -86,7 +86,7 @@ OTHER_CPU := MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
 OTHER_CPU_TESTS := tests/test_quant.py tests/test_quant_paged.py tests/test_dropping.py tests/test_window.py
 other-cpu: setup
 	$(OTHER_CPU) $(PY) -m pytest $(OTHER_CPU_TESTS) -q -p no:cacheprovider
-	$(OTHER_CPU) $(PY) -m pytest -q --nbval book/07_reuse_compression.ipynb --nbval-sanitize-with book/nbval-sanitize.cfg --nbval-cell-timeout 900 -p no:cacheprovider
+	$(OTHER_CPU) $(PY) -m pytest -q --nbval book/08_compressing_the_cache.ipynb --nbval-sanitize-with book/nbval-sanitize.cfg --nbval-cell-timeout 900 -p no:cacheprovider
 
 notebooks: setup
 	$(PY) -m kvcourse.tools.run_notebooks $(NOTEBOOKS)

@@ -1,4 +1,4 @@
-"""Chapter 7's compression sweep: every compressed cache's memory and quality on SmolLM2-135M.
+"""Chapter 8's compression sweep: every compressed cache's memory and quality on SmolLM2-135M.
 
     python benchmarks/bench_compression.py [--tokens 1024] [--new-tokens 32] [--json out.json]
 
@@ -15,7 +15,7 @@ pydoc topics), against the full fp32 cache on the same tokens:
   of a context (the first 768 tokens), scored on the tokens that follow; a needle-in-a-haystack probe;
 * fewer KV heads: SmolLM2's 3 KV heads mean-pooled into 1 (MQA, no retraining).
 
-Chapter 7 plots the JSON this writes and recomputes a few of its points live. It took about 15
+Chapter 8 plots the JSON this writes and recomputes a few of its points live. It took about 15
 minutes on a 2-core CPU; nothing here is timed.
 """
 

@@ -35,7 +35,7 @@ class _Layer:
 
 def check_update(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """The argument check every cache's ``update`` makes: a layer it has, and ``k, v`` of shape
-    ``[B, H_kv, T, D]`` matching its batch size, KV heads and head dim (chapter 7's caches share it)."""
+    ``[B, H_kv, T, D]`` matching its batch size, KV heads and head dim (chapter 8's caches share it)."""
     check_int("layer_idx", layer_idx, min=0, max=cache.num_layers - 1)
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():

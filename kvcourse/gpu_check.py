@@ -11,7 +11,7 @@ command runs, in order, each step in its own process:
 2. **model and engine tests on the GPU**: the tests that take a ``device`` (``-k cuda``);
 3. **the kernel benchmark**: ``python -m kvcourse.bench kernels`` (bandwidth vs vendor peak, vs a
    measured copy, vs SDPA and FlexAttention), which writes its own results file;
-4. **chapters 5 to 7 top to bottom** on the GPU, executed in memory (the committed notebooks keep the
+4. **chapters 5 to 8 top to bottom** on the GPU, executed in memory (the committed notebooks keep the
    outputs CI compares).
 
 It writes ``benchmarks/results/gpu-check-<gpu>-<date>.json``: the provenance (GPU, compute capability,
@@ -36,7 +36,7 @@ import torch
 
 NO_GPU = 3
 ROOT = Path(__file__).resolve().parents[1]  # the repository (tests/, book/, benchmarks/ live here)
-CHAPTERS = ("05_*.ipynb", "06_*.ipynb", "07_*.ipynb")
+CHAPTERS = ("05_*.ipynb", "06_*.ipynb", "07_*.ipynb", "08_*.ipynb")
 
 
 def steps(root: Path, quick_bench: bool = False) -> list[tuple[str, list[str]]]:
@@ -50,7 +50,7 @@ def steps(root: Path, quick_bench: bool = False) -> list[tuple[str, list[str]]]:
                                                         "-k", "not bad_input"]),
         ("model and engine tests on cuda", pytest + ["tests/test_model.py", "tests/test_serving_real.py", "-k", "cuda"]),
         ("kernel benchmark", bench + (["--quick"] if quick_bench else [])),
-        ("chapters 5-7 on the GPU", [py, "-m", "kvcourse.gpu_check", "--execute-notebooks", *notebooks]),
+        ("chapters 5-8 on the GPU", [py, "-m", "kvcourse.gpu_check", "--execute-notebooks", *notebooks]),
     ]  # fmt: skip
 
 

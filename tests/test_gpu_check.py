@@ -12,14 +12,14 @@ def test_steps_name_files_that_exist():
     steps = gpu_check.steps(gpu_check.ROOT)
     assert [name for name, _ in steps] == [
         "kernel tests, compiled on the GPU", "model and engine tests on cuda", "kernel benchmark",
-        "chapters 5-7 on the GPU",
+        "chapters 5-8 on the GPU",
     ]  # fmt: skip
     for name, command in steps:
         for arg in command:
             if arg.startswith("tests/"):
                 assert (gpu_check.ROOT / arg).is_file(), arg
     notebooks = steps[-1][1][steps[-1][1].index("--execute-notebooks") + 1 :]
-    assert [n.rsplit("/", 1)[-1][:3] for n in notebooks] == ["05_", "06_", "07_"]
+    assert [n.rsplit("/", 1)[-1][:3] for n in notebooks] == ["05_", "06_", "07_", "08_"]
 
 
 def test_without_a_gpu_it_says_so_runs_nothing_and_fails(tmp_path, capsys):

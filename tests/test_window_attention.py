@@ -1,4 +1,4 @@
-"""Attention masked by key positions (chapter 7's seam): against loops, causal_attention and permutations."""
+"""Attention masked by key positions (chapter 8's seam): against loops, causal_attention and permutations."""
 
 import math
 

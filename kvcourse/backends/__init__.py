@@ -14,8 +14,8 @@ backend             store                                 what it is
 ``paged-torch``     :class:`~kvcourse.paged.PagedKVStore`  a ragged batch on the paged pool (SDPA)
 ``paged-reference`` :class:`~kvcourse.paged.PagedKVStore`  the same through the plain torch reference
 ``triton``          :class:`~kvcourse.paged.PagedKVStore`  chapter 5's kernels for the write and decode
-``paged-int8-torch`` an int8 pool                         chapter 7: quantize on write
-``triton-int8``     an int8 pool                          chapter 7's pool through chapter 5's kernels
+``paged-int8-torch`` an int8 pool                         chapter 8: quantize on write
+``triton-int8``     an int8 pool                          chapter 8's pool through chapter 5's kernels
 ==================  ===================================  ==========================================
 
 The paged ones are looked up by name (``model.forward_batch(batch, pool, backend="triton")``,

@@ -1,4 +1,4 @@
-"""Chapters 1-2 (and chapter 7's windows and dropping caches): one batch of equal-length sequences.
+"""Chapters 1-2 (and chapter 8's windows and dropping caches): one batch of equal-length sequences.
 
 * :class:`NoCache` -- attend over this forward's own tokens, keep nothing;
 * :class:`ContiguousBackend` -- a :class:`~kvcourse.KVCache`-like cache: append, attend over the history.
@@ -66,7 +66,7 @@ class ContiguousBackend:
         return _heads_first(out)
 
     def attend_by_positions(self, layer_idx: int, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor):
-        """Chapter 7: the cache returned some of the past, in any order, and says at which positions."""
+        """Chapter 8: the cache returned some of the past, in any order, and says at which positions."""
         k_pos = self.key_positions(layer_idx)
         if k_pos.shape[-1] != k_all.shape[2]:
             raise ValueError(f"cache.key_positions({layer_idx}) gives {k_pos.shape[-1]} positions but "

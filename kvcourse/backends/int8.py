@@ -1,4 +1,4 @@
-"""The ``"paged-int8-torch"`` backend: the model on chapter 7's int8 pool, in torch.
+"""The ``"paged-int8-torch"`` backend: the model on chapter 8's int8 pool, in torch.
 
 :class:`~kvcourse.backends.paged.PagedTorchBackend` on an :class:`~kvcourse.compression.Int8PagedKVStore`,
 with its two pool hooks replaced and nothing else: ``write_kv`` quantizes each new token (a scale per

@@ -1,4 +1,4 @@
-"""Chapter 7's compressed caches: fewer bytes per token, each at a measured cost in quality.
+"""Chapter 8's compressed caches: fewer bytes per token, each at a measured cost in quality.
 
 * :mod:`.quantize` -- integer (per token, per channel), fp8 and 16-bit formats, scales counted;
 * :mod:`.quantized_cache` -- :class:`QuantizedKVCache`: per-token and KIVI-style quantized K/V;

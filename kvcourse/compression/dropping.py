@@ -177,7 +177,7 @@ class DroppingKVCache:
 
 
 # ---------------------------------------------------------------------------------------------
-# The two ways chapter 7 measures a dropping policy
+# The two ways chapter 8 measures a dropping policy
 # ---------------------------------------------------------------------------------------------
 @torch.inference_mode()
 def prefill(model, ids, observation_window: int = 32) -> DroppingKVCache:

@@ -1,4 +1,4 @@
-"""The committed results of ``benchmarks/bench_compression.py``, which chapter 7 plots.
+"""The committed results of ``benchmarks/bench_compression.py``, which chapter 8 plots.
 
 The sweep takes minutes, so the chapter reads its JSON (and recomputes a few points live to show
 they still hold). The file ships with the package (:mod:`kvcourse.results`), so it is read offline

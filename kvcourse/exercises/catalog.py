@@ -96,11 +96,12 @@ _SPECS = [
     ExerciseSpec("ch06-ex-victims", "ch06.check_victims", ("preempt",)),
     ExerciseSpec("ch06-ex-chunk", "ch06.check_chunk_size", ("chunk_size",)),
     # chapter 7
-    ExerciseSpec("ch07-ex-quantizer", "ch07.check_quantizer", ("quantize_dequantize",)),
-    ExerciseSpec("ch07-ex-ring", "ch07.check_ring_slot", ("slot_for", MODEL)),
     ExerciseSpec("ch07-ex-hash-chain", "ch07.check_block_hashes", ("block_hashes",)),
     ExerciseSpec("ch07-ex-lru", "ch07.check_lru_takes", ("lru_takes",)),
     ExerciseSpec("ch07-ex-replay", "ch07.check_replay", ("replay",)),
+    # chapter 8
+    ExerciseSpec("ch08-ex-quantizer", "ch08.check_quantizer", ("quantize_dequantize",)),
+    ExerciseSpec("ch08-ex-ring", "ch08.check_ring_slot", ("slot_for", MODEL)),
 ]
 
 EXERCISES: dict[str, ExerciseSpec] = {spec.label: spec for spec in _SPECS}

@@ -30,7 +30,7 @@ class PagedKVStore:
         dtype, device: of the tensors.
     """
 
-    format = "float"  # what a block holds (chapter 7's int8 store holds codes and scales)
+    format = "float"  # what a block holds (chapter 8's int8 store holds codes and scales)
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Chapter 7's checks accept right answers and reject each typical wrong answer with its own hint.
+"""Chapter 8's checks accept right answers and reject each typical wrong answer with its own hint.
 
 The wrong answers are written the way a learner would write them, independently of the checks.
 """
@@ -10,7 +10,7 @@ import torch
 
 from kvcourse.compression.quantize import fake_quantize
 from kvcourse.compression.window import ring_slot
-from kvcourse.exercises import ExerciseError, ch07
+from kvcourse.exercises import ExerciseError, ch08
 
 
 # ---- 1. a quantizer ------------------------------------------------------------------------------
@@ -34,8 +34,8 @@ def quantizer_loops(x, bits):
 
 
 def test_quantizer_accepts_right_answers():
-    assert ch07.check_quantizer(quantizer)
-    assert ch07.check_quantizer(quantizer_loops, seed=3)
+    assert ch08.check_quantizer(quantizer)
+    assert ch08.check_quantizer(quantizer_loops, seed=3)
 
 
 def _levels_pow2(x, bits):
@@ -94,12 +94,12 @@ def _nan_on_constant(x, bits):
 )
 def test_quantizer_rejects_wrong_answers_with_their_hint(wrong, hint):
     with pytest.raises(ExerciseError, match=hint):
-        ch07.check_quantizer(wrong)
+        ch08.check_quantizer(wrong)
 
 
 def test_quantizer_refuses_the_package_own():
     with pytest.raises(ExerciseError, match="fake_quantize"):
-        ch07.check_quantizer(lambda x, bits: fake_quantize(x, f"int{bits}"))
+        ch08.check_quantizer(lambda x, bits: fake_quantize(x, f"int{bits}"))
 
 
 # ---- 2. the ring with sinks ----------------------------------------------------------------------
@@ -114,9 +114,9 @@ def slot_rotated(pos, num_sinks, window):  # another valid ring: token p still o
 
 
 def test_ring_accepts_right_answers(model):
-    assert ch07.check_ring_slot(slot_for)
-    assert ch07.check_ring_slot(slot_rotated, seed=5)
-    assert ch07.check_ring_slot(slot_for, model)
+    assert ch08.check_ring_slot(slot_for)
+    assert ch08.check_ring_slot(slot_rotated, seed=5)
+    assert ch08.check_ring_slot(slot_for, model)
 
 
 @pytest.mark.parametrize(
@@ -132,11 +132,11 @@ def test_ring_accepts_right_answers(model):
 )
 def test_ring_rejects_wrong_answers_with_their_hint(wrong, hint):
     with pytest.raises(ExerciseError, match=hint):
-        ch07.check_ring_slot(wrong)
+        ch08.check_ring_slot(wrong)
 
 
 def test_ring_refuses_the_package_own():
     with pytest.raises(ExerciseError, match="ring_slot"):
-        ch07.check_ring_slot(ring_slot)
+        ch08.check_ring_slot(ring_slot)
     with pytest.raises(ExerciseError, match="ring_slot"):
-        ch07.check_ring_slot(lambda p, s, w: ring_slot(p, s, w))
+        ch08.check_ring_slot(lambda p, s, w: ring_slot(p, s, w))
