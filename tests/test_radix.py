@@ -119,3 +119,11 @@ def test_bad_input():
         cache.insert("abc")
     with pytest.raises(TypeError, match="token_ids"):
         cache.match_prefix([1, 2.0])
+
+
+def test_format_shows_each_edge_by_depth_with_its_locks():
+    cache = RadixCache()
+    cache.insert([1, 2, 3])
+    cache.insert([1, 2, 4])
+    cache.lock(cache.match_prefix([1, 2, 3])[1])
+    assert cache.format() == "(1, 2)  (2 tokens, locked by 1)\n    (3,)  (1 tokens, locked by 1)\n    (4,)  (1 tokens)"

@@ -25,7 +25,7 @@ is what lets it reuse a prefix to the token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..checks import check_int
@@ -158,6 +158,19 @@ class RadixCache:
         self.num_tokens -= freed
         self.num_evicted_tokens += freed
         return freed
+
+    def format(self, decode: Callable[[tuple[int, ...]], str] = str) -> str:
+        """The tree, one edge per line, indented by depth: ``decode(key)``, its token count and lock count."""
+        lines = []
+
+        def walk(node: RadixNode, depth: int) -> None:
+            for child in sorted(node.children.values(), key=lambda c: c.key):
+                lock = f", locked by {child.lock_ref}" if child.lock_ref else ""
+                lines.append(f"{'    ' * depth}{decode(child.key)}  ({len(child.key)} tokens{lock})")
+                walk(child, depth + 1)
+
+        walk(self.root, 0)
+        return "\n".join(lines)
 
     # ---- internals ------------------------------------------------------------------------------
     def _split(self, child: RadixNode, n: int) -> RadixNode:
