@@ -162,3 +162,143 @@ def lru_with(hit="remove", free="tail", take="head"):
 def test_lru_takes_rejects_wrong_answers(wrong, hint):
     with pytest.raises(ExerciseError, match=hint):
         ch07.check_lru_takes(wrong)
+
+
+# ---- the lookup the engine admits with -----------------------------------------------------------
+def test_lookup_reference_equals_the_block_managers_own_lookup():
+    """On caches filled by the real pool (salts, evictions), the reference finds find_cached_blocks(tokens[:-1]).
+
+    (Two sequences that computed the same prefix side by side both stay cached; there the pool's own lookup, which
+    checks each hit's parent entry, can stop where a lookup by hash alone goes on, on blocks of equal contents.)"""
+    rng = random.Random(6)
+    for _ in range(60):
+        bs = rng.choice([1, 2, 4])
+        bm = PrefixCachingBlockManager(rng.randint(4, 12), bs)
+        base = [rng.randrange(5) for _ in range(rng.randint(1, 12))]
+        for i in range(rng.randint(1, 5)):
+            tokens = base[: rng.randint(1, len(base))] + [rng.randrange(5) for _ in range(rng.randint(0, 4))]
+            salt = rng.choice([None, "alice"])
+            hits = bm.find_cached_blocks(tokens[:-1], salt)  # admitted as the engine does: on its hits
+            if bm.blocks_to_allocate(len(tokens), hits) <= bm.num_free_blocks:
+                bm.allocate(i, len(tokens), hits)
+                bm.cache_full_blocks(i, tokens, len(tokens), salt)
+                bm.free(i)
+        query, salt = base[: rng.randint(1, len(base))], rng.choice([None, "alice"])
+        want = bm.find_cached_blocks(query[:-1], salt)
+        assert ch07._find_longest_cache_hit(query, bs, salt, bm._full_block_hash, bm.get_cached_block) == want
+
+
+def right_lookup(token_ids, block_size, cache_salt, hash_fn, get_cached_block):
+    """Written independently of the reference: slices first, then walks."""
+    blocks = [tuple(token_ids[i : i + block_size]) for i in range(0, len(token_ids) - 1, block_size)]
+    blocks = [b for b in blocks if len(b) == block_size and blocks.index(b) * block_size + block_size < len(token_ids)]
+    found, parent = [], None
+    for i, tokens in enumerate(blocks):
+        parent = hash_fn(parent, tokens, () if i or cache_salt is None else (cache_salt,))
+        hit = get_cached_block(parent)
+        if hit is None:
+            break
+        found.append(hit)
+    return found
+
+
+@pytest.mark.parametrize("seed", [0, 1, 7])
+def test_right_lookup_passes(seed):
+    assert ch07.check_prefix_lookup(right_lookup, seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_right_lookup_passes_in_the_engine_and_the_reference_gives_the_solo_tokens(model, seed):
+    import kvcourse
+
+    assert ch07.check_prefix_lookup(right_lookup, model, seed=seed)
+    rounds = ch07._engine_rounds(seed)
+    outs, hits = ch07._serve(model, rounds, None)
+    prompts = [p for ps, _ in rounds for p in ps]
+    assert outs == [kvcourse.generate(model, p, max_new_tokens=3) for p in prompts]  # what the check relies on
+    assert [h for _, h in hits] == [0, 16, 16, 24, 0, 16, 0]  # the instruction's 4 blocks of 4; 6 of the exact one
+
+
+def test_handing_in_the_package_to_the_lookup_is_refused():
+    def uses_it(token_ids, block_size, cache_salt, hash_fn, get_cached_block):
+        return PrefixCachingBlockManager(4, block_size).find_cached_blocks(token_ids[:-1])
+
+    with pytest.raises(ExerciseError, match="PrefixCachingBlockManager"):
+        ch07.check_prefix_lookup(uses_it)
+
+
+def lookup_with(stop=1, chain=True, salt="first", at_miss="break", ceil=False):
+    """Wrong lookups, each with one typical mistake (``stop``: tokens left out at the end, 0 or a block)."""
+
+    def lookup(token_ids, block_size, cache_salt, hash_fn, get_cached_block):
+        end = len(token_ids) - (block_size if stop == "block" else stop)
+        n = -(-end // block_size) if ceil else end // block_size
+        found, parent = [], None
+        for i in range(max(n, 0)):
+            if salt == "first":
+                extra = (cache_salt,) if i == 0 and cache_salt is not None else ()
+            elif salt == "every":
+                extra = (cache_salt,) if cache_salt is not None else ()
+            elif salt == "none_key":
+                extra = (cache_salt,) if i == 0 else ()
+            else:
+                extra = ()
+            h = hash_fn(parent if chain else None, tuple(token_ids[i * block_size : min(end, (i + 1) * block_size)]),
+                        extra)  # fmt: skip
+            parent = h
+            block = get_cached_block(h)
+            if block is None:
+                if at_miss == "break":
+                    break
+                continue
+            found.append(block)
+        return found
+
+    return lookup
+
+
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (lookup_with(stop=0), "Stop one token short: look up"),
+        (lookup_with(stop="block"), r"Stop one \*token\* short, not one block"),
+        (lookup_with(chain=False), "Chain the hashes"),
+        (lookup_with(salt="forgotten"), r"Put cache_salt in the first block's extra keys"),
+        (lookup_with(salt="every"), "first block's extra keys only"),
+        (lookup_with(salt="none_key"), r"not \(None,\)"),
+        (lookup_with(at_miss="continue"), "Stop at the first miss"),
+        (lookup_with(ceil=True), "Only full blocks are cached"),
+        (lambda t, bs, s, h, g: [g(h(None, tuple(t[:bs]), ()))], "For each full block"),
+        (lambda t, bs, s, h, g: None, "should return a list"),
+    ],
+)
+def test_lookup_rejects_wrong_answers(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch07.check_prefix_lookup(wrong)
+
+
+def test_a_lookup_right_on_the_cases_but_wrong_in_the_engine_fails_on_its_outputs(model):
+    """After the 45 small cases, it swaps the last hit for the block another prompt cached at the same place: the
+    same number of hits, other K/V. (Reordering the right blocks would not do: each key carries its position in its
+    rotation, and every cached token is visible to the new ones, so attention does not see the order.)"""
+    calls = []
+
+    def swaps(token_ids, block_size, cache_salt, hash_fn, get_cached_block):
+        calls.append(list(token_ids))
+        found = right_lookup(token_ids, block_size, cache_salt, hash_fn, get_cached_block)
+        n = len(found) * block_size
+        if len(calls) <= 45 or not found:
+            return found
+        for other in calls[45:]:
+            if other[:n] != token_ids[:n] and len(other) > n:
+                parent = None
+                for i in range(len(found)):
+                    extra = (cache_salt,) if i == 0 and cache_salt is not None else ()
+                    parent = hash_fn(parent, tuple(other[i * block_size : (i + 1) * block_size]), extra)
+                block = get_cached_block(parent)
+                if block is not None and block not in found:
+                    return found[:-1] + [block]
+        return found
+
+    with pytest.raises(ExerciseError, match="prompt .*'s tokens"):
+        ch07.check_prefix_lookup(swaps, model)

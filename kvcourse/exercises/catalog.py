@@ -100,6 +100,7 @@ _SPECS = [
     # chapter 7
     ExerciseSpec("ch07-ex-hash-chain", "ch07.check_block_hashes", ("block_hashes",)),
     ExerciseSpec("ch07-ex-lru", "ch07.check_lru_takes", ("lru_takes",)),
+    ExerciseSpec("ch07-ex-lookup", "ch07.check_prefix_lookup", ("find_longest_cache_hit", MODEL)),
     ExerciseSpec("ch07-ex-replay", "ch07.check_replay", ("replay",)),
     # chapter 8
     ExerciseSpec("ch08-ex-quantizer", "ch08.check_quantizer", ("quantize_dequantize",)),

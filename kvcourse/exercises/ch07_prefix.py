@@ -1,7 +1,10 @@
-"""Checks for chapter 7's prefix-caching exercises: the learner writes a block hash chain and an LRU eviction.
+"""Checks for chapter 7's prefix-caching exercises: the learner writes a block hash chain, an LRU eviction,
+and the lookup the engine admits requests with.
 
 1. :func:`check_block_hashes` -- the chained hashes of a sequence's full blocks, with a tenant's salt.
 2. :func:`check_lru_takes` -- which blocks a free block queue hands out, least recently used first.
+3. :func:`check_prefix_lookup` -- the longest cached prefix of a prompt, block by block, one token short;
+   with the model, the real :class:`~kvcourse.serving.Engine` then admits requests with it.
 
 Each check runs the learner's function on hidden cases seeded from the check's ``seed`` argument and
 compares it with a private reference that ``tests/test_exercises_ch07_prefix.py`` tests against
@@ -22,12 +25,13 @@ from ._core import (
     describe,
     Diagnosis,
     ExerciseError,
+    fail,
     passed,
     refuse_references,
     wrap_checks,
 )
 
-__all__ = ["check_block_hashes", "check_lru_takes"]
+__all__ = ["check_block_hashes", "check_lru_takes", "check_prefix_lookup"]
 
 
 def _same(a, b) -> bool:
@@ -222,6 +226,232 @@ def check_lru_takes(lru_takes: Callable, seed: int = 0) -> CheckResult:
             diagnosis.record(label, (n, ops), got, want)
     diagnosis.raise_if_wrong()
     return passed("cached blocks leave in the order they were last freed; a block in use is never evicted.")
+
+
+
+# --- Exercise 3: the lookup the engine admits with -----------------------------------------------
+def _find_longest_cache_hit(token_ids, block_size, cache_salt, hash_fn, get_cached_block, *, short="token",
+                            chain=True, salt="first", at_miss="break", partial=False) -> list:
+    """The reference (defaults), and the typical mistakes (one keyword changed).
+
+    ``short``: how far short of the end the walk stops ("token": the reference, "none", "block": a whole block);
+    ``salt``: where the salt goes ("first", "none": forgotten, "every": every block, "nonekey": (None,) unsalted);
+    ``at_miss``: "break" (the reference) or "continue"; ``partial``: a partly filled last block is looked up too.
+    """
+    n = len(token_ids)
+    usable = {"token": n - 1, "none": n, "block": n - block_size}[short]
+    num_blocks = -(-usable // block_size) if partial else usable // block_size
+    hits, parent = [], None
+    for i in range(max(num_blocks, 0)):
+        tokens = tuple(token_ids[i * block_size : min((i + 1) * block_size, usable)])
+        first = i == 0 or salt == "every"
+        if salt == "none" or not first:
+            extra = ()
+        elif cache_salt is None:
+            extra = (None,) if salt == "nonekey" else ()
+        else:
+            extra = (cache_salt,)
+        block_hash = hash_fn(parent if chain else None, tokens, extra)
+        parent = block_hash
+        block = get_cached_block(block_hash)
+        if block is None:
+            if at_miss == "break":
+                break
+            continue
+        hits.append(block)
+    return hits
+
+
+class _PartialBlock(Exception):
+    """The learner hashed a partly filled block (the check's hash function refuses it)."""
+
+
+def _strict_hash(block_size: int):
+    """The check's hash function: readable (see :func:`_readable_hash`), and only for full blocks."""
+    def hash_fn(parent, token_ids, extra_keys=()):
+        if len(token_ids) != block_size:
+            raise _PartialBlock(len(token_ids))
+        return _readable_hash(parent, token_ids, extra_keys)
+    return hash_fn
+
+
+_LOOKUP_MISTAKES = [
+    ("Stop one token short: look up the full blocks of token_ids[:-1]. When the prompt is an exact number of cached "
+     "blocks, the last token must still be computed, because its logits give the first output token.",
+     lambda *case: _lookup_case(case, short="none")),
+    ("Stop one *token* short, not one block: when the last block is partly filled, every full block can be a hit "
+     "((len(token_ids) - 1) // block_size of them).", lambda *case: _lookup_case(case, short="block")),
+    ("Put cache_salt in the first block's extra keys, (cache_salt,): the blocks were cached under the salted chain, "
+     "and without it a tenant would read another tenant's blocks.", lambda *case: _lookup_case(case, salt="none")),
+    ("The salt goes into the first block's extra keys only: later blocks inherit it through the chain, and were "
+     "cached with extra keys ().", lambda *case: _lookup_case(case, salt="every")),
+    ("Chain the hashes: block i is looked up by hash_fn(hash of block i-1, its tokens, extra keys), the hash the "
+     "cache stored it under. A block's own tokens alone do not say what came before them.",
+     lambda *case: _lookup_case(case, chain=False)),
+    ("Without a salt the extra keys are (), not (None,).", lambda *case: _lookup_case(case, salt="nonekey")),
+    ("Stop at the first miss: a block after a missing one cannot be used (its K/V assume the missing block's), and "
+     "the hits must be the prompt's first blocks, in order.", lambda *case: _lookup_case(case, at_miss="continue")),
+]
+_PARTIAL_HINT = ("Only full blocks are cached, so only full blocks have a hash: walk (len(token_ids) - 1) // "
+                 "block_size blocks, never a partly filled last one.")
+
+
+def _lookup_case(case, **mistake) -> list:
+    tokens, bs, salt, cache = case
+    return _find_longest_cache_hit(tokens, bs, salt, _readable_hash, cache.get, **mistake)
+
+
+def _lookup_cases(rng) -> list[tuple[list[int], int, str | None, dict]]:
+    """(token_ids, block_size, cache_salt, cache: block hash -> block id). Each cache holds the blocks of a few
+    earlier sequences (tenants' salts included), sometimes with one block evicted from the middle of a chain."""
+    cases = []
+    for _ in range(40):
+        bs = rng.choice([2, 4, 4, 16])
+        stored_salt = rng.choice([None, None, "alice", "bob"])
+        base = [rng.randrange(1, 50_000) for _ in range(rng.randint(1, 6) * bs + rng.choice([0, 0, 1, bs - 1]))]
+        cache: dict = {}
+        for salt in {stored_salt, rng.choice([None, "alice"])}:
+            for h in _block_hashes(base, bs, salt, _readable_hash):
+                cache[h] = len(cache)
+        if rng.random() < 0.3 and len(base) // bs >= 3:  # evict a block in the middle of the stored chain
+            chain = _block_hashes(base, bs, stored_salt, _readable_hash)
+            del cache[chain[rng.randrange(1, len(chain) - 1)]]
+        kind = rng.choice(["same", "exact", "longer", "diverge", "diverge"])
+        if kind == "same":
+            tokens = list(base)
+        elif kind == "exact":  # an exact number of blocks, all of them cached
+            tokens = base[: max(len(base) // bs, 1) * bs]
+        elif kind == "longer":
+            tokens = base + [rng.randrange(1, 50_000) for _ in range(rng.randint(1, 2 * bs))]
+        else:  # the same first tokens, then different ones
+            cut = rng.randrange(0, len(base) + 1)
+            tokens = base[:cut] + [rng.randrange(1, 50_000) for _ in range(rng.randint(1, 2 * bs))]
+        salt = stored_salt if rng.random() < 0.7 else rng.choice([None, "alice", "bob"])
+        cases.append((tokens, bs, salt, cache))
+    return cases
+
+
+def _fixed_lookup_cases() -> list[tuple[list[int], int, str | None, dict]]:
+    """The cases every run starts with: each one tells a typical mistake apart."""
+    h = _readable_hash
+    ab = [h(None, (1, 2), ()), None]
+    ab[1] = h(ab[0], (3, 4), ())
+    salted = h(None, (1, 2), ("t",))
+    return [
+        ([1, 2, 3, 4], 2, None, {ab[0]: 7, ab[1]: 9}),  # exact: stop one token short, 1 block
+        ([1, 2, 3, 4, 5], 2, None, {ab[0]: 7, ab[1]: 9}),  # both blocks
+        ([1, 2, 3, 4, 5], 2, "t", {salted: 3, h(salted, (3, 4), ()): 5}),  # a tenant's chain
+        ([1, 2, 3, 4, 5], 2, "t", {ab[0]: 7, ab[1]: 9}),  # another tenant's blocks: nothing
+        ([1, 2, 3, 4, 5, 6, 7], 2, None, {ab[0]: 7, h(ab[1], (5, 6), ()): 2}),  # block 1 evicted: 1 hit
+    ]
+
+
+def check_prefix_lookup(find_longest_cache_hit: Callable, model=None, seed: int = 0) -> CheckResult:
+    """``find_longest_cache_hit(token_ids, block_size, cache_salt, hash_fn, get_cached_block)`` -> the ids of the
+    cached blocks a sequence of ``token_ids`` can start on, in order.
+
+    ``hash_fn(parent_hash, block_token_ids, extra_keys)`` hashes one full block; ``get_cached_block(block_hash)``
+    returns the block cached under that hash, or ``None``. With ``model``, the check also serves prompts that
+    share prefixes (some an exact number of blocks, some with tenants' salts) through the real
+    :class:`~kvcourse.serving.Engine`, which admits every request with your lookup.
+    """
+    refuse_references(find_longest_cache_hit, {"PrefixCachingBlockManager": PrefixCachingBlockManager,
+                                               "hash_block_tokens": hash_block_tokens},
+                      "walk the blocks yourself.")  # fmt: skip
+    diagnosis = Diagnosis(_LOOKUP_MISTAKES, same=_same, default=(
+        "For each full block of token_ids[:-1]: chain its hash from the previous one (salt in the first block's extra "
+        "keys), ask get_cached_block, and stop at the first None."))  # fmt: skip
+    rng = case_rng("check_prefix_lookup", seed)
+    for tokens, bs, salt, cache in _fixed_lookup_cases() + _lookup_cases(rng):
+        label = (f"find_longest_cache_hit({describe(tokens, limit=6)}, block_size={bs}, cache_salt={salt!r}) "
+                 f"with {len(cache)} blocks cached")  # fmt: skip
+        try:
+            got = call_learner("find_longest_cache_hit", find_longest_cache_hit, list(tokens), bs, salt,
+                               _strict_hash(bs), dict(cache).get)  # fmt: skip
+        except ExerciseError as exc:
+            if isinstance(exc.__cause__, _PartialBlock):
+                fail(label, expected="hashes of full blocks only",
+                     got=f"hash_fn called with a block of {exc.__cause__.args[0]} tokens", hint=_PARTIAL_HINT)
+            raise
+        if not isinstance(got, list):
+            raise ExerciseError(f"{label} should return a list of block ids, got {describe(got)}", case=label)
+        want = _lookup_case((tokens, bs, salt, cache))
+        if got != want:
+            diagnosis.record(label, (tokens, bs, salt, cache), got, want)
+    diagnosis.raise_if_wrong()
+    if model is not None:
+        _lookup_in_the_engine(find_longest_cache_hit, model, seed)
+        return passed("the engine admitted every request on the blocks your lookup found: the same hits as kvcourse's "
+                      "own lookup, and the same tokens as each prompt run alone.")  # fmt: skip
+    return passed("the longest run of cached full blocks, chained and salted, stopping at the first miss and one "
+                  "token short of the end.")  # fmt: skip
+
+
+# Token ids (SmolLM2's tokenizer) of a library help desk's instruction and four questions: natural text, so no two
+# logits of the next token are nearly tied, and a run with reused K/V gives the tokens of a run alone.
+_SYSTEM_IDS = [2683, 359, 260, 724, 10917, 282, 253, 1360, 4971, 30, 19842, 281, 582, 1890, 6330, 30]
+_QUESTION_IDS = [
+    [15232, 42, 1550, 1072, 260, 4971, 1440, 335, 14986, 47, 19842, 42],
+    [15232, 42, 1978, 339, 5357, 253, 1863, 2329, 47, 19842, 42],
+    [15232, 42, 1073, 1083, 1072, 7510, 1708, 47, 19842, 42],
+    [15232, 42, 3315, 346, 457, 253, 8354, 3589, 327, 4836, 47, 19842, 42],
+]
+_ENGINE_BLOCK_SIZE = 4
+
+
+def _engine_rounds(seed: int) -> list[tuple[list[list[int]], str | None]]:
+    """Rounds of ``Engine.generate`` calls, each (prompts, cache_salt), sharing the instruction's 4 blocks of 4."""
+    rng = case_rng("check_prefix_lookup.engine", seed)
+    q = rng.sample(_QUESTION_IDS, 4)
+    prompt = [_SYSTEM_IDS + x for x in q]
+    exact = prompt[0][: len(prompt[0]) // _ENGINE_BLOCK_SIZE * _ENGINE_BLOCK_SIZE]  # an exact number of blocks
+    tenant = rng.choice(["alice", "bob"])
+    return [
+        ([prompt[0]], None),  # warms the cache
+        ([prompt[1], prompt[2]], None),  # the instruction's blocks hit
+        ([exact], None),  # every block cached: all but the last are hits
+        ([prompt[3]], tenant),  # a tenant: nothing of the unsalted cache
+        ([prompt[1]], tenant),  # the tenant's own instruction blocks
+        ([prompt[1]], "carol" if tenant == "bob" else "bob"),  # another tenant: nothing
+    ]
+
+
+def _serve(model, rounds, lookup) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Every round's outputs, and each admission's (tokens, hit tokens), on an engine admitting with ``lookup``."""
+    from ..serving import Engine  # the engine imports torch and the model code: only when the model is given
+
+    eng = Engine(model, num_blocks=64, block_size=_ENGINE_BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=64,
+                 enable_prefix_caching=True)  # fmt: skip
+    eng.block_manager.find_longest_cache_hit = lookup
+    outs = []
+    for prompts, salt in rounds:
+        outs += eng.generate(prompts, max_new_tokens=3, cache_salt=salt)
+    return outs, [(a.num_tokens, a.num_hit_tokens) for a in eng.block_manager.admissions]
+
+
+def _lookup_in_the_engine(find_longest_cache_hit: Callable, model, seed: int) -> None:
+    from ..generate import generate
+
+    rounds = _engine_rounds(seed)
+    want_outs, want_hits = _serve(model, rounds, None)  # kvcourse's own lookup
+    try:
+        got_outs, got_hits = _serve(model, rounds, find_longest_cache_hit)
+    except (ValueError, TypeError) as exc:
+        raise ExerciseError(f"the engine could not admit a request with your lookup: {exc}") from exc
+    prompts = [p for ps, _ in rounds for p in ps]
+    label = f"the engine serving {len(prompts)} prompts in {len(rounds)} rounds with your lookup"
+    if got_hits != want_hits:
+        fail(label + ": (prompt tokens, tokens found in the cache) of each admission", expected=want_hits,
+             got=got_hits, hint="Your lookup passed the small cases but finds other blocks in the engine: does it keep "
+             "state between calls, or change token_ids?")  # fmt: skip
+    for i, (p, got, want) in enumerate(zip(prompts, got_outs, want_outs)):
+        # kvcourse's lookup gives each prompt's solo tokens (tests/test_exercises_ch07_prefix.py); a run alone is
+        # made only for a difference, which a near-tie of two logits could explain.
+        solo = want if got == want else generate(model, p, max_new_tokens=3)
+        if got != solo:
+            fail(f"{label}: prompt {i}'s tokens", expected=f"{solo} (the prompt run alone)", got=got,
+                 hint="The engine computed on the blocks you returned: they must be the prompt's own first blocks, "
+                      "in order.")  # fmt: skip
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -23,13 +23,18 @@ With a host pool (``num_host_blocks``), an evicted block is not lost: its K/V go
 **cold tier** (:mod:`kvcourse.paged.offload`), and a lookup that misses on the device goes on
 there. A cold hit comes back as an :class:`~kvcourse.paged.offload.OffloadedBlock`; :meth:`allocate`
 gives it a device block and records the copy, which costs a memory transfer instead of a prefill.
+
+The lookup itself can be swapped (``find_longest_cache_hit``, chapter 7's exercise): a function of the
+sequence's tokens that walks their full blocks hash by hash, asks :meth:`~PrefixCachingBlockManager.get_cached_block`
+for each, and stops at the first miss, one token short of the end. The engine then admits every
+sequence on the blocks it returns, trusting them as vLLM trusts its hashes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from .block_hash import BlockHash, CachedBlock, HashFn, extra_keys_of, hash_block_tokens
 from .block_manager import BlockManager
@@ -39,7 +44,22 @@ from .pool import Admission, num_tokens_to_admit
 if TYPE_CHECKING:
     from ..sequence import Sequence as SequenceState
 
-__all__ = ["CachedBlock", "FreeBlockQueue", "PrefixCachingBlockManager", "hash_block_tokens"]
+__all__ = ["CachedBlock", "FreeBlockQueue", "LookupFn", "PrefixAdmission", "PrefixCachingBlockManager",
+           "hash_block_tokens"]
+
+# find_longest_cache_hit(token_ids, block_size, cache_salt, hash_fn, get_cached_block) -> block ids, in order:
+# the blocks that hold the sequence's longest cached prefix (vLLM's KVCacheManager.find_longest_cache_hit).
+LookupFn = Callable[[list[int], int, "str | None", HashFn, Callable[[BlockHash], "int | None"]], list[int]]
+
+
+class PrefixAdmission(NamedTuple):
+    """One admission's lookup, logged: sequence ``seq_id`` of ``num_tokens`` tokens (``num_prompt_tokens`` of
+    them its prompt: more means it is coming back after a preemption) started on ``num_hit_tokens`` cached."""
+
+    seq_id: Hashable
+    num_tokens: int
+    num_prompt_tokens: int
+    num_hit_tokens: int
 
 class FreeBlockQueue:
     """Free block ids, the next one to hand out first (vLLM's ``FreeKVCacheBlockQueue``).
@@ -83,6 +103,8 @@ class PrefixCachingBlockManager(BlockManager):
             (:func:`hash_block_tokens`); tests give a colliding one.
         num_host_blocks: host blocks for swapped sequences and for the cold tier of evicted cached
             blocks (0: evicted blocks are dropped).
+        find_longest_cache_hit: the lookup admission uses (a :data:`LookupFn`); ``None``, the default:
+            :meth:`find_cached_blocks`. Also settable later (``engine.block_manager.find_longest_cache_hit = fn``).
 
     The scheduler admits a sequence with :meth:`admit` (:meth:`find_cached_blocks`, then :meth:`allocate`
     with the hits), and after every forward calls :meth:`cache_full_blocks` for the blocks that filled up.
@@ -92,12 +114,21 @@ class PrefixCachingBlockManager(BlockManager):
     enable_prefix_caching = True
 
     def __init__(
-        self, num_blocks: int, block_size: int, hash_fn: HashFn = hash_block_tokens, num_host_blocks: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        hash_fn: HashFn = hash_block_tokens,
+        num_host_blocks: int = 0,
+        find_longest_cache_hit: LookupFn | None = None,
     ) -> None:
         super().__init__(num_blocks, block_size, num_host_blocks)
         if not callable(hash_fn):
             raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
+        if find_longest_cache_hit is not None and not callable(find_longest_cache_hit):
+            raise TypeError(f"find_longest_cache_hit must be callable or None, got {type(find_longest_cache_hit).__name__}")
         self.hash_fn = hash_fn
+        self.find_longest_cache_hit = find_longest_cache_hit
+        self.admissions: list[PrefixAdmission] = []  # every admission's lookup, in order
         self._free = FreeBlockQueue(range(num_blocks))  # type: ignore[assignment]  (same calls as the deque)
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, CachedBlock]] = {}
         self._cached: dict[int, CachedBlock] = {}  # block id -> what it holds
@@ -150,6 +181,25 @@ class PrefixCachingBlockManager(BlockManager):
             parent = self.host.cold_entry(cold)
         return hits
 
+    def get_cached_block(self, block_hash: BlockHash) -> int | None:
+        """A device block cached under ``block_hash``, or ``None`` (vLLM's ``BlockPool.get_cached_block``).
+
+        The hash alone decides, as in vLLM: what the block holds is not compared (:meth:`find_cached_blocks`
+        compares it). The host tier is not searched.
+        """
+        candidates = self.cached_block_hash_to_block.get(block_hash)
+        return next(iter(candidates)) if candidates else None
+
+    def lookup(self, seq: SequenceState, cache_salt: str | None = None) -> list[int | OffloadedBlock]:
+        """The cached blocks ``seq`` is admitted on: :meth:`find_cached_blocks` of all its tokens but the
+        last (its logits give the next token), or what ``find_longest_cache_hit`` returns, checked."""
+        if self.find_longest_cache_hit is None:
+            return self.find_cached_blocks(seq.token_ids[:-1], cache_salt, seq.block_hashes)
+        hits = self.find_longest_cache_hit(
+            list(seq.token_ids), self.block_size, cache_salt, self._full_block_hash, self.get_cached_block
+        )
+        return self._check_hits(hits, seq.num_tokens)
+
     def blocks_to_allocate(self, num_tokens: int, cached_blocks: Sequence[int | OffloadedBlock] = ()) -> int:
         """Free blocks ``allocate(seq_id, num_tokens, cached_blocks)`` would take: the new ones, plus
         each hit that is itself sitting in the free queue or in the host tier."""
@@ -169,14 +219,16 @@ class PrefixCachingBlockManager(BlockManager):
         """Allocate ``seq``'s first slots if they fit, its cached prefix shared, leaving ``keep_free``
         blocks free (see :meth:`KVPool.admit <kvcourse.paged.pool.KVPool.admit>`).
 
-        The lookup stops one token short: the last token is always fed, its logits give the next token.
+        The lookup (:meth:`lookup`) stops one token short: the last token is always fed, its logits give
+        the next token. Each admission is logged in :attr:`admissions`.
         """
-        hits = self.find_cached_blocks(seq.token_ids[:-1], cache_salt, seq.block_hashes)
+        hits = self.lookup(seq, cache_salt)
         num_cached = len(hits) * self.block_size
         n = num_tokens_to_admit(seq.num_tokens - num_cached, max_num_new_tokens, chunked)
         if n is None or self.blocks_to_allocate(num_cached + n, hits) > len(self._free) - keep_free:
             return None
         self.allocate(seq.seq_id, num_cached + n, hits)
+        self.admissions.append(PrefixAdmission(seq.seq_id, seq.num_tokens, seq.num_prompt_tokens, num_cached))
         return Admission(num_cached, n)
 
     def allocate(
@@ -300,6 +352,30 @@ class PrefixCachingBlockManager(BlockManager):
         return len(idle) + self.host.clear_cold()
 
     # ---- internals ----------------------------------------------------------
+    def _full_block_hash(self, parent_block_hash: BlockHash | None, token_ids: Sequence[int], extra_keys=()) -> BlockHash:
+        """``hash_fn`` as a custom lookup gets it: only a full block has a hash (a partial one is never cached)."""
+        if len(token_ids) != self.block_size:
+            raise ValueError(f"token_ids: a block hash is for a full block of {self.block_size} tokens, got "
+                             f"{len(token_ids)} (a partly filled block is never cached)")  # fmt: skip
+        return self.hash_fn(parent_block_hash, tuple(token_ids), tuple(extra_keys))
+
+    def _check_hits(self, hits: object, num_tokens: int) -> list[int]:
+        """A custom lookup's answer, checked for what would break the engine (not for being the right blocks)."""
+        name = "find_longest_cache_hit"
+        if not isinstance(hits, (list, tuple)):
+            raise TypeError(f"{name} must return a list of block ids, got {type(hits).__name__}")
+        for b in hits:
+            if isinstance(b, bool) or not isinstance(b, int) or b not in self._cached:
+                raise ValueError(f"{name} returned {b!r}, which is not a cached block (get_cached_block's answers are)")
+        if len(set(hits)) != len(hits):
+            raise ValueError(f"{name} returned a block twice: {list(hits)}")
+        if len(hits) * self.block_size >= num_tokens:
+            raise ValueError(
+                f"{name} returned {len(hits)} blocks ({len(hits) * self.block_size} tokens) for a sequence of "
+                f"{num_tokens} tokens: stop one token short, the last token must be computed for its logits"
+            )
+        return list(hits)
+
     def _take(self) -> int:
         block = self._free.popleft()
         if block in self._cached:  # the least recently used reusable block: evict it
