@@ -8,6 +8,8 @@
   identifies a full block's contents, its whole prefix included.
 * :mod:`.prefix_cache` -- :class:`PrefixCachingBlockManager` (chapter 7): full blocks found again by
   chained block hashes, verified, shared; idle ones evicted least recently used first.
+* :mod:`.radix` -- :class:`RadixCache` (chapter 7): SGLang's token-level radix tree, the other way to
+  find a cached prefix, with LRU eviction at the leaves; :func:`longest_prefix_first` orders a queue by it.
 * :mod:`.offload` -- :class:`HostBlockPool` (chapter 7): host-memory blocks for swapped sequences
   and a cold tier of evicted cached blocks; :func:`apply_transfers` copies the blocks.
 * :mod:`.kv_store` -- :class:`PagedKVStore`, the block pool: one ``[num_blocks, block_size, H_kv, D]``
@@ -27,6 +29,7 @@ from .offload import BlockTransfer, HostBlockPool, OffloadedBlock, apply_transfe
 from .block_hash import CachedBlock, hash_block_tokens
 from .pool import Admission, KVPool, PagedKVPool, PrefixCachingPool
 from .prefix_cache import FreeBlockQueue, PrefixCachingBlockManager
+from .radix import RadixCache, longest_prefix_first
 
 __all__ = [
     "Admission",
@@ -44,8 +47,10 @@ __all__ = [
     "PagedKVStore",
     "PrefixCachingBlockManager",
     "PrefixCachingPool",
+    "RadixCache",
     "allocate_slots",
     "apply_transfers",
     "hash_block_tokens",
+    "longest_prefix_first",
     "slot_mapping",
 ]
