@@ -8,7 +8,10 @@ import random
 import numpy as np
 import torch
 
-__all__ = ["approx", "check_config", "seed_everything", "default_device", "glue", "in_colab", "show_source"]
+__all__ = [
+    "approx", "check_config", "seed_everything", "default_device", "describe_device", "glue", "in_colab", "show_source",
+    "synchronize",
+]  # fmt: skip
 
 
 def seed_everything(seed: int = 0) -> None:
@@ -22,6 +25,24 @@ def seed_everything(seed: int = 0) -> None:
 def default_device() -> torch.device:
     """CUDA when a GPU is present (Colab), else CPU (a laptop, CI)."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on ``device``: a GPU runs kernels asynchronously, so a timer read right
+    after a call measures only the launch. Nothing to wait for on a CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe_device(device: torch.device | str) -> str:
+    """What a timing ran on, to print beside it: the GPU's name, or the CPU and its torch threads."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"
 
 
 def in_colab() -> bool:
