@@ -86,5 +86,5 @@ def test_a_tampered_result_is_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"rows\[0\] .*gbps .* is not bytes / ms"):
         results.check("kernels-nvidia-h200-2026-11-26.json")
     monkeypatch.setattr(results, "load", lambda name: {"check": "gpu", "steps": [{"step": "x", "notebooks": [{}]}]})
-    with pytest.raises(ValueError, match="gpu-check-x.json: .*entries need"):
+    with pytest.raises(ValueError, match="gpu-check-x.json: .*needs 'notebook'"):
         results.check("gpu-check-x.json")

@@ -50,36 +50,48 @@ def newest(pattern: str) -> str | None:
 
 
 def gpu_check_notebook_runs(data: dict, name: str) -> list[dict]:
-    """Every notebook a gpu-check result timed: ``[{notebook, device, torch, date, seconds, passed}]``.
+    """Every notebook a gpu-check result ran: ``[{notebook, device, torch, date, seconds, passed, timed_out}]``.
 
-    ``python -m kvcourse.gpu_check`` writes a top-level ``steps`` list; a step that executed notebooks has
-    ``notebooks``, a list of ``{"notebook": "05_triton_kernels.ipynb", "passed": bool, "seconds": float}``,
-    and the file's ``provenance`` names the GPU, torch and the date. A step without per-notebook entries
-    times no chapter. Anything else raises ``ValueError`` naming the file (``name``).
+    ``python -m kvcourse.gpu_check`` writes a top-level ``steps`` list, and the file's ``provenance`` names
+    the GPU, torch and the date. A step that executed one chapter names it, ``"notebook":
+    "05_triton_kernels.ipynb"``, with ``passed``, ``seconds`` (the job's), ``notebook_seconds`` (the
+    notebook's own execution, preferred when present) and ``timed_out``; a step may instead list several,
+    ``"notebooks": [{"notebook": ..., "passed": bool, "seconds": float}]``. Steps without either (the
+    benchmark, the tests, a job the budget skipped) time no chapter. Anything malformed raises
+    ``ValueError`` naming the file (``name``).
     """
     steps = data.get("steps") if isinstance(data, dict) else None
     if not isinstance(steps, list):
         raise ValueError(f"{name}: a gpu-check result needs a top-level list 'steps'")
     runs = []
     for i, step in enumerate(steps):
-        notebooks = step.get("notebooks") if isinstance(step, dict) else None
-        if notebooks is None:
+        if not isinstance(step, dict):
+            raise ValueError(f"{name}: steps[{i}] must be a JSON object")
+        if isinstance(step.get("notebook"), str):  # one chapter per step
+            seconds = step.get("notebook_seconds", step.get("seconds"))
+            entries = [dict(notebook=step["notebook"], passed=step.get("passed"), seconds=seconds,
+                            timed_out=step.get("timed_out", False))]  # fmt: skip
+        elif "notebooks" in step:
+            if not isinstance(step["notebooks"], list):
+                raise ValueError(f"{name}: steps[{i}]['notebooks'] must be a list of {{notebook, passed, seconds}}")
+            entries = step["notebooks"]
+        else:
             continue
-        if not isinstance(notebooks, list):
-            raise ValueError(f"{name}: steps[{i}]['notebooks'] must be a list of {{notebook, passed, seconds}}")
-        for run in notebooks:
-            notebook = run.get("notebook") if isinstance(run, dict) else None
-            seconds, passed = (run.get("seconds"), run.get("passed")) if isinstance(run, dict) else (None, None)
+        for run in entries:
+            run = run if isinstance(run, dict) else {}
+            notebook, seconds, passed = run.get("notebook"), run.get("seconds"), run.get("passed")
+            timed_out = run.get("timed_out", False)
             if (not isinstance(notebook, str) or not notebook.endswith(".ipynb") or isinstance(seconds, bool)
-                    or not isinstance(seconds, (int, float)) or seconds < 0 or not isinstance(passed, bool)):  # fmt: skip
-                raise ValueError(f"{name}: steps[{i}]['notebooks'] entries need 'notebook' (a .ipynb name), "
+                    or not isinstance(seconds, (int, float)) or seconds < 0 or not isinstance(passed, bool)
+                    or not isinstance(timed_out, bool)):  # fmt: skip
+                raise ValueError(f"{name}: steps[{i}]: a notebook's run needs 'notebook' (a .ipynb name), "
                                  f"'passed' (true/false) and 'seconds' (>= 0), got {run!r}")  # fmt: skip
             prov = data.get("provenance")
             missing = [k for k in ("gpu", "torch", "date") if not isinstance(prov, dict) or not prov.get(k)]
             if missing:
                 raise ValueError(f"{name}: times {notebook} but its provenance lacks {missing}")
             runs.append(dict(notebook=notebook, device=prov["gpu"], torch=prov["torch"], date=str(prov["date"])[:10],
-                             seconds=float(seconds), passed=passed))  # fmt: skip
+                             seconds=float(seconds), passed=passed, timed_out=timed_out))  # fmt: skip
     return runs
 
 

@@ -88,7 +88,7 @@ def gpu_check_files(root: Path) -> list[Path]:
 def gpu_check_runs(root: Path, notebook: str) -> list[dict]:
     """The newest run of ``notebook`` on each GPU in the committed gpu-check JSONs, by device name.
 
-    Each is ``{device, torch, date, seconds, passed}``, read by :func:`kvcourse.results.gpu_check_notebook_runs`
+    Each is ``{device, torch, date, seconds, passed, timed_out}``, read by :func:`kvcourse.results.gpu_check_notebook_runs`
     (which refuses a malformed file, naming it).
     """
     newest: dict[str, dict] = {}
@@ -105,16 +105,20 @@ def gpu_check_runs(root: Path, notebook: str) -> list[dict]:
     return [newest[device] for device in sorted(newest)]
 
 
+def _gpu_run_text(run: dict) -> str:
+    where = f"{run['device']} (torch {run['torch']}, {run['date']})"
+    if run["passed"]:
+        return f"{format_duration(run['seconds'])} on {where}"
+    if run["timed_out"]:
+        return f"stopped by the time limit on {where} after {format_duration(run['seconds'])}"
+    return f"failed on {where} after {format_duration(run['seconds'])}"
+
+
 def gpu_time(cfg: BookConfig, chapter: Chapter) -> str:
     """What the header says after "on a GPU:": a gpu-check JSON's time, else chapters.yml's gpu_runs, else none."""
     runs = gpu_check_runs(cfg.root, chapter.path.name)
     if runs:
-        return "; ".join(
-            f"{format_duration(run['seconds'])} on {run['device']} (torch {run['torch']}, {run['date']})"
-            if run["passed"] else
-            f"failed on {run['device']} after {format_duration(run['seconds'])} (torch {run['torch']}, {run['date']})"
-            for run in runs
-        )  # fmt: skip
+        return "; ".join(_gpu_run_text(run) for run in runs)
     return "; ".join(
         f"{format_duration(60 * run['minutes'])} on {run['device']} (torch {run['torch']}, {run['date']})"
         for run in chapter.gpu_runs
