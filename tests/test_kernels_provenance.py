@@ -48,19 +48,15 @@ def test_measurement_plot_says_when_nothing_was_measured(monkeypatch, capsys):
     assert status in capsys.readouterr().out
 
 
-def test_measurement_plot_reads_committed_results(monkeypatch):
-    run = {"rows": [{"variant": "paged", "gbps": 900.0, "batch": 8, "tokens": 4096},
-                    {"variant": "paged", "gbps": 1500.0, "batch": 8, "tokens": 65536}],
-           "peak": {"name": "H100 SXM", "bandwidth": 3.35e12},
-           "provenance": {"gpu": "NVIDIA H100", "torch": "2.x", "triton": "3.x"},
-           "targets": [{"target": "paged at 80% of peak", "value": 0.45, "met": False},
-                       {"target": "int8 1.5x fp16", "value": None, "met": None}]}  # fmt: skip
-    monkeypatch.setattr(provenance.committed, "find", lambda pattern: ["kernels-h100-2026-01-01.json"])
-    monkeypatch.setattr(provenance.committed, "load", lambda name: run)
+def test_measurement_plot_reads_committed_results(capsys):
+    # The committed H200 run (kvcourse/results/kernels-nvidia-h200-2026-11-26.json) is the newest measurement.
     fig, status = provenance.plot_kernel_measurements()
-    assert status == ("Measured on NVIDIA H100 with python -m kvcourse.bench kernels (the files above): "
-                      "0 of 1 speed targets met.")  # fmt: skip
-    assert fig.axes[0].get_ylabel() == "effective bandwidth (GB/s)"
+    assert status == ("Measured on NVIDIA H200 with python -m kvcourse.bench kernels "
+                      "(kernels-nvidia-h200-2026-11-26.json): 2 of 5 speed targets met.")  # fmt: skip
+    assert fig.axes[0].get_ylabel() == "effective bandwidth (GB/s), log scale"
+    printed = capsys.readouterr().out
+    assert "driver 580.159.04, CUDA 13.0, torch 2.11.0+cu130, triton 3.6.0" in printed
+    assert "int8 >= 1.5x fp16 at context >= 16k (worst shape): 0.5 (not met)" in printed
 
 
 def test_measurement_plot_refuses_what_is_not_an_axes():

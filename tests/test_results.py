@@ -56,3 +56,35 @@ def test_no_chapter_reads_results_from_the_network_or_the_checkout():
                 continue
             code = "".join(cell["source"])
             assert not re.search(r"urlopen|requests\.get|/raw/|Path\([\"']\.\./benchmarks", code), (nb_path.name, code[:200])
+
+
+def test_every_committed_result_of_a_known_kind_is_valid():
+    kinds = {name: results.check(name) for name in results.find()}
+    assert kinds["kernels-nvidia-h200-2026-11-26.json"] == "kernels"
+    assert kinds["cpu-serving-2026-11-22.json"] == "other"
+
+
+def test_the_h200_kernel_run_is_committed_with_its_provenance():
+    # The course's first GPU run (python -m kvcourse.bench kernels), kept as the benchmark wrote it.
+    name = "kernels-nvidia-h200-2026-11-26.json"
+    assert results.newest("kernels-*.json") == name
+    data = results.load(name)
+    prov = data["provenance"]
+    assert (prov["gpu"], prov["torch"], prov["triton"], prov["python"]) == ("NVIDIA H200", "2.11.0+cu130", "3.6.0", "3.12.3")
+    assert prov["compute_capability"] == "9.0" and prov["sms"] == 132 and prov["date"].startswith("2026-11-26")
+    assert data["peak"]["bandwidth"] == 4.8e12 and round(data["copy_bandwidth"] / 1e9) == 4225
+    # Every shape of the benchmark, every variant it times, timed as compiled code (SDPA as torch).
+    shapes = {(r["batch"], r["context"]) for r in data["rows"]}
+    assert shapes == {(b, c) for b in (1, 8, 32, 64, 128) for c in (512, 2048, 8192, 32768)} | {(1, 65536)}
+    assert all("ms" in r for r in data["rows"]) and len(data["rows"]) == 5 * len(shapes)
+
+
+def test_a_tampered_result_is_refused(monkeypatch):
+    data = results.load("kernels-nvidia-h200-2026-11-26.json")
+    data["rows"][0]["gbps"] *= 2
+    monkeypatch.setattr(results, "load", lambda name: data)
+    with pytest.raises(ValueError, match=r"rows\[0\] .*gbps .* is not bytes / ms"):
+        results.check("kernels-nvidia-h200-2026-11-26.json")
+    monkeypatch.setattr(results, "load", lambda name: {"check": "gpu", "steps": [{"step": "x", "notebooks": [{}]}]})
+    with pytest.raises(ValueError, match="gpu-check-x.json: .*needs 'notebook'"):
+        results.check("gpu-check-x.json")

@@ -17,7 +17,9 @@ Chapter 5's Triton kernels, each beside the reference it must equal:
 * :mod:`.compile_check` -- the kernels compiled for a T4, an A100 and an H100 without a GPU: registers,
   spills, shared memory, tensor-core instructions or not.
 * :mod:`.provenance` -- where a page's kernel numbers came from: how every launch ran, and the committed
-  GPU measurements (or, where there are none, the floor that vendor peak bandwidth sets).
+  GPU measurements (or, where there are none, the floor that vendor peak bandwidth sets);
+* :mod:`.measured` -- the committed GPU runs of ``python -m kvcourse.bench kernels`` (the first: an
+  NVIDIA H200), read, checked and plotted against torch's SDPA, the vendor peak and a measured copy.
 
 The Triton names are loaded on first use, so ``import kvcourse`` works without Triton installed
 (chapters 1-4).

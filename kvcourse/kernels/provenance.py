@@ -5,10 +5,10 @@ Chapter 5 ends by saying what ran where, and that report is bookkeeping a reader
 * :func:`launch_report` prints :func:`~.triton_runtime.kernel_runs` as a table (compiled for a GPU, in
   Triton's CPU interpreter, or replaced by the torch reference) and returns one sentence that says so,
   naming every kernel that fell back. A fallback must never pass for the kernel.
-* :func:`plot_kernel_measurements` plots every committed ``kernels-*.json`` of ``python -m kvcourse.bench
-  kernels`` (effective bandwidth against cached tokens, with the GPU, driver, CUDA, torch and Triton versions
-  printed), or, where none exists, the floor that vendor peak bandwidth sets, labelled as such. It returns
-  one sentence on which speed figures are measured and which are not.
+* :func:`plot_kernel_measurements` plots the newest committed ``kernels-*.json`` of ``python -m kvcourse.bench
+  kernels`` (:func:`~.measured.plot_bandwidth`, with the GPU, driver, CUDA, torch and Triton versions and
+  the benchmark's targets printed), or, where none exists, the floor that vendor peak bandwidth sets,
+  labelled as such. It returns one sentence on which speed figures are measured and which are not.
 """
 
 from __future__ import annotations
@@ -58,44 +58,34 @@ def plot_kernel_measurements(ax=None) -> tuple[object, str]:
         raise TypeError(f"ax must be a matplotlib Axes or None, got {type(ax).__name__}")
     names = committed.find("kernels-*.json")
     if names:
-        runs = [committed.load(name) for name in names]
-        for name, run in zip(names, runs):
-            for variant, marker in (("paged", "o-"), ("paged-int8", "s-"), ("contiguous", "^--"), ("sdpa", "x:")):
-                rows = sorted((r for r in run["rows"] if r.get("variant") == variant and "gbps" in r and r["batch"] > 1),
-                              key=lambda r: r["tokens"])  # fmt: skip
-                if rows:
-                    ax.semilogx([r["tokens"] for r in rows], [r["gbps"] for r in rows], marker,
-                                label=f"{variant}, {run['provenance']['gpu']} (measured, batch > 1)")  # fmt: skip
-            if run.get("peak"):
-                peak = run["peak"]
-                ax.axhline(peak["bandwidth"] / 1e9, ls="--", color="grey", label=f"{peak['name']} vendor peak")
-            prov = run["provenance"]
-            print(f"{name}: {prov['gpu']}, driver {prov.get('driver')}, CUDA {prov.get('cuda')}, torch {prov['torch']}, "
-                  f"triton {prov['triton']}")  # fmt: skip
-            for t in run["targets"]:
-                value = "not measured" if t["value"] is None else round(t["value"], 2)
-                print(f"  {t['target']}: {value} ({'met' if t['met'] else 'not met' if t['met'] is False else '-'})")
-        ax.set_ylabel("effective bandwidth (GB/s)")
-        ax.set_title("Paged decode attention: measured effective bandwidth")
-        gpus = ", ".join(sorted({run["provenance"]["gpu"] for run in runs}))
-        met = [t for run in runs for t in run["targets"] if t["met"] is not None]
-        status = (f"Measured on {gpus} with python -m kvcourse.bench kernels (the files above): "
+        from .measured import load_kernel_bench, plot_bandwidth
+
+        bench = load_kernel_bench(names[-1])
+        plot_bandwidth(bench, ax=ax)
+        prov = bench.provenance
+        print(f"{bench.name}: {prov['gpu']}, driver {prov['driver']}, CUDA {prov['cuda']}, torch {prov['torch']}, "
+              f"triton {prov['triton']}")  # fmt: skip
+        for t in bench.targets:
+            value = "not measured" if t["value"] is None else round(t["value"], 2)
+            print(f"  {t['target']}: {value} ({'met' if t['met'] else 'not met' if t['met'] is False else '-'})")
+        met = [t for t in bench.targets if t["met"] is not None]
+        status = (f"Measured on {prov['gpu']} with python -m kvcourse.bench kernels ({bench.name}): "
                   f"{sum(t['met'] for t in met)} of {len(met)} speed targets met.")  # fmt: skip
-    else:
-        tokens = np.array([512, 2048, 8192, 32768, 65536, 131072, 524288, 1048576, 4194304])
-        for gpu in GPU_PEAKS.values():
-            best = [decode_attention_bytes([int(t)], 32, 8, 128, kv_bytes=2, q_bytes=2) / gpu.bandwidth * 1e6
-                    for t in tokens]  # fmt: skip
-            ax.loglog(tokens, best, label=f"{gpu.name}: bytes / vendor peak")
-        ax.set_ylabel("best possible time per layer (µs)")
-        ax.set_title("No GPU measurement yet: the floor set by vendor peak bandwidth")
-        here = ("No GPU was available where this page was computed" if interpreting()
-                else f"This page ran on {torch.cuda.get_device_name()}")  # fmt: skip
-        status = (f"{here}, and no GPU measurement of these kernels has been committed yet: the speed figures above "
-                  "are vendor peak figures, and the kernel tests (tests/test_kernels*.py) have run in Triton's "
-                  f"interpreter only. The speed targets of the chapter's issue ({_TARGETS}) stay unverified until "
-                  "python -m kvcourse.bench kernels runs on such a GPU.")  # fmt: skip
-        print(status)
+        return ax.figure, status
+    tokens = np.array([512, 2048, 8192, 32768, 65536, 131072, 524288, 1048576, 4194304])
+    for gpu in GPU_PEAKS.values():
+        best = [decode_attention_bytes([int(t)], 32, 8, 128, kv_bytes=2, q_bytes=2) / gpu.bandwidth * 1e6
+                for t in tokens]  # fmt: skip
+        ax.loglog(tokens, best, label=f"{gpu.name}: bytes / vendor peak")
+    ax.set_ylabel("best possible time per layer (µs)")
+    ax.set_title("No GPU measurement yet: the floor set by vendor peak bandwidth")
+    here = ("No GPU was available where this page was computed" if interpreting()
+            else f"This page ran on {torch.cuda.get_device_name()}")  # fmt: skip
+    status = (f"{here}, and no GPU measurement of these kernels has been committed yet: the speed figures above "
+              "are vendor peak figures, and the kernel tests (tests/test_kernels*.py) have run in Triton's "
+              f"interpreter only. The speed targets of the chapter's issue ({_TARGETS}) stay unverified until "
+              "python -m kvcourse.bench kernels runs on such a GPU.")  # fmt: skip
+    print(status)
     ax.set_xlabel("cached tokens read per step (batch x context), Llama-3-8B layer shape, fp16")
     ax.legend(fontsize=8)
     return ax.figure, status

@@ -17,7 +17,9 @@ range past the end of a short sequence is empty: it writes ``lse = -inf`` and we
 **int8 K/V.** With ``k_scale, v_scale [num_blocks, block_size, Hkv]`` (one fp32 scale per token and
 head, :mod:`.int8`) the kernel loads int8 values, converts them exactly to the query's dtype, and
 applies the scales where they cost least: ``q . (s_k k) = s_k (q . k)`` scales a score, and
-``sum_n p_n (s_v,n v_n) = sum_n (p_n s_v,n) v_n`` scales a probability. Half the bytes of fp16 are read.
+``sum_n p_n (s_v,n v_n) = sum_n (p_n s_v,n) v_n`` scales a probability. Half the bytes of fp16 are read,
+but half the bytes did not mean half the time: on an NVIDIA H200 this int8 path was slower than fp16 at every
+shape of 32 or more sequences and 64k or more tokens (:mod:`.measured`; chapter 5 gives the hypotheses for why).
 """
 
 from __future__ import annotations

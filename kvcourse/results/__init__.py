@@ -5,6 +5,11 @@ repository is a link to this folder. Because they are package data, every chapte
 with :mod:`importlib.resources`, in a clone, on a laptop and on Colab alike (pip installs them with
 the package), and a result committed later reaches learners with the next install: nothing is ever
 fetched over the network.
+
+:func:`check` validates a committed file of a kind the package reads: ``kernels-*.json`` (a GPU run of
+``python -m kvcourse.bench kernels``, chapter 5) with :func:`kvcourse.kernels.measured.check_kernel_bench`,
+``gpu-check-*.json`` with :func:`gpu_check_notebook_runs` (what the chapter headers quote as the time on a GPU).
+``tests/test_results.py`` runs it on every committed file.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import fnmatch
 import json
 from importlib import resources
 
-__all__ = ["find", "load", "newest"]
+__all__ = ["check", "find", "gpu_check_notebook_runs", "load", "newest"]
 
 
 def _folder():
@@ -41,3 +46,68 @@ def newest(pattern: str) -> str | None:
     """The last file name matching ``pattern`` (``cpu-serving-*.json``: the newest date), or None."""
     names = find(pattern)
     return names[-1] if names else None
+
+
+
+def gpu_check_notebook_runs(data: dict, name: str) -> list[dict]:
+    """Every notebook a gpu-check result ran: ``[{notebook, device, torch, date, seconds, passed, timed_out}]``.
+
+    ``python -m kvcourse.gpu_check`` writes a top-level ``steps`` list, and the file's ``provenance`` names
+    the GPU, torch and the date. A step that executed one chapter names it, ``"notebook":
+    "05_triton_kernels.ipynb"``, with ``passed``, ``seconds`` (the job's), ``notebook_seconds`` (the
+    notebook's own execution, preferred when present) and ``timed_out``; a step may instead list several,
+    ``"notebooks": [{"notebook": ..., "passed": bool, "seconds": float}]``. Steps without either (the
+    benchmark, the tests, a job the budget skipped) time no chapter. Anything malformed raises
+    ``ValueError`` naming the file (``name``).
+    """
+    steps = data.get("steps") if isinstance(data, dict) else None
+    if not isinstance(steps, list):
+        raise ValueError(f"{name}: a gpu-check result needs a top-level list 'steps'")
+    runs = []
+    for i, step in enumerate(steps):
+        if not isinstance(step, dict):
+            raise ValueError(f"{name}: steps[{i}] must be a JSON object")
+        if isinstance(step.get("notebook"), str):  # one chapter per step
+            seconds = step.get("notebook_seconds", step.get("seconds"))
+            entries = [dict(notebook=step["notebook"], passed=step.get("passed"), seconds=seconds,
+                            timed_out=step.get("timed_out", False))]  # fmt: skip
+        elif "notebooks" in step:
+            if not isinstance(step["notebooks"], list):
+                raise ValueError(f"{name}: steps[{i}]['notebooks'] must be a list of {{notebook, passed, seconds}}")
+            entries = step["notebooks"]
+        else:
+            continue
+        for run in entries:
+            run = run if isinstance(run, dict) else {}
+            notebook, seconds, passed = run.get("notebook"), run.get("seconds"), run.get("passed")
+            timed_out = run.get("timed_out", False)
+            if (not isinstance(notebook, str) or not notebook.endswith(".ipynb") or isinstance(seconds, bool)
+                    or not isinstance(seconds, (int, float)) or seconds < 0 or not isinstance(passed, bool)
+                    or not isinstance(timed_out, bool)):  # fmt: skip
+                raise ValueError(f"{name}: steps[{i}]: a notebook's run needs 'notebook' (a .ipynb name), "
+                                 f"'passed' (true/false) and 'seconds' (>= 0), got {run!r}")  # fmt: skip
+            prov = data.get("provenance")
+            missing = [k for k in ("gpu", "torch", "date") if not isinstance(prov, dict) or not prov.get(k)]
+            if missing:
+                raise ValueError(f"{name}: times {notebook} but its provenance lacks {missing}")
+            runs.append(dict(notebook=notebook, device=prov["gpu"], torch=prov["torch"], date=str(prov["date"])[:10],
+                             seconds=float(seconds), passed=passed, timed_out=timed_out))  # fmt: skip
+    return runs
+
+
+def check(name: str) -> str:
+    """Validate one committed result file; return its kind (``"kernels"``, ``"gpu-check"`` or ``"other"``).
+
+    Raises ``ValueError`` naming the file and what is wrong when a file of a kind the package reads is
+    not what its writer writes. Other kinds are only parsed as JSON.
+    """
+    data = load(name)
+    if fnmatch.fnmatch(name, "kernels-*.json"):
+        from ..kernels.measured import check_kernel_bench
+
+        check_kernel_bench(data, name)
+        return "kernels"
+    if fnmatch.fnmatch(name, "gpu-check-*.json"):
+        gpu_check_notebook_runs(data, name)
+        return "gpu-check"
+    return "other"

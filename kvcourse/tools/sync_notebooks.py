@@ -13,7 +13,11 @@ For each chapter notebook (all of ``book/NN_*.ipynb`` when none is named) it wri
 * the notebook **metadata** that asks Colab for a GPU (``accelerator``), where the chapter wants one.
 
 The time to run is measured, not typed: it is the span of the notebook's own execution timestamps
-(``make notebooks`` records them), so re-run this tool after re-executing a notebook.
+(``make notebooks`` records them), so re-run this tool after re-executing a notebook. The time on a GPU
+comes from the newest ``gpu-check-*.json`` per GPU (``python -m kvcourse.gpu_check`` writes them into
+``kvcourse/results/``, which ``benchmarks/results/`` links to) that timed this chapter's notebook
+(:func:`gpu_check_runs`); failing that from ``gpu_runs`` in ``book/chapters.yml``; failing both, the
+header says it was not timed.
 Only source cells and metadata change; outputs are untouched, so nbval is unaffected.
 The tool is idempotent: a second run changes nothing. ``--check`` writes nothing and exits 1 if a
 notebook is out of date.
@@ -28,10 +32,13 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from kvcourse.results import gpu_check_notebook_runs
 from kvcourse.tools.book_config import ROOT, BookConfig, Chapter, chapter_notebooks, load
 
 HEADER_TAG = "chapter-header"
 SETUP_MARKER = "COLAB_RELEASE_TAG"
+GPU_CHECK_DIRS = ("kvcourse/results", "benchmarks/results")  # one folder under two names; both are read
+GPU_CHECK_GLOB = "gpu-check-*.json"
 
 
 def setup_source(cfg: BookConfig, chapter: Chapter, ref: str) -> str:
@@ -69,14 +76,60 @@ def format_duration(seconds: float) -> str:
     return f"about {round(seconds / 30) / 2:g} min"
 
 
+def gpu_check_files(root: Path) -> list[Path]:
+    """Every committed ``gpu-check-*.json`` under ``root`` (each file once, though the folder has two names)."""
+    found: dict[Path, Path] = {}
+    for folder in GPU_CHECK_DIRS:
+        for path in sorted((Path(root) / folder).glob(GPU_CHECK_GLOB)):
+            found.setdefault(path.resolve(), path)
+    return sorted(found.values(), key=lambda p: p.name)
+
+
+def gpu_check_runs(root: Path, notebook: str) -> list[dict]:
+    """The newest run of ``notebook`` on each GPU in the committed gpu-check JSONs, by device name.
+
+    Each is ``{device, torch, date, seconds, passed, timed_out}``, read by :func:`kvcourse.results.gpu_check_notebook_runs`
+    (which refuses a malformed file, naming it).
+    """
+    newest: dict[str, dict] = {}
+    for path in gpu_check_files(root):
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path.name}: not JSON ({exc})") from exc
+        for run in gpu_check_notebook_runs(data, path.name):
+            if run.pop("notebook") != notebook:
+                continue
+            if run["device"] not in newest or run["date"] >= newest[run["device"]]["date"]:
+                newest[run["device"]] = run
+    return [newest[device] for device in sorted(newest)]
+
+
+def _gpu_run_text(run: dict) -> str:
+    where = f"{run['device']} (torch {run['torch']}, {run['date']})"
+    if run["passed"]:
+        return f"{format_duration(run['seconds'])} on {where}"
+    if run["timed_out"]:
+        return f"stopped by the time limit on {where} after {format_duration(run['seconds'])}"
+    return f"failed on {where} after {format_duration(run['seconds'])}"
+
+
+def gpu_time(cfg: BookConfig, chapter: Chapter) -> str:
+    """What the header says after "on a GPU:": a gpu-check JSON's time, else chapters.yml's gpu_runs, else none."""
+    runs = gpu_check_runs(cfg.root, chapter.path.name)
+    if runs:
+        return "; ".join(_gpu_run_text(run) for run in runs)
+    return "; ".join(
+        f"{format_duration(60 * run['minutes'])} on {run['device']} (torch {run['torch']}, {run['date']})"
+        for run in chapter.gpu_runs
+    ) or "not timed yet"
+
+
 def header_source(cfg: BookConfig, chapter: Chapter, nb: dict) -> str:
     seconds = run_seconds(nb)
     if seconds is None:
         raise ValueError(f"{chapter.path.name} has no execution timestamps: execute it first (make notebooks)")
-    gpu = "; ".join(
-        f"{format_duration(60 * run['minutes'])} on {run['device']} (torch {run['torch']}, {run['date']})"
-        for run in chapter.gpu_runs
-    ) or "not timed yet"
+    gpu = gpu_time(cfg, chapter)
     name = chapter.path.name
     lines = ["**In this chapter you will**", ""]
     lines += [f"- {x}" for x in chapter.objectives]
