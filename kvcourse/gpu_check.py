@@ -72,7 +72,7 @@ class Job:
     result: dict = field(default_factory=dict)
 
 
-def jobs(root: Path, out: Path, quick_bench: bool = False) -> list[Job]:
+def jobs(root: Path, out: Path, quick_bench: bool = False, save_notebooks: Path | None = None) -> list[Job]:
     """Every job, in the order they start: the benchmark alone, then tests and chapters."""
     py = sys.executable
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
@@ -80,8 +80,10 @@ def jobs(root: Path, out: Path, quick_bench: bool = False) -> list[Job]:
     notebooks = sorted((root / "book").glob("[0-9][0-9]_*.ipynb"))
     order = {num: i for i, num in enumerate(CHAPTER_ORDER)}
     notebooks.sort(key=lambda p: order.get(p.name[:2], len(order)))
-    chapters = [Job(f"chapter {p.name[:2]} on the GPU", [py, "-m", "kvcourse.gpu_check", "--execute-notebook", str(p)],
-                    notebook=p.name) for p in notebooks]  # fmt: skip
+    save = ["--save-notebooks", str(save_notebooks)] if save_notebooks else []
+    chapters = [Job(f"chapter {p.name[:2]} on the GPU",
+                    [py, "-m", "kvcourse.gpu_check", "--execute-notebook", str(p), *save], notebook=p.name)
+                for p in notebooks]  # fmt: skip
     return [
         Job("kernel benchmark", bench, alone=True),
         *chapters[:2],  # the two longest chapters start first
@@ -139,7 +141,7 @@ def run_job(job: Job, root: Path, env: dict[str, str], timeout: float) -> dict:
     return result
 
 
-def execute_notebook(path: Path) -> int:
+def execute_notebook(path: Path, save_to: Path | None = None) -> int:
     """Run one notebook top to bottom in memory; print its result (every failing cell) as one JSON line.
 
     ``allow_errors``: a cell that raises does not stop the chapter, so a single GPU run lists every
@@ -160,6 +162,9 @@ def execute_notebook(path: Path) -> int:
                 errors.append(dict(cell=index, source=cell.source.strip().splitlines()[:1],
                                    error=f"{output['ename']}: {output['evalue']}"[-1500:]))  # fmt: skip
     seconds = round(time.perf_counter() - start, 1)
+    if save_to is not None:  # the GPU's outputs, to read beside the committed CPU ones
+        save_to.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, save_to / path.name)
     print(f"{path.name}: {'ran top to bottom' if not errors else f'{len(errors)} failing cells'} in {seconds:.0f} s")
     for e in errors:
         print(f"  cell {e['cell']}: {e['error'][:300]}")
@@ -210,10 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=450, help="seconds for all jobs together (default 450)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only the jobs whose name contains one of these")
     parser.add_argument("--allow-no-gpu", action="store_true", help=f"exit 0, not {NO_GPU}, when there is no GPU")
+    parser.add_argument("--save-notebooks", type=Path, metavar="DIR", help="write the executed chapters there")
     parser.add_argument("--execute-notebook", type=Path, metavar="NOTEBOOK", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.execute_notebook:  # one chapter, in its own process
-        return execute_notebook(args.execute_notebook)
+        return execute_notebook(args.execute_notebook, args.save_notebooks)
     if args.parallel < 1:
         raise ValueError(f"--parallel must be at least 1, got {args.parallel}")
     if not torch.cuda.is_available():
@@ -231,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = "".join(c if c.isalnum() else "-" for c in prov["gpu"]).strip("-").lower()
     path = args.out / f"gpu-check-{gpu}-{prov['date'][:10]}.json"
-    todo = [j for j in jobs(ROOT, args.out, args.quick_bench) if not args.only or any(o in j.name for o in args.only)]
+    todo = [j for j in jobs(ROOT, args.out, args.quick_bench, args.save_notebooks) if not args.only or any(o in j.name for o in args.only)]
     threads = max(1, (os.cpu_count() or 2) // args.parallel)
     env = job_env(ROOT, threads)
     deadline = time.perf_counter() + args.budget

@@ -54,8 +54,8 @@ def test_a_chapter_job_lists_every_failing_cell_and_goes_on(tmp_path):
                 nbformat.v4.new_code_cell("y = x + 1\nprint('after', y)"), nbformat.v4.new_code_cell("1 / 0")]  # fmt: skip
     path = tmp_path / "01_demo.ipynb"
     nbformat.write(nb, path)
-    job = gpu_check.Job("chapter 01", [sys.executable, "-m", "kvcourse.gpu_check", "--execute-notebook", str(path)],
-                        notebook=path.name)  # fmt: skip
+    job = gpu_check.Job("chapter 01", [sys.executable, "-m", "kvcourse.gpu_check", "--execute-notebook", str(path),
+                                       "--save-notebooks", str(tmp_path / "ran")], notebook=path.name)  # fmt: skip
     result = gpu_check.run_job(job, gpu_check.ROOT, gpu_check.job_env(gpu_check.ROOT, 1), timeout=120)
     assert not result["passed"] and result["notebook"] == "01_demo.ipynb"
     assert [c["cell"] for c in result["failing_cells"]] == [1, 3]
@@ -63,6 +63,9 @@ def test_a_chapter_job_lists_every_failing_cell_and_goes_on(tmp_path):
     assert result["failing_cells"][1]["error"].startswith("ZeroDivisionError")
     assert gpu_check.NOTEBOOK_MARK not in result["output_tail"] and "2 failing cells" in result["output_tail"]
     assert json.dumps(result)  # what the check writes
+    ran = nbformat.read(tmp_path / "ran" / "01_demo.ipynb", as_version=4)  # the outputs, kept to read
+    assert ran.cells[2].outputs[0]["text"] == "after 2\n" and ran.cells[1].outputs[0]["output_type"] == "error"
+    assert not any(c.get("outputs") for c in nbformat.read(path, as_version=4).cells)  # the file itself: untouched
 
 
 def test_without_a_gpu_it_says_so_runs_nothing_and_fails(tmp_path, capsys):
