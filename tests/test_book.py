@@ -72,6 +72,28 @@ def test_chapter_conventions(path):
         assert c.get("execution_count") is not None or not src.strip(), f"unexecuted cell in {path.name}: {src[:60]}"
 
 
+# What a chapter makes for the model, and must therefore put on its device (a static check; the GPU run is the proof).
+_DEVICE_BOUND = re.compile(r"\b(KVCache\.for_model|PagedKVCache\.for_model|PagedKVStore\(|Int8PagedKVStore\.for_model|"
+                           r"SinkKVCache\.for_model|QuantizedKVCache\.for_model)\(?")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_chapter_runs_on_the_learners_device(path):
+    """The model goes on default_device() with its dtype said, and every cache the chapter makes follows it."""
+    nb = json.loads(path.read_text())
+    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    setup = code[1]
+    assert "DEVICE = default_device()" in setup, f"{path.name}: the second code cell must set DEVICE = default_device()"
+    load = next(line for line in setup.splitlines() if "load_pretrained(" in line)
+    assert "device=DEVICE" in load and "fp32" in load, f"{path.name}: load on DEVICE and say the dtype: {load}"
+    assert 'print(f"running on {DEVICE}' in setup or "kernels run as" in setup
+    for src in code[2:]:
+        assert "load_pretrained(" not in src or "device=" in src, f"{path.name}: a model loaded off the device"
+        for line in src.splitlines():
+            if _DEVICE_BOUND.search(line) and not line.lstrip().startswith("#"):
+                assert "device=" in line or "model.device" in line, f"{path.name}: a cache off the device: {line}"
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_quoted_source_matches_the_package(path):
     """A cell tagged ``source-quote`` shows ``kvcourse.utils.show_source(...)``: its committed output must be the
