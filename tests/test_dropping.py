@@ -5,6 +5,7 @@ import torch
 
 import kvcourse
 from kvcourse.compression.dropping import DroppingKVCache, select_tokens
+from tests.conftest import tiny_llama
 from tests.tolerances import assert_logits_close
 
 
@@ -91,3 +92,21 @@ def test_generate_compressed_takes_its_first_token_from_the_full_prompt(model, t
     assert prefilled[0].num_held == len(prompt)  # the prefilled cache was copied, not compressed
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate_compressed(model, prompt, 4, max_new_tokens=0)
+
+
+def test_the_cache_built_for_a_model_follows_its_dtype_and_device():
+    """prefill and prefill_prompt build their DroppingKVCache without a dtype or device: it allocates from the first
+    K/V a layer writes, so it holds them where the model made them, in the model's dtype (float64 here, not the
+    float32 a cache defaults to); the logits come back in float32 as documented."""
+    from kvcourse.compression import compressed_continuation_logits, generate_compressed, prefill, prefill_prompt
+
+    model = tiny_llama(5).to(torch.float64)
+    context, continuation = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [5, 8, 9]
+    for cache in (prefill(model, context, observation_window=3), prefill_prompt(model, context)[0]):
+        for layer in cache._layers:
+            assert layer.k.dtype == layer.v.dtype == torch.float64
+            for t in (layer.k, layer.v, layer.pos, layer.accumulated, layer.window_scores):
+                assert t.device == model.device
+    logits = compressed_continuation_logits(model, context, continuation, 6, "h2o")
+    assert logits.dtype == torch.float32 and logits.shape == (3, model.config.vocab_size)
+    assert len(generate_compressed(model, context, 6, "snapkv", max_new_tokens=3)) <= 3

@@ -74,6 +74,20 @@ def test_pooling_kv_heads(model):
             pass
 
 
+def test_pooled_heads_keep_the_weights_dtype_and_device():
+    """The pooled projections are made from the model's own weights: a float64 model stays float64, on its device."""
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(5).to(torch.float64)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    with pooled_kv_heads(model, 1):
+        for layer in model.layers:
+            for w in (layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight):
+                assert w.dtype == torch.float64 and w.device == model.device and not w.requires_grad
+        cache = kvcourse.KVCache.for_model(model.config, dtype=model.dtype, device=model.device)
+        assert model(ids, cache=cache).dtype == torch.float64 and cache.keys(0).shape == (1, 1, 5, 8)
+
+
 def test_mla_scale_is_over_the_whole_query_key_width():
     mla = MultiHeadLatentAttention(MLAConfig())
     assert mla.scale == pytest.approx(1 / math.sqrt(32 + 16))
