@@ -51,8 +51,6 @@ BOOK = Path(__file__).resolve().parents[1] / "book"
 # the bug is there (it proves the test sees it) and must pass once the bug is fixed.
 _EX = "hidden cases (or the check's own expected values) built without the learner's device"
 BUGS = {
-    "test_online_softmax_and_merge": "kernels/online_softmax.py: online_softmax_attention makes m, l, acc without "
-                                     "device= (issue 28's first GPU crash)",
     "test_paged_references": "kernels/reference.py: slot_mapping builds its host tensors without device=",
     "test_paged_cases_are_built_on_the_host_then_moved": "kernels/testing.py: random_paged_case draws on the default "
                                                          "device (randperm, randn, zeros, full, tensor)",
