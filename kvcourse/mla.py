@@ -111,10 +111,10 @@ class MultiHeadLatentAttention(nn.Module):
         self.k_up = nn.Linear(c.kv_lora_rank, h * c.qk_nope_head_dim, bias=False)  # W_uk: latent -> keys
         self.v_up = nn.Linear(c.kv_lora_rank, h * c.v_head_dim, bias=False)  # W_uv: latent -> values
         self.o_proj = nn.Linear(h * c.v_head_dim, c.hidden_size, bias=False)
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device="cpu").manual_seed(seed)  # drawn on the host: the same weights on every machine
         with torch.no_grad():
             for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+                p.copy_(torch.randn(p.shape, generator=gen, device="cpu") / math.sqrt(p.shape[1]))
         self.scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -126,13 +126,13 @@ class MultiHeadLatentAttention(nn.Module):
         c = self.config
         b, t, _ = x.shape
         start = cache.seq_len
-        positions = torch.arange(start, start + t)
+        positions = torch.arange(start, start + t, device=x.device)
         q = self.q_proj(x).view(b, t, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim)
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
         q_rope = self._rope(q_rope, positions)  # [B, T, H, rope]
         latent, k_rope = cache.update(self.kv_down(x), self._rope(self.k_rope_proj(x), positions))  # [B, S, .]
         s = latent.shape[1]
-        future = torch.arange(s)[None, :] > positions[:, None]  # [T, S]
+        future = torch.arange(s, device=x.device)[None, :] > positions[:, None]  # [T, S]
         rope_scores = torch.einsum("bthr,bsr->bhts", q_rope, k_rope)
         w_uk = self.k_up.weight.view(c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank)
         w_uv = self.v_up.weight.view(c.num_heads, c.v_head_dim, c.kv_lora_rank)
