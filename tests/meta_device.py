@@ -6,8 +6,9 @@ tensor is on the CPU anyway. Inside :func:`meta_default`, the inputs are CPU ten
 ``device="cpu"``) but a tensor created without a device lands on ``meta``, which holds no data, so the
 bug fails loudly here too: a device mismatch, or ``.item()`` / ``.tolist()`` of a meta tensor.
 
-Meta tensors do not catch everything: indexing a CPU tensor with a meta index tensor returns garbage
-instead of failing. A bug then still shows as a wrong answer or as a meta tensor read later.
+Torch alone does not refuse every mix: indexing a CPU tensor with a meta index, or writing meta values into
+it (``cpu[mask] = meta``), runs and reads or writes garbage. So :func:`meta_default` also refuses any torch
+call that mixes meta tensors with others (:class:`NoMixing`): a meta tensor only ever comes from a bug here.
 
 A learner's answer runs as it would in a notebook (:func:`learner`): with the CPU as default device,
 whatever default the check under test runs with.
@@ -22,14 +23,29 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["learner", "meta_default", "on_meta"]
+__all__ = ["NoMixing", "learner", "meta_default", "on_meta"]
+
+
+class NoMixing(TorchFunctionMode):
+    """Raise ``RuntimeError`` at any torch call whose tensors are partly on ``meta``, partly elsewhere."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        devices = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        if "meta" in devices and len(devices) > 1:
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            raise RuntimeError(f"{name} mixes meta tensors (made without a device) with {sorted(devices - {'meta'})} ones")
+        return func(*args, **kwargs)
 
 
 @contextmanager
 def meta_default() -> Iterator[None]:
-    """Within the block, a tensor created without ``device=`` lands on ``meta`` (the previous default after)."""
-    with torch.device("meta"):
+    """Within the block, a tensor created without ``device=`` lands on ``meta`` (the previous default after),
+    and a torch call that mixes it with tensors of another device raises."""
+    with torch.device("meta"), NoMixing():
         yield
 
 
