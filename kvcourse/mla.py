@@ -98,19 +98,24 @@ class MultiHeadLatentAttention(nn.Module):
 
     ``forward(x, cache, absorb)``: ``x [B, T, hidden]`` are new tokens after the ``cache.seq_len``
     cached ones; their latents are appended to ``cache``. ``absorb=False`` expands K and V per head,
-    ``absorb=True`` attends in latent space; both give the same output.
+    ``absorb=True`` attends in latent space; both give the same output. The random weights (from ``seed``)
+    are the same on every ``device``.
     """
 
-    def __init__(self, config: MLAConfig, seed: int = 0) -> None:
+    def __init__(self, config: MLAConfig, seed: int = 0, device: torch.device | str = "cpu") -> None:
         super().__init__()
         c = self.config = config
         h = c.num_heads
-        self.q_proj = nn.Linear(c.hidden_size, h * (c.qk_nope_head_dim + c.qk_rope_head_dim), bias=False)
-        self.kv_down = nn.Linear(c.hidden_size, c.kv_lora_rank, bias=False)  # W_dkv: x -> latent
-        self.k_rope_proj = nn.Linear(c.hidden_size, c.qk_rope_head_dim, bias=False)  # one RoPE key for all heads
-        self.k_up = nn.Linear(c.kv_lora_rank, h * c.qk_nope_head_dim, bias=False)  # W_uk: latent -> keys
-        self.v_up = nn.Linear(c.kv_lora_rank, h * c.v_head_dim, bias=False)  # W_uv: latent -> values
-        self.o_proj = nn.Linear(h * c.v_head_dim, c.hidden_size, bias=False)
+
+        def linear(n_in: int, n_out: int) -> nn.Linear:
+            return nn.Linear(n_in, n_out, bias=False, device=device)
+
+        self.q_proj = linear(c.hidden_size, h * (c.qk_nope_head_dim + c.qk_rope_head_dim))
+        self.kv_down = linear(c.hidden_size, c.kv_lora_rank)  # W_dkv: x -> latent
+        self.k_rope_proj = linear(c.hidden_size, c.qk_rope_head_dim)  # one RoPE key for all heads
+        self.k_up = linear(c.kv_lora_rank, h * c.qk_nope_head_dim)  # W_uk: latent -> keys
+        self.v_up = linear(c.kv_lora_rank, h * c.v_head_dim)  # W_uv: latent -> values
+        self.o_proj = linear(h * c.v_head_dim, c.hidden_size)
         gen = torch.Generator(device="cpu").manual_seed(seed)  # drawn on the host: the same weights on every machine
         with torch.no_grad():
             for p in self.parameters():
