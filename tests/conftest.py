@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -33,6 +34,18 @@ def tiny_llama(seed: int, **config) -> kvcourse.LlamaModel:
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     return model.eval()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """``KVCOURSE_PACKAGE_ON_META=1``: every test runs with the package's device-less tensors on meta
+    (``tests/meta_device.py``), so a device bug fails on a CPU too. Fixtures are built as usual."""
+    if os.environ.get("KVCOURSE_PACKAGE_ON_META") != "1":
+        return (yield)
+    from .meta_device import package_on_meta
+
+    with package_on_meta():
+        return (yield)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,10 +1,10 @@
-"""Every tensor the package creates lands on its inputs' device: checked on a CPU, with "meta" as default device.
+"""Every tensor the package creates lands on its inputs' device: checked on a CPU, the package's strays on "meta".
 
-Each test builds its inputs on the CPU (``device="cpu"``), then runs the package inside
-:func:`~tests.meta_device.meta_default`: a tensor created without its inputs' device lands on ``meta`` and
-the test fails (see :mod:`tests.meta_device`). Code that works on the host on purpose says so with
-``device="cpu"``. The results are then compared with the same call made normally, so a path that quietly
-produced meta tensors, or different numbers, fails too.
+Each test builds its inputs on the CPU, then runs the package inside :func:`~tests.meta_device.package_on_meta`:
+a tensor kvcourse creates without its inputs' device lands on ``meta`` and the test fails (see
+:mod:`tests.meta_device`). Code that works on the host on purpose says so with ``device="cpu"``. The results
+are then compared with the same call made normally, so a path that quietly produced meta tensors, or
+different numbers, fails too.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from kvcourse.serving import Engine
 from kvcourse.sequence import SamplingParams
 
 from .conftest import tiny_llama
-from .meta_device import learner, meta_default, on_meta
+from .meta_device import PACKAGE_DIR, package_on_meta
 
 CPU = torch.device("cpu")
 BOOK = Path(__file__).resolve().parents[1] / "book"
@@ -62,7 +62,7 @@ def same(got, want) -> None:
 
 def on_meta_and_normally(fn):
     """``fn()`` with meta as default device, and again normally: the two results must be equal."""
-    with meta_default():
+    with package_on_meta():
         got = fn()
     same(got, fn())
     return got
@@ -82,32 +82,38 @@ def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tor
     return torch.randn(*shape, generator=_g(seed), device="cpu", dtype=dtype)
 
 
-def test_the_harness_catches_a_tensor_made_without_a_device():
-    """The instrument itself: a tensor created without ``device=`` next to a CPU input fails under meta."""
+_BUGGY = """
+import torch
+
+def bad(x):
+    return x + torch.arange(3)  # the bug: arange lands on the default device
+
+def bad_index(x):
+    return x[torch.tensor([2, 0])]  # torch alone would index a CPU tensor with meta indices: garbage
+
+def bad_write(x):
+    x = x.clone()
+    x[x > 0] = torch.zeros(int((x > 0).sum()))  # torch alone would write nothing, silently
+    return x
+
+def good(x):
+    return x + torch.arange(3, device=x.device)
+"""
+
+
+def test_the_harness_catches_a_tensor_the_package_makes_without_a_device():
+    """The instrument itself, on code compiled as if it were a kvcourse module."""
+    functions: dict = {}
+    exec(compile(_BUGGY, PACKAGE_DIR + "_harness_probe.py", "exec"), functions)  # noqa: S102
     x = randn(3)
-
-    def bad(x):
-        return x + torch.arange(3)  # the bug: arange lands on the default device
-
-    def good(x):
-        return x + torch.arange(3, device=x.device)
-
-    def bad_index(x):
-        return x[torch.tensor([2, 0])]  # torch alone would index a CPU tensor with meta indices: garbage
-
-    def bad_write(x):
-        x = x.clone()
-        x[x > 0] = torch.zeros(int((x > 0).sum()))  # torch alone would write nothing, silently
-        return x
-
-    assert torch.equal(bad(x), good(x))  # without meta, the bug is invisible on a CPU
-    with meta_default():
-        for wrong in (bad, bad_index, bad_write):
+    assert torch.equal(functions["bad"](x), functions["good"](x))  # without meta, the bug is invisible on a CPU
+    with package_on_meta():
+        for wrong in ("bad", "bad_index", "bad_write"):
             with pytest.raises((RuntimeError, NotImplementedError)):
-                wrong(x)
-        assert good(x).device == CPU
-        assert on_meta(torch.zeros(1)) and learner(lambda: torch.zeros(1))().device == CPU
-    assert torch.zeros(1).device == CPU  # the default is restored
+                functions[wrong](x)
+        assert functions["good"](x).device == CPU
+        assert torch.zeros(1).device == CPU  # made here, outside the package: torch's default, as in a notebook
+        assert kvcourse.KVCache(1, 1, 1, 2).keys(0).device == CPU  # the package's own default is the CPU
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,7 +244,7 @@ def test_every_backend_on_a_mixed_step(tiny, backend):
         return tiny.forward_batch(batch, store, backend=backend, all_logits=True)
 
     on_meta_and_normally(run)
-    with meta_default():
+    with package_on_meta():
         batch = ForwardBatch.build([SeqSlice([1, 2, 3], 0, [0])], 4)  # build's default device is the CPU
     assert batch.positions.device == CPU
 
@@ -257,7 +263,7 @@ def test_model_forward_with_and_without_a_cache(tiny):
 def test_generate_every_way(tiny):
     prompt = [5, 9, 2, 7]
     want = kvcourse.generate(tiny, prompt, 6, eos_token_ids=())
-    with meta_default():
+    with package_on_meta():
         assert kvcourse.generate(tiny, prompt, 6, use_cache=False, eos_token_ids=()) == want
         assert kvcourse.generate(tiny, prompt, 6, eos_token_ids=()) == want
         assert kvcourse.generate_paged(tiny, prompt, 6, eos_token_ids=()) == want
@@ -311,7 +317,7 @@ def test_paged_cache_store_and_offload(tiny):
 
     on_meta_and_normally(run)
     pool = HostBlockPool(4)
-    with meta_default():
+    with package_on_meta():
         assert pool.take() in range(4)
 
 
@@ -342,9 +348,9 @@ def test_quantized_cache(tiny, scheme, bits):
         return tiny(ids[:, :7], cache=cache), tiny(ids[:, 7:], cache=cache), cache.keys(0), cache.nbytes
 
     on_meta_and_normally(run)
-    with meta_default():  # an empty cache reads as empty tensors
+    with package_on_meta():  # an empty cache reads as empty tensors
         empty = QuantizedKVCache.for_model(tiny.config, bits=bits, scheme=scheme, group_size=4)
-        assert empty.keys(0).shape[2] == 0 and not on_meta(empty.keys(0))
+        assert empty.keys(0).shape[2] == 0 and empty.keys(0).device == CPU
 
 
 def test_window_cache_and_its_simulation(tiny):
@@ -431,11 +437,11 @@ def test_every_check_with_its_reference_solution(chapter, label, model, tok, tin
 
     spec = EXERCISES[label]
     namespace = _solution(_NOTEBOOKS[chapter], label, {"model": model, "tok": tok}, monkeypatch)
-    args = [tiny_smollm_vocab if a == MODEL else learner(namespace[a]) for a in spec.args]
+    args = [tiny_smollm_vocab if a == MODEL else namespace[a] for a in spec.args]
     check = load_check(spec)
     assert inspect.unwrap(check).__module__.startswith("kvcourse.exercises.")  # the check, not _solution's stand-in
     capsys.readouterr()
-    with meta_default():
+    with package_on_meta():
         result = check(*args)
     shown = capsys.readouterr().out
     assert result and shown.startswith("Correct: "), shown
