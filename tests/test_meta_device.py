@@ -12,6 +12,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,7 +47,8 @@ from .conftest import tiny_llama
 from .meta_device import PACKAGE_DIR, package_on_meta
 
 CPU = torch.device("cpu")
-BOOK = Path(__file__).resolve().parents[1] / "book"
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "book"
 
 
 def same(got, want) -> None:
@@ -445,3 +449,13 @@ def test_every_check_with_its_reference_solution(chapter, label, model, tok, tin
         result = check(*args)
     shown = capsys.readouterr().out
     assert result and shown.startswith("Correct: "), shown
+
+
+def test_the_checks_diagnose_wrong_answers_with_the_package_on_meta():
+    """The wrong-answer tests of the chapters whose checks hand out tensors, rerun in this mode: the hint a check
+    gives (its typical mistakes are computed from the hidden cases, on the CPU) works wherever the cases live."""
+    files = [f"tests/test_exercises_{chapter}.py" for chapter in ("ch01", "ch02", "ch05", "ch07_offload", "ch08")]
+    env = dict(os.environ, KVCOURSE_PACKAGE_ON_META="1")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "reject", *files],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
