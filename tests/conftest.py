@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import warnings
 
@@ -78,6 +79,19 @@ _GPU_MODELS: dict[str, object] = {}
 @pytest.fixture(params=DEVICES)
 def device(request) -> torch.device:
     return torch.device(request.param)
+
+
+_COPIES: dict[tuple[int, str], tuple[torch.nn.Module, torch.nn.Module]] = {}
+
+
+def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` itself for the CPU; else a copy on ``device``, made once (a tiny test model on the GPU)."""
+    if device.type == "cpu":
+        return module
+    key = (id(module), str(device))
+    if key not in _COPIES:  # the original is kept alive beside its copy, so its id is never reused
+        _COPIES[key] = (module, copy.deepcopy(module).to(device))
+    return _COPIES[key][1]
 
 
 @pytest.fixture
