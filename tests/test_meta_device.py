@@ -65,7 +65,7 @@ def same(got, want) -> None:
 
 
 def on_meta_and_normally(fn):
-    """``fn()`` with meta as default device, and again normally: the two results must be equal."""
+    """``fn()`` with the package's device-less tensors on meta, and again normally: the results must be equal."""
     with package_on_meta():
         got = fn()
     same(got, fn())
@@ -74,8 +74,7 @@ def on_meta_and_normally(fn):
 
 @pytest.fixture(scope="module")
 def tiny() -> kvcourse.LlamaModel:
-    with torch.device("cpu"):
-        return tiny_llama(7, vocab_size=64, max_position_embeddings=256)
+    return tiny_llama(7, vocab_size=64, max_position_embeddings=256)
 
 
 def _g(seed: int) -> torch.Generator:
@@ -429,8 +428,7 @@ def _solution(nb: dict, label: str, given: dict, monkeypatch) -> dict:
 @pytest.fixture(scope="module")
 def tiny_smollm_vocab(model) -> kvcourse.LlamaModel:
     """A tiny random Llama that reads SmolLM2's token ids (checks draw ids from its vocabulary, some fixed ones)."""
-    with torch.device("cpu"):
-        return tiny_llama(11, vocab_size=model.config.vocab_size, max_position_embeddings=2048)
+    return tiny_llama(11, vocab_size=model.config.vocab_size, max_position_embeddings=2048)
 
 
 @pytest.mark.parametrize("chapter, label", _LABELS, ids=[label for _, label in _LABELS])
