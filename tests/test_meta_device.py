@@ -29,7 +29,7 @@ from kvcourse.compression import (FORMATS, DroppingKVCache, Int8PagedKVStore, Qu
 from kvcourse.exercises.catalog import EXERCISES, MODEL
 from kvcourse.instructor import find_exercises
 from kvcourse.instructor.grade import exercise_cells
-from kvcourse.instructor.sandbox import _python
+from kvcourse.instructor.sandbox import _run_cells
 from kvcourse.kernels import reference as ref
 from kvcourse.kernels.int8 import (dequantize_int8, empty_int8_pool, paged_decode_attention_int8_ref, quantize_int8,
                                    reshape_and_cache_int8_ref)
@@ -419,9 +419,9 @@ def _solution(nb: dict, label: str, given: dict, monkeypatch) -> dict:
         for name in [n for n in vars(module) if n.startswith("check_")]:
             monkeypatch.setattr(module, name, lambda *args, **kwargs: True)
     namespace = dict(given)
-    for _, where, source in exercise_cells(nb, label):
-        exec(compile(_python(source), where, "exec"), namespace)  # noqa: S102 - the book's own cells
+    problem = _run_cells(exercise_cells(nb, label), namespace)  # as the sandbox: only the solution cell must run
     monkeypatch.undo()
+    assert problem is None, problem
     return namespace
 
 
