@@ -120,20 +120,22 @@ class ForwardBatch:
             qsl.append(qsl[-1] + n)
             lens.append(start + n)
             tables.append(table)
+        # Built on the host from the host lists, checked there, then moved to ``device`` in one go.
+        host = torch.device("cpu")
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
-        query_start_loc = torch.tensor(qsl, dtype=torch.int32)
-        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        block_tables = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=host)
+        query_start_loc = torch.tensor(qsl, dtype=torch.int32, device=host)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=host)
         # Token i belongs to sequence seq_idx[i]; its position counts on from where that sequence stood.
         query_lens = torch.diff(query_start_loc).to(torch.int64)
-        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), query_lens)
+        seq_idx = torch.repeat_interleave(torch.arange(len(seqs), device=host), query_lens)
         first_pos = (seq_lens.to(torch.int64) - query_lens)[seq_idx]
-        positions = first_pos + torch.arange(qsl[-1]) - query_start_loc[:-1].to(torch.int64)[seq_idx]
+        positions = first_pos + torch.arange(qsl[-1], device=host) - query_start_loc[:-1].to(torch.int64)[seq_idx]
         slots = slots_of(block_tables, seq_idx, positions, block_size)
         if torch.unique(slots).numel() != slots.numel():
             raise ValueError("slot_mapping names one slot twice: two sequences overlap in the pool")
         batch = cls(
-            input_ids=torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64),
+            input_ids=torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=host),
             positions=positions,
             slot_mapping=slots,
             query_start_loc=query_start_loc,

@@ -98,23 +98,28 @@ class MultiHeadLatentAttention(nn.Module):
 
     ``forward(x, cache, absorb)``: ``x [B, T, hidden]`` are new tokens after the ``cache.seq_len``
     cached ones; their latents are appended to ``cache``. ``absorb=False`` expands K and V per head,
-    ``absorb=True`` attends in latent space; both give the same output.
+    ``absorb=True`` attends in latent space; both give the same output. The random weights (from ``seed``)
+    are the same on every ``device``.
     """
 
-    def __init__(self, config: MLAConfig, seed: int = 0) -> None:
+    def __init__(self, config: MLAConfig, seed: int = 0, device: torch.device | str = "cpu") -> None:
         super().__init__()
         c = self.config = config
         h = c.num_heads
-        self.q_proj = nn.Linear(c.hidden_size, h * (c.qk_nope_head_dim + c.qk_rope_head_dim), bias=False)
-        self.kv_down = nn.Linear(c.hidden_size, c.kv_lora_rank, bias=False)  # W_dkv: x -> latent
-        self.k_rope_proj = nn.Linear(c.hidden_size, c.qk_rope_head_dim, bias=False)  # one RoPE key for all heads
-        self.k_up = nn.Linear(c.kv_lora_rank, h * c.qk_nope_head_dim, bias=False)  # W_uk: latent -> keys
-        self.v_up = nn.Linear(c.kv_lora_rank, h * c.v_head_dim, bias=False)  # W_uv: latent -> values
-        self.o_proj = nn.Linear(h * c.v_head_dim, c.hidden_size, bias=False)
-        gen = torch.Generator().manual_seed(seed)
+
+        def linear(n_in: int, n_out: int) -> nn.Linear:
+            return nn.Linear(n_in, n_out, bias=False, device=device)
+
+        self.q_proj = linear(c.hidden_size, h * (c.qk_nope_head_dim + c.qk_rope_head_dim))
+        self.kv_down = linear(c.hidden_size, c.kv_lora_rank)  # W_dkv: x -> latent
+        self.k_rope_proj = linear(c.hidden_size, c.qk_rope_head_dim)  # one RoPE key for all heads
+        self.k_up = linear(c.kv_lora_rank, h * c.qk_nope_head_dim)  # W_uk: latent -> keys
+        self.v_up = linear(c.kv_lora_rank, h * c.v_head_dim)  # W_uv: latent -> values
+        self.o_proj = linear(h * c.v_head_dim, c.hidden_size)
+        gen = torch.Generator(device="cpu").manual_seed(seed)  # drawn on the host: the same weights on every machine
         with torch.no_grad():
             for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+                p.copy_(torch.randn(p.shape, generator=gen, device="cpu") / math.sqrt(p.shape[1]))
         self.scale = 1.0 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -126,13 +131,13 @@ class MultiHeadLatentAttention(nn.Module):
         c = self.config
         b, t, _ = x.shape
         start = cache.seq_len
-        positions = torch.arange(start, start + t)
+        positions = torch.arange(start, start + t, device=x.device)
         q = self.q_proj(x).view(b, t, c.num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim)
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
         q_rope = self._rope(q_rope, positions)  # [B, T, H, rope]
         latent, k_rope = cache.update(self.kv_down(x), self._rope(self.k_rope_proj(x), positions))  # [B, S, .]
         s = latent.shape[1]
-        future = torch.arange(s)[None, :] > positions[:, None]  # [T, S]
+        future = torch.arange(s, device=x.device)[None, :] > positions[:, None]  # [T, S]
         rope_scores = torch.einsum("bthr,bsr->bhts", q_rope, k_rope)
         w_uk = self.k_up.weight.view(c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank)
         w_uv = self.v_up.weight.view(c.num_heads, c.v_head_dim, c.kv_lora_rank)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import os
 import warnings
 
 import pytest
@@ -35,6 +37,18 @@ def tiny_llama(seed: int, **config) -> kvcourse.LlamaModel:
     return model.eval()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """``KVCOURSE_PACKAGE_ON_META=1``: every test runs with the package's device-less tensors on meta
+    (``tests/meta_device.py``), so a device bug fails on a CPU too. Fixtures are built as usual."""
+    if os.environ.get("KVCOURSE_PACKAGE_ON_META") != "1":
+        return (yield)
+    from .meta_device import package_on_meta
+
+    with package_on_meta():
+        return (yield)
+
+
 def pytest_collection_modifyitems(config, items):
     """The full native-compile sweep (minutes of ptxas) runs only when asked for: ``-m native_full``."""
     if "native_full" in (config.getoption("-m") or ""):
@@ -65,6 +79,19 @@ _GPU_MODELS: dict[str, object] = {}
 @pytest.fixture(params=DEVICES)
 def device(request) -> torch.device:
     return torch.device(request.param)
+
+
+_COPIES: dict[tuple[int, str], tuple[torch.nn.Module, torch.nn.Module]] = {}
+
+
+def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` itself for the CPU; else a copy on ``device``, made once (a tiny test model on the GPU)."""
+    if device.type == "cpu":
+        return module
+    key = (id(module), str(device))
+    if key not in _COPIES:  # the original is kept alive beside its copy, so its id is never reused
+        _COPIES[key] = (module, copy.deepcopy(module).to(device))
+    return _COPIES[key][1]
 
 
 @pytest.fixture

@@ -21,15 +21,15 @@ from kvcourse.model import rope_cos_sin
 from kvcourse.paged import PagedKVStore
 from kvcourse.serving import ModelRunner
 
-from .conftest import tiny_llama
+from .conftest import on_device, tiny_llama
 
 PACKAGE = Path(kvcourse.__file__).parent
 
 
 # ---- the paged backends equal the contiguous reference on random ragged steps ---------------------
-def _case_step(seed: int, block_size: int, dtype: torch.dtype):
+def _case_step(seed: int, block_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
     """A random ragged step (decodes, whole prompts, chunks after a cached prefix), its pool full of
-    NaN where no sequence has K/V, as a one-layer store, a batch, and the step's q, k, v."""
+    NaN where no sequence has K/V, as a one-layer store, a batch, and the step's q, k, v, on ``device``."""
     rnd = random.Random(seed)
     seq_lens, query_lens = [], []
     for _ in range(rnd.randint(1, 6)):
@@ -38,11 +38,11 @@ def _case_step(seed: int, block_size: int, dtype: torch.dtype):
         q = 1 if kind == "decode" else n if kind == "prompt" else rnd.randint(1, n)
         seq_lens.append(n), query_lens.append(q)
     case = random_paged_case(seed, seq_lens, query_lens=query_lens, num_q_heads=6, num_kv_heads=2, head_dim=16,
-                             block_size=block_size, dtype=dtype)  # fmt: skip
-    store = PagedKVStore(1, case.k_cache.shape[0], block_size, 2, 16, dtype=dtype)
+                             block_size=block_size, dtype=dtype, device=device)  # fmt: skip
+    store = PagedKVStore(1, case.k_cache.shape[0], block_size, 2, 16, dtype=dtype, device=device)
     store.k_cache[0].copy_(case.k_cache), store.v_cache[0].copy_(case.v_cache)
     batch = ForwardBatch(
-        input_ids=torch.zeros(case.q.shape[0], dtype=torch.int64), positions=case.positions,
+        input_ids=torch.zeros(case.q.shape[0], dtype=torch.int64, device=device), positions=case.positions,
         slot_mapping=case.slot_mapping, query_start_loc=case.query_start_loc, seq_lens=case.seq_lens,
         block_tables=case.block_tables, block_size=block_size,
     ).check()  # fmt: skip
@@ -56,9 +56,10 @@ def _case_step(seed: int, block_size: int, dtype: torch.dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["fp32", "fp64", "bf16"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("seed", range(6))
-def test_paged_backends_equal_the_contiguous_reference(backend, dtype, block_size, seed):
-    case, store, batch, (q, k, v) = _case_step(seed * 31 + block_size, block_size, dtype)
+def test_paged_backends_equal_the_contiguous_reference(backend, dtype, block_size, seed, device):
+    case, store, batch, (q, k, v) = _case_step(seed * 31 + block_size, block_size, dtype, device)
     got = backend(store, batch)(0, q, k, v)[0]
+    assert got.device.type == device.type
     want = case.expected()
     assert not got.isnan().any(), "a NaN from an unused slot leaked into the output"
     # bf16 inputs: the reference multiplies in bf16 then softmaxes in fp32; SDPA keeps its own
@@ -109,9 +110,10 @@ def test_a_backend_refuses_another_kind_of_store():
         paged_backend("paged-int8-torch", store, batch)
 
 
-def test_the_runner_builds_the_store_its_backend_needs(tiny_model):
+def test_the_runner_builds_the_store_its_backend_needs(tiny_model, device):
+    tiny_model = on_device(tiny_model, device)
     runner = ModelRunner(tiny_model, num_blocks=8, block_size=4, backend="paged-int8-torch")
-    assert type(runner.kv_store) is Int8PagedKVStore
+    assert type(runner.kv_store) is Int8PagedKVStore and runner.kv_store.k_cache[0].device.type == device.type
     logits = runner.step([(0, [5, 6, 7, 8, 9])])
     float_logits = ModelRunner(tiny_model, num_blocks=8, block_size=4).step([(0, [5, 6, 7, 8, 9])])
     assert logits.shape == float_logits.shape and logits.isfinite().all()

@@ -55,9 +55,10 @@ def test_attention_is_observed_and_accumulated(model):
         assert bool((layer.window_scores[..., :4] > 0).all())  # the last 3 queries see every earlier key
 
 
-def test_a_budget_of_everything_changes_nothing_and_a_smaller_one_runs(model):
-    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 17, 30, 2045, 1099, 28, 253]])
-    full = kvcourse.KVCache.for_model(model.config)
+def test_a_budget_of_everything_changes_nothing_and_a_smaller_one_runs(model_on, device):
+    model = model_on
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 17, 30, 2045, 1099, 28, 253]], device=device)
+    full = kvcourse.KVCache.for_model(model.config, device=device)
     model(ids[:, :9], cache=full)
     want = model(ids[:, 9:], cache=full)
     for method in ("h2o", "snapkv", "streaming"):
@@ -73,6 +74,7 @@ def test_a_budget_of_everything_changes_nothing_and_a_smaller_one_runs(model):
         assert small.num_held == 7 and logits.shape == want.shape
         pos = small.key_positions(5)
         assert pos.shape == (1, 3, 7) and pos[..., 4:].tolist() == [[[9, 10, 11]] * 3]
+        assert pos.device.type == device.type
         assert small.nbytes == 30 * 2 * 3 * 7 * 64 * 4
 
 

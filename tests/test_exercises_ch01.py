@@ -77,7 +77,7 @@ def right_attention(q, k, v):
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(d)
-    future = torch.arange(s)[None, :] > torch.arange(t)[:, None] + (s - t)
+    future = torch.arange(s, device=q.device)[None, :] > torch.arange(t, device=q.device)[:, None] + (s - t)
     return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v
 
 
@@ -107,14 +107,27 @@ def sdpa_right(q, k, v):
     t, s = q.shape[2], k.shape[2]
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    mask = torch.ones(t, s, dtype=torch.bool).tril(s - t)
+    mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def test_attention_accepts_right_answers():
-    assert ch01.check_attention(right_attention)
-    assert ch01.check_attention(sdpa_right)
-    assert ch01.check_attention(right_attention, seed=1)
+def test_attention_accepts_right_answers(device):
+    assert ch01.check_attention(right_attention, device=device)
+    assert ch01.check_attention(sdpa_right, device=device)
+    assert ch01.check_attention(right_attention, seed=1, device=device)
+
+
+def test_attention_hands_the_cases_over_on_its_device_argument(device):
+    seen = set()
+
+    def spy(q, k, v):
+        seen.update(t.device.type for t in (q, k, v))
+        return right_attention(q, k, v)
+
+    assert ch01.check_attention(spy, device=device) and seen == {device.type}
+    assert ch01.check_attention(lambda q, k, v: right_attention(q, k, v).cpu(), device=device)  # compared on the CPU
+    with pytest.raises(ValueError, match="device must be a torch.device or a name"):
+        ch01.check_attention(right_attention, device="nowhere")
 
 
 @pytest.mark.parametrize(

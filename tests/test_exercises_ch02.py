@@ -15,9 +15,10 @@ from kvcourse.exercises import ExerciseError, ch02
 
 
 # ---- 1. positions of new tokens ----------------------------------------------------------------
-def test_positions_accept_right_answers():
-    assert ch02.check_new_positions(lambda lens, n: lens[:, None] + torch.arange(n))
-    assert ch02.check_new_positions(lambda lens, n: torch.stack([torch.arange(s, s + n) for s in lens.tolist()]))
+def test_positions_accept_right_answers(device):
+    assert ch02.check_new_positions(lambda lens, n: lens[:, None] + torch.arange(n, device=lens.device), device=device)
+    assert ch02.check_new_positions(lambda lens, n: torch.stack([torch.arange(s, s + n) for s in lens.tolist()]),
+                                    device=device)  # a result on the CPU is compared there  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -171,13 +172,15 @@ class SeqLenMethod(RightCache):
         return self.lengths[0]
 
 
-def test_update_accepts_a_right_cache(capsys):
-    assert ch02.check_cache_update(RightCache)
-    assert ch02.check_cache_update(RightCache, seed=5)
+def test_update_accepts_a_right_cache(capsys, device):
+    assert ch02.check_cache_update(RightCache, device=device)
+    assert ch02.check_cache_update(RightCache, seed=5, device=device)
 
 
-def test_update_runs_the_real_model(model):
-    assert ch02.check_cache_update(RightCache, model)
+def test_update_runs_the_real_model(model_on, device):
+    assert ch02.check_cache_update(RightCache, model_on)
+    with pytest.raises(ValueError, match="give model or device, not both"):
+        ch02.check_cache_update(RightCache, model_on, device=device)
 
 
 @pytest.mark.parametrize(
@@ -214,9 +217,9 @@ def test_update_refuses_the_package_cache():
 
 # ---- 3. chunked prefill (the bug hunt) ----------------------------------------------------------
 def right_prefill(model, ids, chunk_size):
-    cache = kvcourse.KVCache.for_model(model.config)
+    cache = kvcourse.KVCache.for_model(model.config, device=model.device)
     for start in range(0, len(ids), chunk_size):
-        logits = model(torch.tensor([ids[start : start + chunk_size]]), cache=cache)
+        logits = model(torch.tensor([ids[start : start + chunk_size]], device=model.device), cache=cache)
     return logits[0, -1], cache
 
 
@@ -248,8 +251,8 @@ def first_logits_of_last_chunk(model, ids, chunk_size):
     return logits[0, 0], cache
 
 
-def test_chunked_prefill_accepts_the_fix(model):
-    assert ch02.check_chunked_prefill(right_prefill, model)
+def test_chunked_prefill_accepts_the_fix(model_on):
+    assert ch02.check_chunked_prefill(right_prefill, model_on)
 
 
 @pytest.mark.parametrize(
@@ -278,7 +281,7 @@ def attend_with(q, k, v, seq_lens, *, scale=True, lens_shift=0, interleave=False
     if scale:
         scores = scores / math.sqrt(q.shape[-1])
     lens = (seq_lens + lens_shift).clamp(1, s)
-    valid = torch.arange(s)[None, :] < lens[:, None]
+    valid = torch.arange(s, device=q.device)[None, :] < lens[:, None]
     if not mask:
         valid = torch.ones_like(valid)
     if softmax:
@@ -288,9 +291,9 @@ def attend_with(q, k, v, seq_lens, *, scale=True, lens_shift=0, interleave=False
     return torch.einsum("bhs,bhsd->bhd", weights, v)
 
 
-def test_decode_attention_accepts_right_answers():
-    assert ch02.check_decode_attention(attend_with)
-    assert ch02.check_decode_attention(attend_with, seed=2)
+def test_decode_attention_accepts_right_answers(device):
+    assert ch02.check_decode_attention(attend_with, device=device)
+    assert ch02.check_decode_attention(attend_with, seed=2, device=device)
 
 
 @pytest.mark.parametrize(

@@ -1,15 +1,41 @@
 """Chapter 5's checks accept right kernels and reject the typical wrong ones, each with its own hint.
 
 The kernels here are written independently of the notebook's solutions; the wrong ones are the
-mistakes the hints name. They run in Triton's interpreter.
+mistakes the hints name. They run where this process runs kernels: in Triton's interpreter on a CPU,
+compiled on a GPU (the tests taking ``device`` run on the kernels' device, and skip the other).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvcourse.exercises import ExerciseError, ch05
-from kvcourse.kernels.triton_runtime import tl, triton
+from kvcourse.kernels.triton_runtime import kernel_device, tl, triton
+
+
+@pytest.fixture
+def kernels_on(device) -> torch.device:
+    """``device``, when this process's kernels take tensors there (the check then runs its kernels on it)."""
+    if device.type != kernel_device().type:
+        pytest.skip(f"kernels take {kernel_device().type} tensors in this process, not {device.type} ones")
+    return device
+
+
+class Spy:
+    """A kernel that notes the device of every tensor it is launched with, then launches ``kernel``."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.fn, self.devices = kernel, kernel.fn, set()
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.devices.update(a.device.type for a in args if isinstance(a, torch.Tensor))
+            return launch(*args, **kwargs)
+
+        return run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,8 +110,10 @@ def mask_off_by_one(Q, K, V, Seq_lens, Out, scale, BLOCK_S: tl.constexpr, D: tl.
     tl.store(Out + b * D + d, tl.sum(p[:, None] * v, 0) / tl.sum(p, 0))
 
 
-def test_masked_decode_accepts_right_kernel():
-    assert ch05.check_masked_decode(mask_right)
+def test_masked_decode_accepts_right_kernel(kernels_on):
+    spy = Spy(mask_right)
+    assert ch05.check_masked_decode(spy)
+    assert spy.devices == {kernels_on.type}  # every tensor where the kernels run
 
 
 @pytest.mark.parametrize(
@@ -158,8 +186,9 @@ def _online(mistake: str) -> Bound:
     return Bound(online_kernel, MISTAKE=mistake)
 
 
-def test_online_softmax_accepts_right_kernel():
-    assert ch05.check_online_softmax(_online("none"))
+def test_online_softmax_accepts_right_kernel(kernels_on):
+    spy = Spy(_online("none"))
+    assert ch05.check_online_softmax(spy) and spy.devices == {kernels_on.type}
 
 
 @pytest.mark.parametrize(
@@ -219,8 +248,9 @@ def _paged(mistake: str) -> Bound:
     return Bound(paged_kernel, MISTAKE=mistake)
 
 
-def test_paged_offsets_accepts_right_kernel():
-    assert ch05.check_paged_offsets(_paged("none"))
+def test_paged_offsets_accepts_right_kernel(kernels_on):
+    spy = Spy(_paged("none"))
+    assert ch05.check_paged_offsets(spy) and spy.devices == {kernels_on.type}
 
 
 @pytest.mark.parametrize(
@@ -282,8 +312,9 @@ def _merge(mistake: str) -> Bound:
     return Bound(merge_kernel, MISTAKE=mistake)
 
 
-def test_merge_splits_accepts_right_kernel():
-    assert ch05.check_merge_splits(_merge("none"))
+def test_merge_splits_accepts_right_kernel(kernels_on):
+    spy = Spy(_merge("none"))
+    assert ch05.check_merge_splits(spy) and spy.devices == {kernels_on.type}
     assert ch05.check_merge_splits(_merge("none"), seed=5)
 
 
@@ -372,8 +403,9 @@ def _tiled(mistake: str) -> Bound:
     return Bound(tiled_kernel, MISTAKE=mistake)
 
 
-def test_tiled_decode_accepts_right_kernel():
-    assert ch05.check_tiled_decode(_tiled("none"))
+def test_tiled_decode_accepts_right_kernel(kernels_on):
+    spy = Spy(_tiled("none"))
+    assert ch05.check_tiled_decode(spy) and spy.devices == {kernels_on.type}
     assert ch05.check_tiled_decode(_tiled("none"), seed=11)
 
 

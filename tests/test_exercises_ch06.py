@@ -169,8 +169,8 @@ def test_admit_hint_for_blocks_of_the_whole_prompt():
 
 
 @pytest.mark.parametrize("seed", [0, 3])
-def test_the_newest_first_policy_passes_in_the_engine_on_the_real_model(model, seed):
-    assert ch06.check_victims(right_pick, model, seed=seed)
+def test_the_newest_first_policy_passes_in_the_engine_on_the_real_model(model_on, seed):
+    assert ch06.check_victims(right_pick, model_on, seed=seed)
 
 
 def shortest_prompt(candidates):

@@ -35,8 +35,18 @@ def right_replay(device, host, transfers):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 7])
-def test_a_right_answer_passes(seed):
-    assert ch07.check_replay(right_replay, seed=seed)
+def test_a_right_answer_passes(seed, device):
+    assert ch07.check_replay(right_replay, seed=seed, device=device)
+
+
+def test_the_device_pool_is_on_the_devices_argument_and_the_host_pool_on_the_cpu(device):
+    seen = set()
+
+    def spy(device_pool, host_pool, transfers):
+        seen.add((device_pool.device.type, host_pool.device.type))
+        right_replay(device_pool, host_pool, transfers)
+
+    assert ch07.check_replay(spy, device=device) and seen == {(device.type, "cpu")}
 
 
 def grouped(first):

@@ -208,9 +208,10 @@ def test_right_lookup_passes(seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_right_lookup_passes_in_the_engine_and_the_reference_gives_the_solo_tokens(model, seed):
+def test_right_lookup_passes_in_the_engine_and_the_reference_gives_the_solo_tokens(model_on, seed):
     import kvcourse
 
+    model = model_on
     assert ch07.check_prefix_lookup(right_lookup, model, seed=seed)
     rounds = ch07._engine_rounds(seed)
     outs, hits = ch07._serve(model, rounds, None)

@@ -36,9 +36,9 @@ def quantizer_loops(x, bits):
     return out
 
 
-def test_quantizer_accepts_right_answers():
-    assert ch08.check_quantizer(quantizer)
-    assert ch08.check_quantizer(quantizer_loops, seed=3)
+def test_quantizer_accepts_right_answers(device):
+    assert ch08.check_quantizer(quantizer, device=device)
+    assert ch08.check_quantizer(quantizer_loops, seed=3, device=device)
 
 
 def _levels_pow2(x, bits):
@@ -116,10 +116,10 @@ def slot_rotated(pos, num_sinks, window):  # another valid ring: token p still o
     return pos if pos < num_sinks else num_sinks + pos % window
 
 
-def test_ring_accepts_right_answers(model):
+def test_ring_accepts_right_answers(model_on):
     assert ch08.check_ring_slot(slot_for)
     assert ch08.check_ring_slot(slot_rotated, seed=5)
-    assert ch08.check_ring_slot(slot_for, model)
+    assert ch08.check_ring_slot(slot_for, model_on)  # the ring runs on the model's device
 
 
 @pytest.mark.parametrize(
@@ -167,9 +167,9 @@ def test_snapkv_reference_is_what_the_cache_keeps():
         assert ch08._same_keep(got, want, ch08._snapkv_ranked(probs, num_kv_heads, window, kernel))
 
 
-def test_snapkv_right_answers_pass():
-    assert ch08.check_snapkv_keep(snapkv_keep)
-    assert ch08.check_snapkv_keep(snapkv_keep, seed=4)
+def test_snapkv_right_answers_pass(device):
+    assert ch08.check_snapkv_keep(snapkv_keep, device=device)
+    assert ch08.check_snapkv_keep(snapkv_keep, seed=4, device=device)
 
 
 @pytest.mark.parametrize("mistake,hint", [
@@ -243,9 +243,9 @@ def test_mla_case_expected_is_the_layers_expanded_output():
         assert torch.allclose(ch08._absorbed(*args), want, atol=1e-5)
 
 
-def test_mla_right_answers_pass():
-    assert ch08.check_absorbed_decode(absorbed_decode)
-    assert ch08.check_absorbed_decode(absorbed_decode, seed=2)
+def test_mla_right_answers_pass(device):
+    assert ch08.check_absorbed_decode(absorbed_decode, device=device)
+    assert ch08.check_absorbed_decode(absorbed_decode, seed=2, device=device)
 
 
 @pytest.mark.parametrize("mistake,hint", [

@@ -444,3 +444,24 @@ def test_a_copying_cache_is_told_from_one_that_returns_views():
                "        self.lengths[layer] += k.shape[2]\n        return self.k[layer], self.v[layer]\n")
     verdict = _cheat("ch02-ex-update", copying)
     assert not verdict.passed and verdict.expected == "a view of the buffer allocated in __init__", verdict.message
+
+
+def test_a_students_kernel_runs_in_the_interpreter_even_where_triton_would_compile():
+    """On a GPU machine Triton compiles in the grader's process (TRITON_INTERPRET unset or 0), but the sandbox
+    hands the student's code host tensors: its kernels must run in the interpreter there. Simulated on any
+    machine with TRITON_INTERPRET=0 in the grader's environment."""
+    import os
+    import subprocess
+    import sys
+
+    solution = ("from kvcourse.kernels import interpreting\n"
+                "assert interpreting(), 'the sandbox would compile the kernels for a GPU'\n"
+                "def kv_bytes(seq_lens, num_kv_heads, head_dim, bytes_per_value):\n"
+                "    return 2 * sum(seq_lens) * num_kv_heads * head_dim * bytes_per_value\n")
+    script = ("from kvcourse.exercises.catalog import EXERCISES\n"
+              "from kvcourse.instructor.checker import grade_exercise\n"
+              f"verdict = grade_exercise(EXERCISES['ch05-ex-bytes'], [['solution', 'ch05-ex-bytes', {solution!r}]])\n"
+              "print(verdict.passed, verdict.message)\n")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.startswith("True "), done.stdout + done.stderr

@@ -48,6 +48,22 @@ def test_merge_of_splits_equals_whole_including_empty_splits():
         online_softmax_attention(q, k, v, tile=0)
 
 
+def test_online_softmax_and_merge_run_on_their_inputs_device(device):
+    q, k, v = _qkv(5, 2, 30)
+    out, lse = online_softmax_attention(q.to(device), k.to(device), v.to(device), tile=8)
+    assert out.device.type == lse.device.type == device.type
+    want, want_lse = online_softmax_attention(q, k, v, tile=8)
+    torch.testing.assert_close((out.cpu(), lse.cpu()), (want, want_lse), rtol=1e-12, atol=1e-12)
+    halves = [online_softmax_attention(q.to(device), k[a:b].to(device), v[a:b].to(device), tile=8) for a, b in
+              ((0, 11), (11, 30))]  # fmt: skip
+    merged = merge_partials(torch.stack([o for o, _ in halves]), torch.stack([lse for _, lse in halves]))
+    torch.testing.assert_close(merged.cpu(), want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="q, k and v must be on one device"):
+        online_softmax_attention(q, k.to("meta"), v, tile=8)
+    with pytest.raises(ValueError, match="outs and lses must be on one device"):
+        merge_partials(torch.zeros(2, 4, 16), torch.zeros(2, 4, device="meta"))
+
+
 def test_decode_bytes_and_flops_counted_by_hand():
     # 2 sequences (100 and 28 tokens), 32 query / 8 KV heads, D = 128, fp16 cache and query, blocks of 16.
     kv = 2 * 128 * 8 * 128 * 2  # K and V: tokens x heads x dim x 2 bytes

@@ -14,21 +14,25 @@ def _x(seed, t, hidden=256):
     return torch.randn(2, t, hidden, generator=torch.Generator().manual_seed(seed))
 
 
-def test_expanded_and_absorbed_equal_plain_attention_over_the_expanded_cache():
-    mla = MultiHeadLatentAttention(MLAConfig(), seed=1)
+def test_expanded_and_absorbed_equal_plain_attention_over_the_expanded_cache(device):
+    mla = MultiHeadLatentAttention(MLAConfig(), seed=1, device=device)
     c = mla.config
-    x = _x(0, 7)
+    x = _x(0, 7).to(device)
     cache = LatentCache()
     got = mla(x, cache)
     # Plain causal multi-head attention over the K and V the latents stand for (independent of both forms).
     k, v = mla.expanded_kv(cache)  # [B, H, S, nope + rope], [B, H, S, v]
     q = mla.q_proj(x).view(2, 7, c.num_heads, -1)
     q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], -1)
-    q = torch.cat([q_nope, mla._rope(q_rope, torch.arange(7))], -1).transpose(1, 2)
+    q = torch.cat([q_nope, mla._rope(q_rope, torch.arange(7, device=device))], -1).transpose(1, 2)
     plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     want = mla.o_proj(plain.transpose(1, 2).reshape(2, 7, -1)).detach()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mla(x, LatentCache(), absorb=True), want, rtol=1e-5, atol=1e-5)
+    assert got.device.type == device.type and cache.latent.device.type == device.type
+    if device.type != "cpu":  # the same seeded weights on every device
+        torch.testing.assert_close(got.cpu(), MultiHeadLatentAttention(MLAConfig(), seed=1)(x.cpu(), LatentCache()),
+                                   rtol=1e-4, atol=1e-4)  # fmt: skip
 
 
 def test_decoding_from_the_latent_cache_equals_the_whole_sequence():

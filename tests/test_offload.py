@@ -23,6 +23,7 @@ from kvcourse.paged.block_hash import CachedBlock
 from kvcourse.serving import Engine
 
 from .test_prefix_cache import shared_prefix_workload
+from .conftest import on_device
 from .test_serving_engine import VOCAB, assert_greedy_equal, check_events_match_stats, tiny, workload  # noqa: F401
 
 
@@ -30,11 +31,11 @@ def entry(i: int, parent: CachedBlock | None = None) -> CachedBlock:
     return CachedBlock(("h", i), (i,), (), parent)
 
 
-def random_store(num_blocks: int, seed: int) -> PagedKVStore:
-    store = PagedKVStore(num_layers=2, num_blocks=num_blocks, block_size=4, num_kv_heads=2, head_dim=3)
+def random_store(num_blocks: int, seed: int, device: torch.device | str = "cpu") -> PagedKVStore:
+    store = PagedKVStore(num_layers=2, num_blocks=num_blocks, block_size=4, num_kv_heads=2, head_dim=3, device=device)
     g = torch.Generator().manual_seed(seed)
     for t in store.k_cache + store.v_cache:
-        t.copy_(torch.randn(t.shape, generator=g))
+        t.copy_(torch.randn(t.shape, generator=g))  # drawn on the CPU: the same data on every device
     return store
 
 
@@ -128,11 +129,11 @@ def test_swapping_out_a_forked_sequence_leaves_the_other_owner_its_blocks():
 
 # ---- the copies ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed", range(6))
-def test_transfers_replayed_in_order_equal_one_copy_at_a_time(seed):
+def test_transfers_replayed_in_order_equal_one_copy_at_a_time(seed, device):
     """Random moves, blocks reused within the step: the batched mover equals copying one block at a
-    time in the recorded order (a plain loop over clones)."""
+    time in the recorded order (a plain loop over clones). The device pool on ``device``, the host's on the CPU."""
     rnd = random.Random(seed)
-    device, host = random_store(6, seed), random_store(5, seed + 100)
+    device_store, host = random_store(6, seed, device), random_store(5, seed + 100)
     moves = [BlockTransfer(rnd.choice(["to_host", "to_device"]), rnd.randrange(6), rnd.randrange(5))
              for _ in range(12)]  # fmt: skip
     moves = [m if m.direction == "to_host" else BlockTransfer("to_device", m.dst, m.src) for m in moves]
@@ -141,10 +142,11 @@ def test_transfers_replayed_in_order_equal_one_copy_at_a_time(seed):
         src, dst = (want_dev, want_host) if m.direction == "to_host" else (want_host, want_dev)
         for s, d in zip(src.k_cache + src.v_cache, dst.k_cache + dst.v_cache):
             d[m.dst] = s[m.src].clone()
-    apply_transfers(device, host, moves)
-    for got, want in zip(device.k_cache + device.v_cache + host.k_cache + host.v_cache,
+    apply_transfers(device_store, host, moves)
+    assert device_store.k_cache[0].device.type == device.type
+    for got, want in zip(device_store.k_cache + device_store.v_cache + host.k_cache + host.v_cache,
                          want_dev.k_cache + want_dev.v_cache + want_host.k_cache + want_host.v_cache):  # fmt: skip
-        assert torch.equal(got, want)
+        assert torch.equal(got.cpu(), want)
 
 
 # ---- the prefix cache's host tier ---------------------------------------------------------------
@@ -253,7 +255,8 @@ def forced_preemption(tiny, **kwargs):  # noqa: F811
     return prompts, params, eng
 
 
-def test_swap_moves_blocks_and_recompute_feeds_tokens_again_for_the_same_outputs(tiny):  # noqa: F811
+def test_swap_moves_blocks_and_recompute_feeds_tokens_again_for_the_same_outputs(tiny, device):  # noqa: F811
+    tiny = on_device(tiny, device)
     prompts, params, rec = forced_preemption(tiny)
     want = rec.generate(prompts, params)
     assert want == [kvcourse.generate(tiny, p, sampling_params=params) for p in prompts]
@@ -264,6 +267,7 @@ def test_swap_moves_blocks_and_recompute_feeds_tokens_again_for_the_same_outputs
     assert s["swapped_out"] >= 1 and s["recomputed_tokens"] == 0 and s["blocks_to_host"] > 0
     assert s["batched_tokens"] < rec.stats["batched_tokens"]  # the swapped tokens were not fed again
     assert s["transfer_seconds"] > 0 and rec.stats["transfer_seconds"] == 0
+    assert swp.runner.kv_store.device.type == device.type and swp.runner.host_kv_store.device.type == "cpu"
 
 
 def test_aborting_a_swapped_request_gives_its_host_blocks_back(tiny):  # noqa: F811
@@ -282,7 +286,8 @@ def test_aborting_a_swapped_request_gives_its_host_blocks_back(tiny):  # noqa: F
             assert eng.output(rid) == kvcourse.generate(tiny, p, sampling_params=params)
 
 
-def test_a_prefix_evicted_to_the_host_tier_is_copied_back_not_recomputed(tiny):  # noqa: F811
+def test_a_prefix_evicted_to_the_host_tier_is_copied_back_not_recomputed(tiny, device):  # noqa: F811
+    tiny = on_device(tiny, device)
     rnd = random.Random(3)
     system = [rnd.randrange(4, VOCAB) for _ in range(32)]
     first, later = system + [5, 6, 7], system + [8, 9]

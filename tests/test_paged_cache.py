@@ -20,12 +20,13 @@ PROMPT = (
 
 
 # ---- the store -------------------------------------------------------------------------------------
-def test_store_write_through_scattered_blocks_and_copy_block():
+def test_store_write_through_scattered_blocks_and_copy_block(device):
     g = torch.Generator().manual_seed(0)
-    store = PagedKVStore(num_layers=2, num_blocks=6, block_size=4, num_kv_heads=3, head_dim=8)
+    store = PagedKVStore(num_layers=2, num_blocks=6, block_size=4, num_kv_heads=3, head_dim=8, device=device)
     table, s = [4, 0, 5], 10
-    k, v = torch.randn(s, 3, 8, generator=g), torch.randn(s, 3, 8, generator=g)
+    k, v = torch.randn(s, 3, 8, generator=g).to(device), torch.randn(s, 3, 8, generator=g).to(device)
     store.write(1, slot_mapping(table, range(s), 4), k, v)
+    assert store.k_cache[1].device.type == device.type
     assert torch.equal(store.k_cache[1][4], k[:4]) and torch.equal(store.v_cache[1][0], v[4:8])
     assert torch.equal(store.k_cache[1][5, :2], k[8:])  # block 5 holds positions 8, 9
     assert not store.k_cache[0].any()  # layer 0 untouched
@@ -62,8 +63,8 @@ def test_for_model_wants_the_config_not_the_model(model):
     assert PagedKVStore.for_model(model.config, 4).k_cache[0].shape == (4, 16, 3, 64)
 
 
-def test_allocate_slots_copies_a_shared_block_before_anything_writes():
-    bm, store = BlockManager(4, 2), PagedKVStore(1, 4, 2, 1, 1)
+def test_allocate_slots_copies_a_shared_block_before_anything_writes(device):
+    bm, store = BlockManager(4, 2), PagedKVStore(1, 4, 2, 1, 1, device=device)
     bm.allocate("p", 3)  # blocks 0, 1; block 1 half full
     store.k_cache[0][1, 0] = 7.0
     bm.fork("p", "c")
@@ -87,10 +88,11 @@ def _run(model, cache: PagedKVCache, ids) -> torch.Tensor:
     return model.forward_batch(cache.prepare(ids), cache.kv_store, all_logits=True)
 
 
-def test_model_generates_identically_through_paged_memory(model, prompt_ids):
+def test_model_generates_identically_through_paged_memory(model_on, prompt_ids, device):
+    model = model_on
     new = 32
     want = kvcourse.generate(model, prompt_ids, new, use_cache=True, eos_token_ids=())
-    cache = PagedKVCache.for_model(model.config, num_blocks=8, block_size=16)
+    cache = PagedKVCache.for_model(model.config, num_blocks=8, block_size=16, device=device)
     got = kvcourse.generate_paged(model, prompt_ids, new, cache, eos_token_ids=())
     assert got == want
     # The last generated token is never fed back, so the cache holds prompt + new - 1 tokens.
@@ -99,11 +101,11 @@ def test_model_generates_identically_through_paged_memory(model, prompt_ids):
     assert cache.num_free_blocks == 8 - math.ceil(n / 16)
     assert cache.nbytes == 2 * 30 * n * 3 * 64 * 4
     # Logits: a prefill and two decode steps through paged memory against the contiguous cache.
-    contiguous = kvcourse.KVCache.for_model(model.config)
-    paged = PagedKVCache.for_model(model.config, num_blocks=8, block_size=16)
+    contiguous = kvcourse.KVCache.for_model(model.config, device=device)
+    paged = PagedKVCache.for_model(model.config, num_blocks=8, block_size=16, device=device)
     seq = prompt_ids + want
     for chunk in (seq[:-5], seq[-5:-4], seq[-4:-3]):
-        ref = model(torch.tensor([chunk]), cache=contiguous)[0]
+        ref = model(torch.tensor([chunk], device=device), cache=contiguous)[0]
         assert_logits_close(_run(model, paged, chunk), ref)
 
 
@@ -123,9 +125,10 @@ def test_prepare_allocates_before_the_forward(model, prompt_ids):
         model(torch.tensor([prompt_ids]), cache=cache)
 
 
-def test_forked_caches_share_the_prompt_and_copy_on_write(model, prompt_ids):
+def test_forked_caches_share_the_prompt_and_copy_on_write(model_on, prompt_ids, device):
+    model = model_on
     block_size = 16
-    parent = PagedKVCache.for_model(model.config, num_blocks=6, block_size=block_size)
+    parent = PagedKVCache.for_model(model.config, num_blocks=6, block_size=block_size, device=device)
     _run(model, parent, prompt_ids)
     assert len(prompt_ids) % block_size  # the last prompt block is partial, so it is the one copied
     free_after_prompt = parent.num_free_blocks
@@ -141,7 +144,7 @@ def test_forked_caches_share_the_prompt_and_copy_on_write(model, prompt_ids):
     assert parent.num_free_blocks == free_after_prompt - 1
     out_parent = _run(model, parent, [b])
     for token, out in ((a, out_child), (b, out_parent)):
-        ref = model(torch.tensor([prompt_ids + [token]]))[0, -1:]
+        ref = model(torch.tensor([prompt_ids + [token]], device=device))[0, -1:]
         assert_logits_close(out, ref)
 
     # Greedy continuations of each fork equal plain generation from the same text.

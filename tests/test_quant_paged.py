@@ -19,13 +19,14 @@ def test_symmetric_int8_error_is_half_a_step():
     assert int(codes.abs().max()) == 127 and torch.equal(quantize_int8(torch.zeros(2, 8))[0], torch.zeros(2, 8, dtype=torch.int8))
 
 
-def test_store_layout_bytes_and_copy_on_write():
-    store = Int8PagedKVStore(num_layers=2, num_blocks=4, block_size=2, num_kv_heads=3, head_dim=8)
+def test_store_layout_bytes_and_copy_on_write(device):
+    store = Int8PagedKVStore(num_layers=2, num_blocks=4, block_size=2, num_kv_heads=3, head_dim=8, device=device)
     assert store.k_cache[0].shape == (4, 2, 3, 8) and store.k_scale[1].shape == (4, 2, 3)
     assert store.block_nbytes == 2 * 2 * 2 * 3 * (8 + 4) and store.nbytes == 4 * store.block_nbytes
-    k = torch.randn(3, 3, 8, generator=torch.Generator().manual_seed(1))
+    k = torch.randn(3, 3, 8, generator=torch.Generator().manual_seed(1)).to(device)
     store.write(1, [5, 0, 2], k, -k)
     k_pool, v_pool = store.dequantized(1)
+    assert k_pool.device.type == store.k_scale[1].device.type == device.type
     got = k_pool.view(-1, 3, 8)[[5, 0, 2]]
     assert bool(((got - k).abs() <= 0.57 * k.abs().amax(-1, keepdim=True) / 127).all())
     torch.testing.assert_close(v_pool.view(-1, 3, 8)[[5, 0, 2]], -got)

@@ -18,6 +18,7 @@ import kvcourse
 from kvcourse import SamplingParams
 from kvcourse.serving import Engine
 
+from .conftest import on_device
 from .tolerances import LOGIT_REL_TOL
 
 VOCAB = 101
@@ -42,7 +43,7 @@ def assert_greedy_equal(model, prompt, got, want):
         return
     k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     assert k < min(len(got), len(want)), f"lengths differ without a differing token: {got} vs {want}"
-    logits = model(torch.tensor([prompt + want[:k]]))[0, -1]
+    logits = model(torch.tensor([prompt + want[:k]], device=model.device))[0, -1]
     gap = float(logits[want[k]] - logits[got[k]])
     assert gap < LOGIT_REL_TOL * float(logits.abs().max()), f"token {k}: {got[k]} vs {want[k]}, a gap of {gap}"
 
@@ -133,7 +134,8 @@ def test_live_loop_with_arrivals_and_aborts(tiny, seed):
         eng.abort("r0")
 
 
-def test_stream_yields_the_tokens_generate_returns(tiny):
+def test_stream_yields_the_tokens_generate_returns(tiny, device):
+    tiny = on_device(tiny, device)
     prompts, params = workload(random.Random(3), 5)
     eng = Engine(tiny, num_blocks=64, block_size=4, max_num_batched_tokens=16)
     streamed = [[] for _ in prompts]
@@ -142,10 +144,12 @@ def test_stream_yields_the_tokens_generate_returns(tiny):
         assert tok.finished == eng.requests[tok.request_id].is_finished  # the last token says so
     again = Engine(tiny, num_blocks=64, block_size=4, max_num_batched_tokens=16).generate(prompts, params)
     assert streamed == again
+    assert eng.runner.kv_store.k_cache[0].device.type == device.type
 
 
 # ---- parallel sampling: fork and copy-on-write ---------------------------------------------------
-def test_parallel_samples_share_the_prompt_and_equal_seeded_solo_runs(tiny):
+def test_parallel_samples_share_the_prompt_and_equal_seeded_solo_runs(tiny, device):
+    tiny = on_device(tiny, device)
     rnd = random.Random(5)
     prompts = [[rnd.randrange(VOCAB) for _ in range(n)] for n in (37, 64, 9)]
     params = SamplingParams(max_new_tokens=10, n=3, temperature=1.0, seed=11, stop_token_ids=())
@@ -182,7 +186,8 @@ def fewest_computed(candidates):
     return min(reversed(candidates), key=lambda s: s.num_computed_tokens)
 
 
-def test_a_preemption_policy_changes_the_victims_not_the_outputs(tiny):
+def test_a_preemption_policy_changes_the_victims_not_the_outputs(tiny, device):
+    tiny = on_device(tiny, device)
     rnd = random.Random(11)
     prompts = [[rnd.randrange(VOCAB) for _ in range(n)] for n in (30, 5, 18, 9)]
     params = SamplingParams(max_new_tokens=16, stop_token_ids=())
@@ -328,8 +333,13 @@ def test_progress_bar_counts_finished_requests(tiny, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_the_engine_runs_chapter_5s_triton_backend(tiny):
+def test_the_engine_runs_chapter_5s_triton_backend(tiny, device):
     """The backend is the caller's choice: chapter 5's Triton kernels (interpreted on a CPU) give the same tokens."""
+    from kvcourse.kernels.triton_runtime import kernel_device
+
+    if device.type != kernel_device().type:
+        pytest.skip(f"kernels take {kernel_device().type} tensors in this process")
+    tiny = on_device(tiny, device)
     prompts, params = workload(random.Random(10), 4, max_prompt=40, max_new=5)
     outs = {b: Engine(tiny, num_blocks=32, block_size=4, max_num_batched_tokens=16, backend=b).generate(prompts, params)
             for b in ("paged-torch", "triton")}  # fmt: skip

@@ -30,17 +30,19 @@ def _tagged(b, h, t, d, start):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_holds_the_sinks_and_the_last_window_whatever_the_chunks(seed):
+def test_holds_the_sinks_and_the_last_window_whatever_the_chunks(seed, device):
     rng = random.Random(seed)
     window, sinks = rng.randint(1, 6), rng.randint(0, 3)
-    cache = SinkKVCache(num_layers=2, batch_size=2, num_kv_heads=3, head_dim=4, window=window, num_sinks=sinks)
+    cache = SinkKVCache(num_layers=2, batch_size=2, num_kv_heads=3, head_dim=4, window=window, num_sinks=sinks,
+                        device=device)  # fmt: skip
     seen = 0
     for _ in range(8):
         t = rng.randint(1, 9)  # chunks shorter and longer than the window
         for layer in range(2):
-            k = _tagged(2, 3, t, 4, seen)
+            k = _tagged(2, 3, t, 4, seen).to(device)
             k_out, v_out = cache.update(layer, k, -k)
             pos = cache.key_positions(layer)
+            assert k_out.device.type == pos.device.type == device.type
             held_before = sorted(set(range(min(sinks, seen))) | set(range(max(seen - window, 0), seen)))
             assert sorted(pos.tolist()) == held_before + list(range(seen, seen + t))
             assert torch.equal(k_out[0, 0, :, 0], pos.float()) and torch.equal(v_out, -k_out)
@@ -74,13 +76,14 @@ def test_bad_input():
         SinkKVCache.for_model(torch.nn.Linear(2, 2), window=4)
 
 
-def test_decoding_through_the_ring_equals_the_window_simulation(model):
+def test_decoding_through_the_ring_equals_the_window_simulation(model_on, device):
     # Token by token through the ring buffer, against one forward with the window mask (independent
     # code: scaled_dot_product_attention with a dense mask). Both with and without sinks.
+    model = model_on
     ids = [1, 504, 3458, 282, 4649, 314, 17, 30, 2045, 1099, 28, 253, 1183, 314, 16, 4, 2116, 18, 900, 31, 365, 26]
     for window, sinks in ((5, 2), (6, 0)):
-        cache = SinkKVCache.for_model(model.config, window=window, num_sinks=sinks)
-        got = torch.cat([model(torch.tensor([[i]]), cache=cache)[0] for i in ids])
+        cache = SinkKVCache.for_model(model.config, window=window, num_sinks=sinks, device=device)
+        got = torch.cat([model(torch.tensor([[i]], device=device), cache=cache)[0] for i in ids])
         assert_logits_close(got, simulate_window_logits(model, ids, window, sinks))
         assert cache.num_held == window + sinks
 

@@ -73,6 +73,45 @@ def _pair():
     return checker, student
 
 
+def _serving(student):
+    """A thread answering the student side's requests until the returned event is set."""
+    done = threading.Event()
+
+    def serve():
+        while not done.is_set():
+            if student.conn.poll(0.05):
+                header, bufs = student.receive()
+                if header.get("kind") == "req":
+                    student.serve_one(header, bufs)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return done, thread
+
+
+def test_a_checks_tensors_reach_the_student_on_the_host_and_come_back_written(device):
+    """The check may work on a GPU (chapter 5's kernels): the student's code gets host copies, and what it writes
+    into them is copied back into the check's own tensors, on their device."""
+    checker, student = _pair()
+    seen = []
+
+    def kernel_like(x, out):
+        seen.append((x.device.type, out.device.type))
+        out[:] = x * 2  # in place, as a kernel writes its output
+
+    buffers: list[bytes] = []
+    proxy = checker.decode(student.encode(kernel_like, buffers), buffers)
+    done, thread = _serving(student)
+    try:
+        x, out = torch.arange(6.0, device=device), torch.zeros(6, device=device)
+        proxy(x, out)
+    finally:
+        done.set()
+        thread.join(5)
+    assert seen == [("cpu", "cpu")]
+    assert out.device.type == device.type and out.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+
+
 def test_objects_cross_as_proxies_and_the_checker_lends_calls_only():
     checker, student = _pair()
     secrets = {"reference": "the answer"}
@@ -104,17 +143,7 @@ def test_objects_cross_as_proxies_and_the_checker_lends_calls_only():
     lent = {"Cache": Cache, "answer": answer, "peek": peek}
     buffers: list[bytes] = []
     tree = student.encode(lent, buffers)
-    done = threading.Event()
-
-    def serve():
-        while not done.is_set():
-            if student.conn.poll(0.05):
-                header, bufs = student.receive()
-                if header.get("kind") == "req":
-                    student.serve_one(header, bufs)
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
+    done, thread = _serving(student)
     try:
         proxies = checker.decode(tree, buffers)
         cls = proxies["Cache"]

@@ -51,8 +51,8 @@ def time_swap_vs_recompute(
         raise ValueError(f"block_sizes must be a non-empty list of ints >= 1, got {block_sizes!r}")
     for i, b in enumerate(block_sizes):
         check_int(f"block_sizes[{i}]", b, min=1)
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, model.config.vocab_size, (num_tokens,), generator=g).tolist()
+    g = torch.Generator(device="cpu").manual_seed(seed)  # token ids, drawn on the host: the same on every machine
+    tokens = torch.randint(0, model.config.vocab_size, (num_tokens,), generator=g, device="cpu").tolist()
     rows = []
     for bs in block_sizes:
         blocks = -(-num_tokens // bs)

@@ -214,8 +214,8 @@ class QuantizedKVCache:
 
     def _read_or_empty(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self._layers[layer_idx]
-        if layer.res_k is None:
-            empty = torch.empty(self.batch_size, self.num_kv_heads, 0, self.head_dim)
+        if layer.res_k is None:  # nothing stored yet, so no device to follow: an empty tensor on the host
+            empty = torch.empty(self.batch_size, self.num_kv_heads, 0, self.head_dim, device="cpu")
             return empty, empty
         return self._read(layer, torch.float32)
 

@@ -10,6 +10,13 @@ its own advice.
 Hidden cases are drawn from a generator seeded by the check's own name and
 ``seed`` argument (:func:`case_rng`, :func:`case_generator`), never from global
 random state: a check gives the same cases on every machine and in every order.
+
+Where the cases live: they are drawn on the CPU (so they are the same everywhere), the
+expected answers are computed there, before the learner's code runs, and the learner gets
+copies on *the learner's device* (:func:`handed`): the model's device for a check that takes
+the model, the device kernels run on for chapter 5's kernels, else :func:`learner_device`.
+What comes back is compared on the CPU (:func:`on_host`), where the typical mistakes are
+computed too.
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ __all__ = [
     "case_rng",
     "case_generator",
     "call_learner",
+    "handed",
+    "learner_device",
+    "on_host",
     "expect_close",
     "expect_equal",
     "expect_tensor",
@@ -262,10 +272,42 @@ def case_rng(*key: object) -> random.Random:
 
 
 def case_generator(*key: object):
-    """A CPU :class:`torch.Generator` seeded from ``key``; independent of torch's global generator."""
+    """A CPU :class:`torch.Generator` seeded from ``key``; independent of torch's global generator.
+
+    Draw with it on the CPU (``device="cpu"``): the same cases on every machine, then :func:`handed` to the learner.
+    """
     import torch
 
-    return torch.Generator().manual_seed(_seed_from(*key))
+    return torch.Generator(device="cpu").manual_seed(_seed_from(*key))
+
+
+def learner_device(device=None):
+    """The device a check hands the learner's code its tensors on: ``device`` if given, else the CPU.
+
+    Chapters 1-4 and 6-8 keep their tensors on the CPU (their model is loaded there, on a GPU machine too), so
+    code written there need not be device-neutral; ``device="cuda"`` checks it on a GPU. (Checks that take the
+    model use the model's device; chapter 5's kernel checks, the device kernels run on.)
+    """
+    import torch
+
+    if device is None:
+        return torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a name such as 'cpu' or 'cuda', got {device!r}") from None
+
+
+def handed(t, device):
+    """A copy of hidden case ``t`` on ``device``: what the learner's code is given (it may write into it)."""
+    return t.to(device, copy=True)
+
+
+def on_host(value):
+    """``value`` on the CPU if it is a tensor, where a check compares it (anything else unchanged)."""
+    import torch
+
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
 def call_learner(name: str, fn, *args, **kwargs):

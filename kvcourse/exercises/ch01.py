@@ -29,6 +29,9 @@ from ._core import (
     Diagnosis,
     ExerciseError,
     expect_tensor,
+    handed,
+    learner_device,
+    on_host,
     passed,
     refuse_references,
     tensor_diff,
@@ -46,9 +49,9 @@ __all__ = [
 
 # --- Exercise 1: the causal mask -----------------------------------------------------------------
 
-def _mask(num_queries: int, num_keys: int, offset: int) -> torch.Tensor:
+def _mask(num_queries: int, num_keys: int, offset: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``tril(offset)`` of a ``[num_queries, num_keys]`` block: query i may read keys 0 .. i + offset."""
-    return torch.ones(num_queries, num_keys, dtype=torch.bool).tril(offset)
+    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(offset)
 
 
 _MASK_MISTAKES = [
@@ -56,8 +59,9 @@ _MASK_MISTAKES = [
                                        "and the earlier ones), False the ones it must not."),
     (lambda t, s: _mask(t, s, s - t + 1), "Each query sees one key from its future. Query i sits at position "
                                           "num_keys - num_queries + i and may read keys up to that position, never after it."),
-    (lambda t, s: torch.ones(t, s, dtype=torch.bool), "Every query sees every key, its future included. Only a single "
-                                                      "query at the end (a decode step) may read all keys."),
+    (lambda t, s: torch.ones(t, s, dtype=torch.bool, device="cpu"), "Every query sees every key, its future included. "
+                                                                    "Only a single query at the end (a decode step) "
+                                                                    "may read all keys."),
     (lambda t, s: _mask(t, s, s - t - 1), "The diagonal is missing: each query may attend to its own position too."),
     (lambda t, s: _mask(t, s, 0), "The queries are the LAST num_queries positions: query i sits at position "
                                   "num_keys - num_queries + i, not at i. (torch's scaled_dot_product_attention with "
@@ -86,9 +90,10 @@ def check_causal_mask(fn: Callable[[int, int], torch.Tensor], seed: int = 0) -> 
         "position.", _same_mask)
     for t, s in cases:
         case = f"causal_mask({t}, {s})"
-        got = call_learner("causal_mask", fn, t, s)
-        expect_tensor(case, got, (t, s), torch.bool, "(num_queries, num_keys), True = may attend")
         want = _mask(t, s, s - t)
+        got = call_learner("causal_mask", fn, t, s)  # on torch's default device, wherever that is
+        expect_tensor(case, got, (t, s), torch.bool, "(num_queries, num_keys), True = may attend")
+        got = on_host(got)
         if not torch.equal(got, want):
             diagnosis.record(case, (t, s), got, want)
     diagnosis.raise_if_wrong()
@@ -106,11 +111,12 @@ def _attention(q, k, v, *, scale=None, offset_shift=0, anchored=False, heads="gr
     """Causal GQA attention with switches that reproduce the usual mistakes (the defaults are right)."""
     t, s, d = q.shape[2], k.shape[2], q.shape[-1]
     hq, hkv = q.shape[1], k.shape[1]
-    index = torch.arange(hq) // (hq // hkv) if heads == "grouped" else torch.arange(hq) % hkv
+    heads_q = torch.arange(hq, device=q.device)
+    index = heads_q // (hq // hkv) if heads == "grouped" else heads_q % hkv
     k, v = k[:, index], v[:, index]
     scores = q @ k.transpose(-1, -2) * (1 / math.sqrt(d) if scale is None else scale)
     if mask:
-        allowed = _mask(t, s, (0 if anchored else s - t) + offset_shift)
+        allowed = _mask(t, s, (0 if anchored else s - t) + offset_shift, q.device)
         scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.softmax(scores, dim=softmax_dim).nan_to_num(0.0) @ v
 
@@ -132,18 +138,20 @@ _ATTENTION_MISTAKES = [
 ]
 
 
-def check_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], seed: int = 0) -> CheckResult:
+def check_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], seed: int = 0, *,
+                    device: torch.device | str | None = None) -> CheckResult:
     """``fn(q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, D])`` -> ``[B, Hq, T, D]``.
 
     Causal softmax attention where the ``T`` queries are the last ``T`` of the ``S`` positions, and
     query head ``h`` reads KV head ``h // (Hq // Hkv)`` (grouped-query attention). Compared with
-    :func:`kvcourse.causal_attention` on hidden random inputs.
+    :func:`kvcourse.causal_attention` on hidden random inputs, handed to ``fn`` on ``device`` (the CPU by default).
     """
     refuse_references(fn, {"causal_attention": kvcourse.causal_attention,
                            "decode_attention_ref": kvcourse.decode_attention_ref},
                       "write the attention yourself in plain torch (matmul, masked_fill, softmax).")
     if not callable(fn):
         raise ExerciseError(f"pass your function fn(q, k, v), got {type(fn).__name__}")
+    device = learner_device(device)
     rng = case_rng("ch01.check_attention", seed)
     gen = case_generator("ch01.check_attention", seed)
     shapes = [(1, 9, 3, 6, 6, 64), (1, 4, 4, 3, 7, 8), (2, 6, 2, 1, 5, 16)]  # (B, Hq, Hkv, T, S, D)
@@ -156,13 +164,14 @@ def check_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tor
         "softmax over the keys, then the weighted sum of the values.",
         lambda a, w: torch.allclose(a.float(), w, atol=1e-5, rtol=1e-4))
     for b, hq, hkv, t, s, d in shapes:
-        q = torch.randn(b, hq, t, d, generator=gen)
-        k = torch.randn(b, hkv, s, d, generator=gen) * 2.0  # large enough that a missing scale shows
-        v = torch.randn(b, hkv, s, d, generator=gen)
+        q = torch.randn(b, hq, t, d, generator=gen, device="cpu")
+        k = torch.randn(b, hkv, s, d, generator=gen, device="cpu") * 2.0  # large enough that a missing scale shows
+        v = torch.randn(b, hkv, s, d, generator=gen, device="cpu")
         case = f"attention(q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)})"
-        got = call_learner("attention", fn, q.clone(), k.clone(), v.clone())
-        expect_tensor(case, got, (b, hq, t, d), what="[B, Hq, T, D]")
         want = kvcourse.causal_attention(q, k, v)
+        got = call_learner("attention", fn, handed(q, device), handed(k, device), handed(v, device))
+        expect_tensor(case, got, (b, hq, t, d), what="[B, Hq, T, D]")
+        got = on_host(got)
         if not torch.allclose(got.float(), want, atol=1e-5, rtol=1e-4):
             diagnosis.record(case, (q, k, v), got, want, extra=f"\n            ({tensor_diff(got, want)})")
     diagnosis.raise_if_wrong()

@@ -31,6 +31,9 @@ from ._core import (
     ExerciseError,
     expect_tensor,
     fail,
+    handed,
+    learner_device,
+    on_host,
     passed,
     refuse_references,
     tensor_diff,
@@ -48,36 +51,43 @@ __all__ = [
 
 # --- Exercise 1: positions of the new tokens -----------------------------------------------------
 
-def check_new_positions(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int = 0) -> CheckResult:
+def check_new_positions(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int = 0, *,
+                        device: torch.device | str | None = None) -> CheckResult:
     """``fn(seq_lens [B], num_new)`` -> integer ``[B, num_new]``: the positions RoPE gives the new tokens.
 
-    Sequence ``b`` already has ``seq_lens[b]`` tokens in its cache (positions ``0 .. seq_lens[b]-1``).
+    Sequence ``b`` already has ``seq_lens[b]`` tokens in its cache (positions ``0 .. seq_lens[b]-1``);
+    ``seq_lens`` is handed to ``fn`` on ``device`` (the CPU by default).
     """
+    device = learner_device(device)
     if not callable(fn):
         raise ExerciseError(f"pass your function fn(seq_lens, num_new), got {type(fn).__name__}")
     rng = case_rng("ch02.check_new_positions", seed)
     cases = [([5], 1), ([0], 4), ([3, 7], 1), ([6, 2, 9], 3)]
     for _ in range(10):
         cases.append(([rng.randint(0, 40) for _ in range(rng.randint(1, 4))], rng.randint(1, 6)))
+    def new(lens, n, start_shift=0):  # [B, n] on the host: seq_lens[b] + shift + j, the typical answers
+        return torch.tensor(lens, device="cpu")[:, None] + torch.arange(n, device="cpu") + start_shift
+
     diagnosis = Diagnosis([
         ("No RoPE offset: every sequence's new tokens start at position 0, as if nothing were cached. They continue "
-         "after the cached ones, at seq_lens[b].", lambda lens, n: torch.arange(n).expand(len(lens), n)),
+         "after the cached ones, at seq_lens[b].", lambda lens, n: new([0] * len(lens), n)),
         ("Off by one: with s tokens cached (positions 0 .. s-1), the next token is at position s, not s + 1.",
-         lambda lens, n: torch.tensor(lens)[:, None] + torch.arange(n) + 1),
+         lambda lens, n: new(lens, n, 1)),
         ("Off by one: with s tokens cached (positions 0 .. s-1), the next token is at position s, not s - 1.",
-         lambda lens, n: torch.tensor(lens)[:, None] + torch.arange(n) - 1),
+         lambda lens, n: new(lens, n, -1)),
         ("Each sequence continues from its own length. The longest one's length is where the padded tensor ends, "
-         "not where a shorter sequence does.", lambda lens, n: max(lens) + torch.arange(n).expand(len(lens), n)),
+         "not where a shorter sequence does.", lambda lens, n: new([max(lens)] * len(lens), n)),
     ], "New token j of sequence b sits at position seq_lens[b] + j.",
         lambda a, w: torch.equal(a.long(), w.long()))
     for lens, n in cases:
-        seq_lens = torch.tensor(lens)
+        seq_lens = torch.tensor(lens, device="cpu")
         case = f"positions(seq_lens={lens}, num_new={n})"
-        got = call_learner("positions", fn, seq_lens.clone(), n)
+        want = new(lens, n)
+        got = call_learner("positions", fn, handed(seq_lens, device), n)
         expect_tensor(case, got, (len(lens), n), what="[B, num_new]")
         if got.is_floating_point() or got.dtype == torch.bool:
             fail(case, expected="an integer tensor", got=f"dtype {got.dtype}", hint="Positions are integers (int64).")
-        want = seq_lens[:, None] + torch.arange(n)
+        got = on_host(got)
         if not torch.equal(got.long(), want):
             diagnosis.record(case, (lens, n), got, want)
     diagnosis.raise_if_wrong()
@@ -109,7 +119,8 @@ def _read_seq_len(cache: Any) -> Any:
     return value
 
 
-def check_cache_update(cache_cls: type, model=None, seed: int = 0) -> CheckResult:
+def check_cache_update(cache_cls: type, model=None, seed: int = 0, *,
+                       device: torch.device | str | None = None) -> CheckResult:
     """``cache_cls(num_layers, batch_size, num_kv_heads, head_dim, max_seq_len)``: a cache that allocates
     ``max_seq_len`` positions per layer up front and writes into them.
 
@@ -117,7 +128,13 @@ def check_cache_update(cache_cls: type, model=None, seed: int = 0) -> CheckResul
     stores them after that layer's earlier tokens and returns the layer's whole history
     ``[B, H_kv, seq_len + T, D]`` as views of the buffers (no copy); writing past ``max_seq_len`` raises
     ``ValueError``. With ``model`` the cache also runs a greedy generation on the real model.
+
+    The cache is built with ``device`` as torch's default device and handed ``k, v`` there: the model's
+    device when ``model`` is given (then leave ``device`` out), else the CPU unless ``device`` says otherwise.
     """
+    if model is not None and device is not None:
+        raise ValueError(f"give model or device, not both: the cases go to the model's device, got device={device!r}")
+    device = model.device if model is not None else learner_device(device)
     if not isinstance(cache_cls, type):
         raise ExerciseError(f"pass your cache class itself (not an instance), got {type(cache_cls).__name__}")
     if issubclass(cache_cls, kvcourse.KVCache):
@@ -130,7 +147,8 @@ def check_cache_update(cache_cls: type, model=None, seed: int = 0) -> CheckResul
         max_len = rng.randint(8, 20)
         shape = dict(num_layers=layers, batch_size=batch, num_kv_heads=heads, head_dim=dim, max_seq_len=max_len)
         made = "YourCache(" + ", ".join(f"{k}={v}" for k, v in shape.items()) + ")"
-        cache = call_learner("YourCache", cache_cls, **shape)
+        with torch.device(device):  # a buffer allocated without device= lands where the tensors it stores live
+            cache = call_learner("YourCache", cache_cls, **shape)
         chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(layers)]
         first_storage: dict[int, torch.Tensor] = {}
         cached = 0
@@ -146,20 +164,21 @@ def check_cache_update(cache_cls: type, model=None, seed: int = 0) -> CheckResul
                 fail(f"{made}.seq_len before forward pass {step}", expected=cached, got=seq_len, hint=hint)
             start, end = cached, cached + t
             for layer in range(layers):
-                k = torch.randn(batch, heads, t, dim, generator=gen)
-                v = torch.randn(batch, heads, t, dim, generator=gen)
+                k = torch.randn(batch, heads, t, dim, generator=gen, device="cpu")
+                v = torch.randn(batch, heads, t, dim, generator=gen, device="cpu")
                 chunks[layer].append((k, v))
                 case = f"{made}: update({layer}, k, v) with T={t} new tokens after seq_len={start}"
                 if not callable(getattr(cache, "update", None)):
                     raise ExerciseError(f"{made} has no update method.")
-                result = call_learner(f"update({layer}, k, v)", cache.update, layer, k.clone(), v.clone())
-                if not (isinstance(result, tuple) and len(result) == 2):
-                    fail(case, expected="a tuple (keys, values)", got=describe(result),
-                         hint="update returns the layer's keys and values so far, as two tensors.")
                 want_k = torch.cat([c[0] for c in chunks[layer]], dim=2)
                 want_v = torch.cat([c[1] for c in chunks[layer]], dim=2)
                 others_k = [torch.cat([c[0] for c in chunks[o]], dim=2) for o in range(layers) if o != layer and chunks[o]]
                 others_v = [torch.cat([c[1] for c in chunks[o]], dim=2) for o in range(layers) if o != layer and chunks[o]]
+                result = call_learner(f"update({layer}, k, v)", cache.update, layer, handed(k, device),
+                                      handed(v, device))  # fmt: skip
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    fail(case, expected="a tuple (keys, values)", got=describe(result),
+                         hint="update returns the layer's keys and values so far, as two tensors.")
                 for name, got, want, new, others, other_name, want_other in (
                     ("keys", result[0], want_k, k, others_k, "values", want_v),
                     ("values", result[1], want_v, v, others_v, "keys", want_k),
@@ -178,6 +197,7 @@ def check_cache_update(cache_cls: type, model=None, seed: int = 0) -> CheckResul
                         fail(case, expected=f"{name} of shape {list(want.shape)}", got=f"shape {list(got.shape)}",
                              hint=hint)
                     expect_tensor(case, got, tuple(want.shape), what=f"{name} [B, H_kv, seq_len + T, D]")
+                    got = on_host(got)
                     if not torch.equal(got, want):
                         fail(case + f" ({name})", expected=want, got=got,
                              hint=_history_hint(got, want, new, start, others, other_name, want_other))
@@ -190,10 +210,10 @@ def check_cache_update(cache_cls: type, model=None, seed: int = 0) -> CheckResul
                               "new tensor (torch.cat) copies the whole history at every step, which is what "
                               "preallocating avoids.")
             cached = end
-        k1 = torch.randn(batch, heads, 1, dim, generator=gen)
+        k1 = torch.randn(batch, heads, 1, dim, generator=gen, device="cpu")
         case = f"{made}: update(0, k, v) with the cache full ({max_len} tokens)"
         try:
-            cache.update(0, k1, k1.clone())
+            cache.update(0, handed(k1, device), handed(k1, device))
         except ValueError:
             pass
         except Exception as exc:
@@ -249,8 +269,8 @@ def check_chunked_prefill(fn: Callable, model=None, seed: int = 0) -> CheckResul
     for n, chunk in cases:
         ids = [rng.randrange(model.config.vocab_size) for _ in range(n)]
         case = f"prefill(model, ids of {n} tokens, chunk_size={chunk})"
-        ref_cache = kvcourse.KVCache.for_model(model.config, device=model.device)
-        want = model(torch.tensor([ids], device=model.device), cache=ref_cache)[0, -1]
+        ref_cache = kvcourse.KVCache.for_model(model.config, dtype=model.dtype, device=model.device)
+        want = on_host(model(torch.tensor([ids], device=model.device), cache=ref_cache)[0, -1]).float()
         result = call_learner("prefill", fn, model, list(ids), chunk)
         if not (isinstance(result, tuple) and len(result) == 2):
             fail(case, expected="a tuple (logits, cache)", got=describe(result),
@@ -271,6 +291,7 @@ def check_chunked_prefill(fn: Callable, model=None, seed: int = 0) -> CheckResul
                 hint = "Some tokens were fed twice: the chunks must not overlap."
             fail(case + ": cache.seq_len afterwards", expected=n, got=held, hint=hint)
         expect_tensor(case, logits, (model.config.vocab_size,), what="[vocab]: the last prompt token's logits")
+        logits = on_host(logits)
         if (logits.float() - want).abs().max().item() > 1e-3:
             fail(case, expected=want, got=logits,
                  hint="The cache is full but the logits differ: return the scores of the LAST prompt token "
@@ -284,10 +305,11 @@ def check_chunked_prefill(fn: Callable, model=None, seed: int = 0) -> CheckResul
 def _decode(q, k, v, lens, *, scale=None, heads="grouped", softmax=True):
     b, hq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
-    index = torch.arange(hq) // (hq // hkv) if heads == "grouped" else torch.arange(hq) % hkv
+    heads_q = torch.arange(hq, device=q.device)
+    index = heads_q // (hq // hkv) if heads == "grouped" else heads_q % hkv
     k, v = k[:, index], v[:, index]
     scores = torch.einsum("bhd,bhsd->bhs", q, k) * (1 / math.sqrt(d) if scale is None else scale)
-    valid = torch.arange(s)[None, :] < torch.as_tensor(lens)[:, None]
+    valid = torch.arange(s, device=q.device)[None, :] < torch.as_tensor(lens, device=q.device)[:, None]
     if softmax:
         weights = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")), dim=-1)
     else:
@@ -295,13 +317,15 @@ def _decode(q, k, v, lens, *, scale=None, heads="grouped", softmax=True):
     return torch.einsum("bhs,bhsd->bhd", weights, v)
 
 
-def check_decode_attention(attend: Callable, seed: int = 0) -> CheckResult:
+def check_decode_attention(attend: Callable, seed: int = 0, *, device: torch.device | str | None = None) -> CheckResult:
     """``attend(q [B, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], seq_lens [B])`` -> ``[B, Hq, D]``.
 
     One decode step for a batch whose caches are padded to ``S`` positions: sequence ``b`` has only
     ``seq_lens[b]`` real tokens; query head ``h`` reads KV head ``h // (Hq // Hkv)``. Compared with
-    :func:`kvcourse.decode_attention_ref` on hidden random inputs.
+    :func:`kvcourse.decode_attention_ref` on hidden random inputs, handed to ``attend`` on ``device`` (the CPU by
+    default).
     """
+    device = learner_device(device)
     refuse_references(attend, {"decode_attention_ref": kvcourse.decode_attention_ref,
                                "causal_attention": kvcourse.causal_attention},
                       "write the decode step yourself in plain torch.")
@@ -331,17 +355,18 @@ def check_decode_attention(attend: Callable, seed: int = 0) -> CheckResult:
     for b, hq, hkv, s, d in shapes:
         lens = [s] + [rng.randint(1, s - 1) for _ in range(b - 1)]
         rng.shuffle(lens)
-        seq_lens = torch.tensor(lens)
-        q = torch.randn(b, hq, d, generator=gen)
-        k = torch.randn(b, hkv, s, d, generator=gen) * 2.0
-        v = torch.randn(b, hkv, s, d, generator=gen)
-        pad = torch.arange(s)[None, :] >= seq_lens[:, None]  # [B, S]: slots past a sequence's end
+        seq_lens = torch.tensor(lens, device="cpu")
+        q = torch.randn(b, hq, d, generator=gen, device="cpu")
+        k = torch.randn(b, hkv, s, d, generator=gen, device="cpu") * 2.0
+        v = torch.randn(b, hkv, s, d, generator=gen, device="cpu")
+        pad = torch.arange(s, device="cpu")[None, :] >= seq_lens[:, None]  # [B, S]: slots past a sequence's end
         k[pad[:, None].expand_as(k[..., 0])] *= 3.0  # padding holds stale data, not zeros
         v[pad[:, None].expand_as(v[..., 0])] += 5.0
         case = f"attend(q {list(q.shape)}, k/v {list(k.shape)}, seq_lens={lens})"
-        got = call_learner("attend", attend, q.clone(), k.clone(), v.clone(), seq_lens.clone())
-        expect_tensor(case, got, (b, hq, d), what="[B, Hq, D]")
         want = kvcourse.decode_attention_ref(q, k, v, seq_lens)
+        got = call_learner("attend", attend, *(handed(x, device) for x in (q, k, v, seq_lens)))
+        expect_tensor(case, got, (b, hq, d), what="[B, Hq, D]")
+        got = on_host(got)
         if not torch.allclose(got.float(), want, atol=1e-5, rtol=1e-4):
             diagnosis.record(case, (q, k, v, lens), got, want, extra=f"\n            ({tensor_diff(got, want)})")
     diagnosis.raise_if_wrong()

@@ -11,7 +11,9 @@ whole kernel from its signature, one counts bytes.
 Each kernel check launches the learner's ``@triton.jit`` kernel (with the signature the exercise gives)
 on hidden cases seeded from the check's ``seed`` argument, and compares it with torch. Wrong outputs are
 compared with the typical mistakes, computed in torch (:class:`~kvcourse.exercises._core.Diagnosis`),
-to say which one they look like. Without a GPU the kernels run in Triton's interpreter.
+to say which one they look like. The cases are drawn and answered on the CPU, then copied to where
+kernels run (:func:`~kvcourse.kernels.triton_runtime.kernel_device`): compiled on a GPU, or, without
+one, in Triton's interpreter on the CPU.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..kernels.online_softmax import online_softmax_attention
 from ..kernels.reference import paged_decode_attention_ref
 from ..kernels.roofline import GPU_PEAKS
 from ..kernels.testing import random_paged_case
-from ..kernels.triton_runtime import triton  # noqa: F401  (settles where kernels run before the learner's are launched)
+from ..kernels.triton_runtime import kernel_device, triton  # settles where kernels run before the learner's launch
 from ._core import (
     call_learner,
     case_generator,
@@ -36,6 +38,8 @@ from ._core import (
     Diagnosis,
     ExerciseError,
     fail,
+    handed,
+    on_host,
     passed,
     tensor_diff,
     wrap_checks,
@@ -58,6 +62,8 @@ def _expect_kernel(kernel: object, name: str) -> None:
 
 
 def _launch(name: str, kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
+    """Launch the learner's kernel on ``args`` (tensors already where kernels run)."""
+
     def run():
         with np.errstate(all="ignore"):  # a wrong kernel may overflow: the check reports it, NumPy need not
             try:
@@ -85,6 +91,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     return torch.einsum("...s,...sd->...d", torch.softmax(s, dim=-1), v.double())
 
 
+def _on_kernel_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of hidden-case tensors where this process's kernels run, for the learner's kernel to read and write."""
+    return [handed(t, kernel_device()) for t in tensors]
+
+
 def _per_sequence(q, k, v, lens, scale, extra: int = 0) -> torch.Tensor:
     """Attention of row ``b`` over its first ``lens[b] + extra`` positions (never beyond the cache)."""
     return torch.stack([_attend(q[b], k[b, : n + extra], v[b, : n + extra], scale) for b, n in enumerate(lens)])
@@ -107,8 +118,8 @@ def check_masked_decode(kernel, seed: int = 0) -> CheckResult:
     gen = case_generator("ch05.check_masked_decode", seed)
     scale = 1 / math.sqrt(MASK_D)
 
-    def pad_mask(lens):  # [B, BLOCK_S, 1]: True where the slot belongs to the sequence
-        return (torch.arange(MASK_BLOCK_S)[None, :] < torch.tensor(lens)[:, None])[..., None]
+    def pad_mask(lens):  # [B, BLOCK_S, 1]: True where the slot belongs to the sequence (on the host, as the cases)
+        return (torch.arange(MASK_BLOCK_S, device="cpu")[None, :] < torch.tensor(lens, device="cpu")[:, None])[..., None]
 
     def scores_only(q, k, v, lens):  # scores masked to -inf, V loaded whole: 0 x NaN is NaN
         s = torch.einsum("bd,bsd->bs", q.double(), torch.where(pad_mask(lens), k, 0.0).double()) * scale
@@ -133,16 +144,18 @@ def check_masked_decode(kernel, seed: int = 0) -> CheckResult:
     lens_sets += [[rng.randint(1, MASK_BLOCK_S) for _ in range(rng.randint(2, 5))] for _ in range(2)]
     for lens in lens_sets:
         for pad in ("stale", "nan"):
-            q = torch.randn(len(lens), MASK_D, generator=gen) * 2
-            k = torch.randn(len(lens), MASK_BLOCK_S, MASK_D, generator=gen)
-            v = torch.randn(len(lens), MASK_BLOCK_S, MASK_D, generator=gen)
+            q = torch.randn(len(lens), MASK_D, generator=gen, device="cpu") * 2
+            k = torch.randn(len(lens), MASK_BLOCK_S, MASK_D, generator=gen, device="cpu")
+            v = torch.randn(len(lens), MASK_BLOCK_S, MASK_D, generator=gen, device="cpu")
             outside = ~pad_mask(lens)
             k = torch.where(outside, k * 3 if pad == "stale" else float("nan"), k)
             v = torch.where(outside, v if pad == "stale" else float("nan"), v)
-            out = torch.full_like(q, float("nan"))
-            _launch("masked_decode_kernel", kernel, (len(lens),), q, k, v, torch.tensor(lens, dtype=torch.int32), out,
-                    scale, BLOCK_S=MASK_BLOCK_S, D=MASK_D)  # fmt: skip
             want = _per_sequence(q, k, v, lens, scale)
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device="cpu")
+            out = torch.full_like(q, float("nan"))
+            args = _on_kernel_device(q, k, v, seq_lens, out)
+            _launch("masked_decode_kernel", kernel, (len(lens),), *args, scale, BLOCK_S=MASK_BLOCK_S, D=MASK_D)
+            out = on_host(args[-1])
             if not _right(out, want):
                 diagnosis.record(f"masked_decode_kernel with seq_lens {lens}, {pad} padding", (q, k, v, lens), out, want,
                                  extra=f"; {tensor_diff(out, want)}")  # fmt: skip
@@ -158,9 +171,9 @@ ONLINE_BLOCK_N, ONLINE_D, ONLINE_S = 16, 16, 80
 
 def _online(q, k, v, lens, scale, mistake: str = "", block_n: int = ONLINE_BLOCK_N) -> torch.Tensor:
     """What the tiled loop computes (float64), right or with one typical mistake."""
-    out = torch.zeros(q.shape, dtype=torch.float64)
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     for b, n in enumerate(lens):
-        m, l, acc = -math.inf, 0.0, torch.zeros(q.shape[1], dtype=torch.float64)
+        m, l, acc = -math.inf, 0.0, torch.zeros(q.shape[1], dtype=torch.float64, device=q.device)
         for start in range(0, n, block_n):
             s = (k[b, start : min(start + block_n, n)].double() @ q[b].double()) * scale
             m_new = max(m, float(s.max()))
@@ -186,7 +199,7 @@ def check_online_softmax(kernel, seed: int = 0) -> CheckResult:
     diagnosis = Diagnosis([
         ("The output has inf or NaN: exponentiate against the new maximum, p = exp(s - m_new), and rescale by "
          "alpha = exp(m_old - m_new), which is at most 1 (0 for the first tile, where m_old = -inf).",
-         lambda q, k, v, lens: torch.full(q.shape, float("nan"), dtype=torch.float64)),
+         lambda q, k, v, lens: torch.full(q.shape, float("nan"), dtype=torch.float64, device=q.device)),
         ("acc was summed under the old maximum: multiply it by alpha = exp(m_old - m_new) before adding this tile's "
          "p @ v.", lambda q, k, v, lens: _online(q, k, v, lens, scale, "acc")),
         ("acc is rescaled but l is not: l = l * alpha + sum(p).", lambda q, k, v, lens: _online(q, k, v, lens, scale, "l")),
@@ -197,15 +210,18 @@ def check_online_softmax(kernel, seed: int = 0) -> CheckResult:
     lens_sets = [[5, 16, 40, 80, 33]] + [[rng.randint(1, ONLINE_S) for _ in range(4)] for _ in range(2)]
     for lens in lens_sets:
         for growing in (True, False):
-            q = torch.randn(len(lens), ONLINE_D, generator=gen)
-            k = torch.randn(len(lens), ONLINE_S, ONLINE_D, generator=gen)
-            v = torch.randn(len(lens), ONLINE_S, ONLINE_D, generator=gen)
+            q = torch.randn(len(lens), ONLINE_D, generator=gen, device="cpu")
+            k = torch.randn(len(lens), ONLINE_S, ONLINE_D, generator=gen, device="cpu")
+            v = torch.randn(len(lens), ONLINE_S, ONLINE_D, generator=gen, device="cpu")
             if growing:  # scores rise along the sequence: every new tile raises the running maximum
-                k += torch.arange(ONLINE_S)[None, :, None] * 0.15 * q[:, None, :] / q.norm(dim=1)[:, None, None]
-            out = torch.full_like(q, float("nan"))
-            _launch("online_decode_kernel", kernel, (len(lens),), q, k, v, torch.tensor(lens, dtype=torch.int32), out,
-                    scale, S_MAX=ONLINE_S, BLOCK_N=ONLINE_BLOCK_N, D=ONLINE_D)  # fmt: skip
+                rise = torch.arange(ONLINE_S, device="cpu")[None, :, None] * 0.15
+                k += rise * q[:, None, :] / q.norm(dim=1)[:, None, None]
             want = _online(q, k, v, lens, scale)
+            out = torch.full_like(q, float("nan"))
+            args = _on_kernel_device(q, k, v, torch.tensor(lens, dtype=torch.int32, device="cpu"), out)
+            _launch("online_decode_kernel", kernel, (len(lens),), *args, scale, S_MAX=ONLINE_S, BLOCK_N=ONLINE_BLOCK_N,
+                    D=ONLINE_D)  # fmt: skip
+            out = on_host(args[-1])
             if not _right(out, want):
                 kind = "scores rising along the sequence" if growing else "random scores"
                 diagnosis.record(f"online_decode_kernel with seq_lens {lens}, {kind}", (q, k, v, lens), out, want,
@@ -228,7 +244,7 @@ def _read_as(case, block_size: int, slots_of: Callable) -> torch.Tensor:
     group = case.q.shape[1] // hkv
     rows = []
     for b, n in enumerate(case.seq_lens.tolist()):
-        idx = slots_of(tables, b, torch.arange(n)).clamp(0, flat_k.shape[0] - 1)
+        idx = slots_of(tables, b, torch.arange(n, device=tables.device)).clamp(0, flat_k.shape[0] - 1)
         k = flat_k[idx].repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
         v = flat_v[idx].repeat_interleave(group, dim=1).transpose(0, 1)
         rows.append(_attend(case.q[b], k, v, 1 / math.sqrt(d)))
@@ -263,12 +279,12 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
 
     def make(block_size, nan, lens, case_seed):
         case = random_paged_case(case_seed, lens, num_q_heads=4, num_kv_heads=2, head_dim=PAGED_D,
-                                 block_size=block_size, spare_blocks=6)  # fmt: skip
+                                 block_size=block_size, spare_blocks=6, device="cpu")  # fmt: skip
         if not nan:  # unused slots hold stale numbers (a wrong address then gives a wrong number, not NaN)
-            g = torch.Generator().manual_seed(case_seed)
+            g = torch.Generator(device="cpu").manual_seed(case_seed)
             for cache in (case.k_cache, case.v_cache):
                 stale = torch.isnan(cache)
-                cache[stale] = torch.randn(int(stale.sum()), generator=g) * 3
+                cache[stale] = torch.randn(int(stale.sum()), generator=g, device="cpu") * 3
         return case
 
     def variant(name):
@@ -285,12 +301,14 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
                           "+ kv_head * stride_kh.", _same)  # fmt: skip
     for i, (block_size, nan, lens) in enumerate(cases):
         case = make(block_size, nan, lens, rng.randrange(2**31) + i)
-        q, k_cache, v_cache, tables = case.q, case.k_cache, case.v_cache, case.block_tables
-        out = torch.full_like(q, float("nan"))
-        _launch("paged_decode_kernel", kernel, (q.shape[0], q.shape[1]), q, k_cache, v_cache, tables, case.seq_lens,
-                out, 1 / math.sqrt(PAGED_D), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                k_cache.stride(2), tables.stride(0), GROUP=2, BLOCK_SIZE=block_size, BLOCK_N=16, D=PAGED_D)  # fmt: skip
-        want = paged_decode_attention_ref(q, k_cache, v_cache, tables, case.seq_lens)
+        want = paged_decode_attention_ref(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+        args = _on_kernel_device(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                 torch.full_like(case.q, float("nan")))  # fmt: skip
+        q, k_cache, tables = args[0], args[1], args[3]
+        _launch("paged_decode_kernel", kernel, (q.shape[0], q.shape[1]), *args, 1 / math.sqrt(PAGED_D), q.stride(0),
+                q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0), GROUP=2,
+                BLOCK_SIZE=block_size, BLOCK_N=16, D=PAGED_D)  # fmt: skip
+        out = on_host(args[-1])
         if not _right(out, want):
             pad = "NaN" if nan else "stale numbers"
             diagnosis.record(f"paged_decode_kernel with blocks of {block_size}, seq_lens {lens}, unused slots holding "
@@ -316,14 +334,15 @@ def _merge_case(gen, lens: list[int], num_splits: int, shift: float):
     never written (NaN). ``shift`` is added to every score: the answer does not move, every lse moves by it.
     """
     rows = len(lens) * MERGE_HEADS
-    partial = torch.full((rows + 1, num_splits, MERGE_D), float("nan"), dtype=torch.float64)
-    lse = torch.full((rows + 1, num_splits), float("nan"), dtype=torch.float64)
-    want_out = torch.empty(rows, MERGE_D, dtype=torch.float64)
-    want_lse = torch.empty(rows, dtype=torch.float64)
+    host = dict(dtype=torch.float64, device="cpu")
+    partial = torch.full((rows + 1, num_splits, MERGE_D), float("nan"), **host)
+    lse = torch.full((rows + 1, num_splits), float("nan"), **host)
+    want_out = torch.empty(rows, MERGE_D, **host)
+    want_lse = torch.empty(rows, **host)
     for b, n in enumerate(lens):
-        q = torch.randn(MERGE_HEADS, MERGE_D, generator=gen, dtype=torch.float64) * 1.5
-        k = torch.randn(n, MERGE_D, generator=gen, dtype=torch.float64)
-        v = torch.randn(n, MERGE_D, generator=gen, dtype=torch.float64)
+        q = torch.randn(MERGE_HEADS, MERGE_D, generator=gen, **host) * 1.5
+        k = torch.randn(n, MERGE_D, generator=gen, **host)
+        v = torch.randn(n, MERGE_D, generator=gen, **host)
         k[: n // 2] += 0.5 * q[0]  # the splits' log-sum-exps differ: the weights matter
         split_len = -(-n // num_splits)
         for i in range(num_splits):
@@ -348,8 +367,8 @@ def _merge_as(partial, lse, rows, block_s, mistake: str = ""):
     num_splits = lse.shape[1]
     if mistake == "split_mask":  # lanes past NUM_SPLITS read on into the next row's splits
         flat_o, flat_l = partial.reshape(-1, MERGE_D), lse.reshape(-1)
-        flat_o = torch.cat([flat_o, torch.full((block_s, MERGE_D), float("nan"))])
-        flat_l = torch.cat([flat_l, torch.full((block_s,), float("nan"))])
+        flat_o = torch.cat([flat_o, flat_o.new_full((block_s, MERGE_D), float("nan"))])
+        flat_l = torch.cat([flat_l, flat_l.new_full((block_s,), float("nan"))])
         o = torch.stack([flat_o[r * num_splits : r * num_splits + block_s] for r in range(rows)]).double()
         l = torch.stack([flat_l[r * num_splits : r * num_splits + block_s] for r in range(rows)]).double()
     else:
@@ -431,10 +450,10 @@ def check_merge_splits(kernel, seed: int = 0) -> CheckResult:
     for num_splits, lens, shift in cases:
         partial, lse, want_out, want_lse, rows = _merge_case(gen, lens, num_splits, shift)
         block_s = triton.next_power_of_2(num_splits)
-        out = torch.full((rows, MERGE_D), float("nan"))
-        out_lse = torch.full((rows,), float("nan"))
-        _launch("merge_splits_kernel", kernel, (rows,), partial, lse, out, out_lse, NUM_SPLITS=num_splits,
-                BLOCK_S=block_s, D=MERGE_D)  # fmt: skip
+        args = _on_kernel_device(partial, lse, torch.full((rows, MERGE_D), float("nan"), device="cpu"),
+                                 torch.full((rows,), float("nan"), device="cpu"))  # fmt: skip
+        _launch("merge_splits_kernel", kernel, (rows,), *args, NUM_SPLITS=num_splits, BLOCK_S=block_s, D=MERGE_D)
+        out, out_lse = on_host(args[2]), on_host(args[3])
         right = _right(out, want_out) and _right(out_lse, want_lse)
         if not right:
             what = f"{num_splits} splits of seq_lens {lens}" + (f", every score shifted by {shift:+g}" if shift else "")
@@ -458,7 +477,7 @@ def _tiled_as(q, k, v, lens, group, block_n, scale, mistake: str = "") -> torch.
     """What a tiled GQA decode kernel computes, right or with one typical mistake, in float64: ``[B, Hq, D]``."""
     bsz, hq, d = q.shape
     hkv = k.shape[1]
-    out = torch.empty(bsz, hq, d, dtype=torch.float64)
+    out = torch.empty(bsz, hq, d, dtype=torch.float64, device=q.device)
     for b, n in enumerate(lens):
         padded = -(-n // block_n) * block_n  # the positions the loop's tiles cover
         for h in range(hq):
@@ -528,19 +547,22 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
     s_max = 48  # a multiple of every BLOCK_N: even an unmasked tile stays inside the cache
     for group, block_n, lens, pad, growing in cases:
         hq = TILED_HKV * group
-        q = torch.randn(len(lens), hq, TILED_D, generator=gen)
-        k = torch.randn(len(lens), TILED_HKV, s_max, TILED_D, generator=gen)
-        v = torch.randn(len(lens), TILED_HKV, s_max, TILED_D, generator=gen)
+        q = torch.randn(len(lens), hq, TILED_D, generator=gen, device="cpu")
+        k = torch.randn(len(lens), TILED_HKV, s_max, TILED_D, generator=gen, device="cpu")
+        v = torch.randn(len(lens), TILED_HKV, s_max, TILED_D, generator=gen, device="cpu")
+        positions = torch.arange(s_max, device="cpu")
         if growing:  # scores rise along the sequence: later tiles raise the running maximum
-            k += torch.arange(s_max)[None, None, :, None] * 0.1 * q[:, ::group, None, :] / TILED_D**0.5
-        outside = (torch.arange(s_max)[None, :] >= torch.tensor(lens)[:, None])[:, None, :, None]
+            k += positions[None, None, :, None] * 0.1 * q[:, ::group, None, :] / TILED_D**0.5
+        outside = (positions[None, :] >= torch.tensor(lens, device="cpu")[:, None])[:, None, :, None]
         k = torch.where(outside, k * 3 if pad == "stale" else float("nan"), k)
         v = torch.where(outside, v + 2 if pad == "stale" else float("nan"), v)
-        out = torch.full_like(q, float("nan"))
-        _launch("tiled_decode_kernel", kernel, (len(lens), TILED_HKV), q, k, v, torch.tensor(lens, dtype=torch.int32),
-                out, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), GROUP=group,
-                BLOCK_N=block_n, D=TILED_D)  # fmt: skip
         want = _tiled_as(q, k, v, lens, group, block_n, scale)
+        args = _on_kernel_device(q, k, v, torch.tensor(lens, dtype=torch.int32, device="cpu"),
+                                 torch.full_like(q, float("nan")))  # fmt: skip
+        q_d, k_d = args[0], args[1]
+        _launch("tiled_decode_kernel", kernel, (len(lens), TILED_HKV), *args, scale, q_d.stride(0), q_d.stride(1),
+                k_d.stride(0), k_d.stride(1), k_d.stride(2), GROUP=group, BLOCK_N=block_n, D=TILED_D)  # fmt: skip
+        out = on_host(args[-1])
         if not _right(out, want):
             what = f"GROUP={group}, BLOCK_N={block_n}, seq_lens {lens}, {pad} padding" + (
                 ", scores rising along the sequence" if growing else "")

@@ -23,6 +23,9 @@ from ._core import (
     describe,
     Diagnosis,
     ExerciseError,
+    handed,
+    learner_device,
+    on_host,
     passed,
     refuse_references,
     wrap_checks,
@@ -76,8 +79,8 @@ def _same(a, b) -> bool:
 def _cases(rng) -> list[tuple[torch.Tensor, torch.Tensor, list[tuple[str, int, int]]]]:
     def pools(num_device: int, num_host: int):
         # Every block a different value, device positive and host negative, so any wrong copy shows.
-        device = torch.arange(num_device * 2, dtype=torch.float32).view(num_device, 2) + 1
-        host = -torch.arange(num_host * 2, dtype=torch.float32).view(num_host, 2) - 1
+        device = torch.arange(num_device * 2, dtype=torch.float32, device="cpu").view(num_device, 2) + 1
+        host = -torch.arange(num_host * 2, dtype=torch.float32, device="cpu").view(num_host, 2) - 1
         return device, host
 
     cases = [
@@ -97,27 +100,33 @@ def _cases(rng) -> list[tuple[torch.Tensor, torch.Tensor, list[tuple[str, int, i
     return cases
 
 
-def check_replay(replay: Callable, seed: int = 0) -> CheckResult:
+def check_replay(replay: Callable, seed: int = 0, *, device: torch.device | str | None = None) -> CheckResult:
     """``replay(device, host, transfers)`` copies blocks in place: ``transfers`` lists ``(direction, src,
     dst)`` with ``direction`` ``"to_host"`` (device block ``src`` into host block ``dst``) or
     ``"to_device"`` (host block ``src`` into device block ``dst``); ``device``, ``host`` are
-    ``[num_blocks, block_size]`` tensors (one layer's K, say)."""
+    ``[num_blocks, block_size]`` tensors (one layer's K, say).
+
+    The host pool is on the CPU; the device pool on this check's ``device`` argument (the CPU by default,
+    ``"cuda"`` for a device pool in GPU memory, where every move crosses between the two)."""
+    pool_device = learner_device(device)
     refuse_references(replay, {"apply_transfers": apply_transfers}, "replay the moves yourself.")
     diagnosis = Diagnosis(_MISTAKES, same=_same, default=(
         "For each (direction, src, dst) in order: host[dst] = device[src] for 'to_host', device[dst] = host[src] for "
         "'to_device', writing into the tensors you were given."))  # fmt: skip
-    for device, host, transfers in _cases(case_rng("check_replay", seed)):
-        label = f"replay(device {tuple(device.shape)}, host {tuple(host.shape)}, {describe(transfers, limit=6)})"
-        got_device, got_host = device.clone(), host.clone()
+    for device_pool, host_pool, transfers in _cases(case_rng("check_replay", seed)):
+        label = (f"replay(device {tuple(device_pool.shape)}, host {tuple(host_pool.shape)}, "
+                 f"{describe(transfers, limit=6)})")  # fmt: skip
+        want = _replay(device_pool, host_pool, transfers)
+        got_device, got_host = handed(device_pool, pool_device), host_pool.clone()
         try:
             call_learner("replay", replay, got_device, got_host, list(transfers))
         except ExerciseError as exc:
             if isinstance(exc.__cause__, IndexError):  # a block number read in the wrong pool
                 raise ExerciseError(f"{exc}\nHint: {_ROLES}", case=label, hint=_ROLES) from exc
             raise
-        want = _replay(device, host, transfers)
-        if not _same((got_device, got_host), want):
-            diagnosis.record(label, (device, host, transfers), (got_device, got_host), want)
+        got = (on_host(got_device), got_host)
+        if not _same(got, want):
+            diagnosis.record(label, (device_pool, host_pool, transfers), got, want)
     diagnosis.raise_if_wrong()
     return passed("every move reads what the moves before it left, so a block reused within a step holds the "
                   "right data.")

@@ -36,6 +36,9 @@ from ._core import (
     ExerciseError,
     expect_tensor,
     fail,
+    handed,
+    learner_device,
+    on_host,
     passed,
     refuse_references,
     tensor_diff,
@@ -109,12 +112,15 @@ def _same_codes(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, bits: in
     return bool((close | (tie & (diff <= step * 1.001))).all())
 
 
-def check_quantizer(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int = 0) -> CheckResult:
+def check_quantizer(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int = 0, *,
+                    device: torch.device | str | None = None) -> CheckResult:
     """``fn(x, bits)`` -> the values ``x`` comes back as after ``bits``-bit asymmetric quantization of each row.
 
     Every row (the last axis) is one group: zero point = the row's minimum, scale = its range over
-    ``2**bits - 1`` steps, codes rounded to the nearest integer in ``0 .. 2**bits - 1``.
+    ``2**bits - 1`` steps, codes rounded to the nearest integer in ``0 .. 2**bits - 1``. ``x`` is handed to
+    ``fn`` on ``device`` (the CPU by default).
     """
+    device = learner_device(device)
     if not callable(fn):
         raise ExerciseError(f"pass your function fn(x, bits), got {type(fn).__name__}")
     refuse_references(fn, {"fake_quantize": fake_quantize}, "write the quantizer yourself.")
@@ -123,7 +129,7 @@ def check_quantizer(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int =
     cases = []
     for bits in (8, 4, 2, 3, 8, 4):
         shape = rng.choice([(4, 16), (3, 8), (2, 3, 32)])
-        x = torch.randn(*shape, generator=gen) * rng.uniform(0.5, 4) + rng.uniform(-1, 1)
+        x = torch.randn(*shape, generator=gen, device="cpu") * rng.uniform(0.5, 4) + rng.uniform(-1, 1)
         if rng.random() < 0.5:
             x[..., rng.randrange(shape[-1])] *= 8  # an outlier in some rows
         cases.append((x, bits))
@@ -132,15 +138,16 @@ def check_quantizer(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int =
                           lambda got, wrong: torch.allclose(got.float(), wrong.float(), rtol=1e-4, atol=1e-4))  # fmt: skip
     for x, bits in cases:
         case = f"quantize-dequantize({describe(x)}, bits={bits})"
-        got = call_learner("your quantizer", fn, x.clone(), bits)
-        expect_tensor(case, got, tuple(x.shape), what="(the shape of x)")
         want = _fake_quant(x, bits)
+        got = call_learner("your quantizer", fn, handed(x, device), bits)
+        expect_tensor(case, got, tuple(x.shape), what="(the shape of x)")
+        got = on_host(got)
         if not _same_codes(got.float(), want, x, bits):
             diagnosis.record(case, (x, bits), got, want, extra=f" ({tensor_diff(got, want)})")
     diagnosis.raise_if_wrong()
     # A row whose values are all equal has no range: every code is 0 and the row comes back exactly.
-    flat = torch.full((2, 8), 1.5)
-    got = call_learner("your quantizer", fn, flat.clone(), 4)
+    flat = torch.full((2, 8), 1.5, device="cpu")
+    got = on_host(call_learner("your quantizer", fn, handed(flat, device), 4))
     if not isinstance(got, torch.Tensor) or not torch.equal(got.float(), flat):
         fail("quantize-dequantize of a constant row [1.5, 1.5, ...], bits=4", expected=flat, got=got,
              hint="max - min is 0 for a constant row: guard the division (any nonzero scale works there, "
@@ -216,13 +223,15 @@ def check_ring_slot(slot_for: Callable[[int, int, int], int], model=None, seed: 
 def _ring_on_the_model(slot_for: Callable[[int, int, int], int], model) -> None:
     class LearnerRing(_window.SinkKVCache):
         def slots(self, positions: torch.Tensor) -> torch.Tensor:
-            return torch.tensor([slot_for(int(p), self.num_sinks, self.window) for p in positions], dtype=torch.int64)
+            slots = [slot_for(int(p), self.num_sinks, self.window) for p in positions.tolist()]
+            return torch.tensor(slots, dtype=torch.int64, device=positions.device)
 
     ids = [1, 504, 3458, 282, 4649, 314, 17, 30, 2045, 1099, 28, 253, 1183, 314, 16, 4, 2116, 18]
     num_sinks, window = 2, 5
-    cache = LearnerRing.for_model(model.config, window=window, num_sinks=num_sinks)
-    got = torch.cat([model(torch.tensor([[i]], device=model.device), cache=cache)[0] for i in ids]).float()
-    want = _window.simulate_window_logits(model, ids, window, num_sinks)
+    want = on_host(_window.simulate_window_logits(model, ids, window, num_sinks))
+    cache = LearnerRing.for_model(model.config, window=window, num_sinks=num_sinks, dtype=model.dtype,
+                                  device=model.device)  # fmt: skip
+    got = on_host(torch.cat([model(torch.tensor([[i]], device=model.device), cache=cache)[0] for i in ids]).float())
     scale = float(want.abs().max())
     if not torch.allclose(got, want, rtol=0, atol=1e-4 * scale):
         fail(f"decoding {len(ids)} tokens on the real model through your ring (num_sinks={num_sinks}, "
@@ -236,11 +245,12 @@ def _ring_on_the_model(slot_for: Callable[[int, int, int], int], model) -> None:
 def _attention_probs(gen: torch.Generator, num_heads: int, seq_len: int) -> torch.Tensor:
     """Causal attention weights ``[num_heads, seq_len, seq_len]`` that look like a prefill's: a sink at
     position 0, a few keys every head's queries favour, and noise."""
-    logits = torch.randn(num_heads, seq_len, seq_len, generator=gen)
-    hot = torch.randint(0, seq_len, (num_heads, 4), generator=gen)
-    logits.scatter_add_(-1, hot[:, None].expand(num_heads, seq_len, 4), torch.full((num_heads, seq_len, 4), 3.0))
+    logits = torch.randn(num_heads, seq_len, seq_len, generator=gen, device="cpu")
+    hot = torch.randint(0, seq_len, (num_heads, 4), generator=gen, device="cpu")
+    logits.scatter_add_(-1, hot[:, None].expand(num_heads, seq_len, 4), torch.full((num_heads, seq_len, 4), 3.0,
+                                                                                     device="cpu"))  # fmt: skip
     logits[..., 0] += 2.0  # an attention sink
-    future = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(1)
+    future = torch.ones(seq_len, seq_len, dtype=torch.bool, device="cpu").triu(1)
     return torch.softmax(logits.masked_fill(future, float("-inf")), -1)
 
 
@@ -276,7 +286,8 @@ def _package_keep(probs, num_kv_heads, budget, window, kernel) -> torch.Tensor:
     exactly as the model's attention hands it over, then the cache compresses itself with SnapKV."""
     h, s, _ = probs.shape
     cache = DroppingKVCache(1, 1, num_kv_heads, 2, observation_window=window)
-    cache.update(0, torch.zeros(1, num_kv_heads, s, 2), torch.zeros(1, num_kv_heads, s, 2))
+    # Only the positions matter here, not the keys and values.
+    cache.update(0, probs.new_zeros(1, num_kv_heads, s, 2), probs.new_zeros(1, num_kv_heads, s, 2))
     cache.observe_attention(0, probs[None])
     cache.compress(budget, "snapkv", pool_kernel=kernel)
     return cache.key_positions(0)[0]
@@ -325,10 +336,12 @@ _SNAPKV_MISTAKES = [
 ]
 
 
-def check_snapkv_keep(snapkv_keep: Callable, seed: int = 0) -> CheckResult:
+def check_snapkv_keep(snapkv_keep: Callable, seed: int = 0, *, device: torch.device | str | None = None) -> CheckResult:
     """``snapkv_keep(probs, num_kv_heads, budget, window, kernel)`` -> the positions ``[num_kv_heads, budget]``
     (ascending) of the prompt tokens SnapKV keeps for each KV head, from one layer's prefill attention
-    ``probs [num_heads, S, S]``; compared with what :class:`~kvcourse.compression.DroppingKVCache` keeps."""
+    ``probs [num_heads, S, S]`` (handed to it on ``device``, the CPU by default); compared with what
+    :class:`~kvcourse.compression.DroppingKVCache` keeps."""
+    device = learner_device(device)
     refuse_references(snapkv_keep, {"select_tokens": select_tokens, "DroppingKVCache": DroppingKVCache},
                       "score and choose the tokens yourself.")  # fmt: skip
     rng, gen = case_rng("ch08.check_snapkv_keep", seed), case_generator("ch08.check_snapkv_keep", seed)
@@ -343,13 +356,13 @@ def check_snapkv_keep(snapkv_keep: Callable, seed: int = 0) -> CheckResult:
         "max-pool along the tokens; force the last `window` tokens in; keep the top `budget`; sort the positions."))
     for probs, g, b, w, k in cases:
         label = f"snapkv_keep(probs {list(probs.shape)}, num_kv_heads={g}, budget={b}, window={w}, kernel={k})"
-        got = call_learner("snapkv_keep", snapkv_keep, probs.clone(), g, b, w, k)
+        want = _package_keep(probs, g, b, w, k)
+        got = call_learner("snapkv_keep", snapkv_keep, handed(probs, device), g, b, w, k)
         expect_tensor(label, got, (g, b), what="(per KV head, the kept positions)")
-        got = got.long()
+        got = on_host(got).long()
         if not bool((got[:, 1:] > got[:, :-1]).all()):
             fail(label, expected="positions in ascending order, each once", got=got,
                  hint="Sort each KV head's kept positions (topk returns them by score), e.g. .sort(-1).values.")
-        want = _package_keep(probs, g, b, w, k)
         if not _same_keep(got, want, _snapkv_ranked(probs, g, w, k)):
             diagnosis.record(label, (probs, g, b, w, k), got, want)
     diagnosis.raise_if_wrong()
@@ -403,17 +416,17 @@ def _mla_case(rng, gen, seed: int):
     heads, head_dim, rope_dim = rng.choice([2, 3, 4]), rng.choice([8, 16]), rng.choice([4, 6])
     config = MLAConfig(hidden_size=rng.choice([48, 64]), num_heads=heads, qk_nope_head_dim=head_dim,
                        qk_rope_head_dim=rope_dim, v_head_dim=head_dim, kv_lora_rank=rng.choice([20, 24, 40]))
-    mla = MultiHeadLatentAttention(config, seed=seed)
+    mla = MultiHeadLatentAttention(config, seed=seed, device="cpu")
     # Every size distinct, so that a tensor's shape says what it holds (the check looks for per-head K or V).
     sizes = {heads, head_dim, rope_dim, config.kv_lora_rank, config.hidden_size, heads * head_dim}
     prompt = rng.choice([n for n in range(5, 60) if n + 1 not in sizes])
-    x = torch.randn(1, prompt + 1, config.hidden_size, generator=gen)
+    x = torch.randn(1, prompt + 1, config.hidden_size, generator=gen, device="cpu")
     cache = LatentCache()
     mla(x[:, :prompt], cache)
     layer_out = mla(x[:, prompt:], cache)  # the expanded form's output for the new token; appends its latent
     q = mla.q_proj(x[:, prompt:]).view(heads, head_dim + rope_dim)
     q_nope, q_rope = q.split([head_dim, rope_dim], -1)
-    q_rope = mla._rope(q_rope[None, None], torch.tensor([prompt]))[0, 0]  # RoPE at the new token's position
+    q_rope = mla._rope(q_rope[None, None], torch.tensor([prompt], device=x.device))[0, 0]  # at the new token's position
     k, v = mla.expanded_kv(cache)  # [1, H, S, nope + rope], [1, H, S, v]: what an MHA cache would hold
     probs = torch.softmax(torch.einsum("hd,hsd->hs", torch.cat([q_nope, q_rope], -1), k[0]) * mla.scale, -1)
     want = torch.einsum("hs,hsv->hv", probs, v[0])
@@ -423,11 +436,14 @@ def _mla_case(rng, gen, seed: int):
     return mla, args, want, layer_out
 
 
-def check_absorbed_decode(absorbed_decode: Callable, seed: int = 0) -> CheckResult:
+def check_absorbed_decode(absorbed_decode: Callable, seed: int = 0, *,
+                          device: torch.device | str | None = None) -> CheckResult:
     """``absorbed_decode(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale)`` -> the new token's attention
     output per head ``[heads, v_head_dim]``, computed on the cached latents (``W_uk`` absorbed into the query,
     ``W_uv`` into the output) and compared with attention over the per-head K and V that
-    :meth:`kvcourse.mla.MultiHeadLatentAttention.expanded_kv` rebuilds."""
+    :meth:`kvcourse.mla.MultiHeadLatentAttention.expanded_kv` rebuilds. The tensors are handed to it on
+    ``device`` (the CPU by default)."""
+    device = learner_device(device)
     refuse_references(absorbed_decode, {"MultiHeadLatentAttention": MultiHeadLatentAttention},
                       "compute the step in latent space yourself.")  # fmt: skip
     rng, gen = case_rng("ch08.check_absorbed_decode", seed), case_generator("ch08.check_absorbed_decode", seed)
@@ -443,9 +459,10 @@ def check_absorbed_decode(absorbed_decode: Callable, seed: int = 0) -> CheckResu
                  f"{latent.shape[1]}, {latent.shape[0]} cached tokens)")
         recorder = _ShapeRecorder()
         with recorder:
-            got = call_learner("absorbed_decode", absorbed_decode, *(a.clone() if isinstance(a, torch.Tensor) else a
-                                                                      for a in args))  # fmt: skip
+            got = call_learner("absorbed_decode", absorbed_decode, *(handed(a, device) if isinstance(a, torch.Tensor)
+                                                                      else a for a in args))  # fmt: skip
         expect_tensor(label, got, tuple(want.shape), what="(heads, v_head_dim)")
+        got = on_host(got)
         if not torch.allclose(got.float(), want, rtol=1e-4, atol=1e-5):
             diagnosis.record(label, args, got.float(), want, extra=f" ({tensor_diff(got, want)})")
             continue

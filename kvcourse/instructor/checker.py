@@ -8,6 +8,10 @@ does, it does in its own process: the verdict is what the check returns here.
 
 The references a check refuses as answers (``refuse_references(...)`` in its body) are read from the
 check's source, not listed by hand, and sent to the sandbox to be neutered there.
+
+Devices: the check runs here on whatever device it chooses (chapter 5's on the GPU when there is one);
+its tensors reach the student's code as host tensors and what that code writes into them comes back
+(:mod:`.wire`), and the sandbox runs a student's Triton kernel in Triton's CPU interpreter.
 """
 
 from __future__ import annotations

@@ -55,7 +55,14 @@ SHARED: dict[str, Shared] = {"model": Shared(_load_model), "tok": Shared(_load_t
 
 
 def preload() -> None:
-    """Run once in the fork server: one thread per process (many run side by side), the model loaded."""
+    """Run once in the fork server: one thread per process (many run side by side), the model loaded.
+
+    A student's Triton kernel runs in Triton's CPU interpreter here, on a GPU machine too: the wire hands the
+    student's code host tensors whatever device the check works on (and writes back what the kernel wrote),
+    and a process forked from this server could not use CUDA anyway once anything here has asked for it.
+    Set before anything imports Triton, which reads it once.
+    """
+    os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
     torch.set_num_threads(1)

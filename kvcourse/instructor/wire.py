@@ -206,7 +206,7 @@ class Endpoint:
             t = t.contiguous().clone()
             storage = t.untyped_storage()
         self._kept[storage.data_ptr()] = storage
-        raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+        raw = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage, 0, (storage.nbytes(),), (1,))
         buffers.append(raw.numpy().tobytes())
         return [str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()), t.storage_offset(),
                 storage.data_ptr(), storage.nbytes(), len(buffers) - 1]
@@ -279,19 +279,22 @@ class Endpoint:
         if len(raw) != nbytes:
             _malformed()
         dtype = getattr(torch, dtype)
-        size = torch.empty(0, dtype=dtype).element_size()
+        size = dtype.itemsize
         numel = 1
         for n in shape:
             numel *= n
         last = offset + sum((n - 1) * s for n, s in zip(shape, stride)) if numel else offset - 1
         if (last + 1) * size > nbytes:  # set_ does not check bounds: a view must stay inside its storage
             _malformed()
+        # Tensors cross as bytes and arrive in host memory, whatever torch's default device (the checker moves
+        # them where it computes; the written-back values are copied into its own tensors, on any device).
         mirror = self._mirrors.get(key)
         if mirror is None or mirror.numel() != nbytes:
-            mirror = self._mirrors[key] = torch.empty(nbytes, dtype=torch.uint8)
+            mirror = self._mirrors[key] = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
         if nbytes:
             mirror.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        return torch.empty(0, dtype=dtype).set_(mirror.untyped_storage(), offset, tuple(shape), tuple(stride))
+        view = torch.empty(0, dtype=dtype, device="cpu")
+        return view.set_(mirror.untyped_storage(), offset, tuple(shape), tuple(stride))
 
     # ---- messages ------------------------------------------------------------------------------
     def send(self, header: dict, buffers: list[bytes] = ()) -> None:

@@ -43,10 +43,12 @@ def online_softmax_attention(
         raise ValueError(f"need q [G, D] and k, v [S, D], got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
     if isinstance(tile, bool) or not isinstance(tile, int) or tile < 1:
         raise ValueError(f"tile must be a positive int, got {tile!r}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}")
     q, k, v = q.double(), k.double(), v.double()
-    m = torch.full((q.shape[0],), float("-inf"), dtype=torch.float64)
-    l = torch.zeros(q.shape[0], dtype=torch.float64)
-    acc = torch.zeros(q.shape, dtype=torch.float64)
+    m = torch.full((q.shape[0],), float("-inf"), dtype=torch.float64, device=q.device)
+    l = torch.zeros(q.shape[0], dtype=torch.float64, device=q.device)
+    acc = torch.zeros_like(q)
     for start in range(0, k.shape[0], tile):
         s = scale * q @ k[start : start + tile].T  # [G, tile]
         m_new = torch.maximum(m, s.amax(dim=1))
@@ -71,6 +73,8 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     """
     if outs.shape[:-1] != lses.shape:
         raise ValueError(f"outs [splits, ..., D] and lses [splits, ...] disagree: {list(outs.shape)}, {list(lses.shape)}")
+    if lses.device != outs.device:
+        raise ValueError(f"outs and lses must be on one device, got {outs.device} and {lses.device}")
     if bool(torch.isneginf(lses).all(dim=0).any()):
         raise ValueError("every split of some row is empty (lse = -inf): nothing to merge")
     w = torch.exp(lses - lses.amax(dim=0))

@@ -457,8 +457,10 @@ def slot_mapping(block_table: Sequence[int], positions: Sequence[int] | range, b
                 f"positions must lie in [0, {limit}) for a block table of {len(table)} blocks of {block_size}, "
                 f"got {pos}"
             )
-    pos = torch.tensor(list(positions), dtype=torch.int64)
-    return slots_of(torch.tensor([table], dtype=torch.int64), torch.zeros_like(pos), pos, block_size).tolist()
+    # Lists in, a list out: computed on the host, whatever torch's default device.
+    pos = torch.tensor(list(positions), dtype=torch.int64, device="cpu")
+    table_row = torch.tensor([table], dtype=torch.int64, device="cpu")
+    return slots_of(table_row, torch.zeros_like(pos), pos, block_size).tolist()
 
 
 def slots_of(block_tables: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -87,7 +87,8 @@ def random_paged_case(
         spare_blocks: blocks no sequence owns (filled with NaN).
         extra_table_columns: padding columns (-1) at the end of every block table.
     """
-    g = torch.Generator().manual_seed(seed)
+    # Drawn on the host (the same case on every machine), moved to ``device`` at the end.
+    g = torch.Generator(device="cpu").manual_seed(seed)
     seq_lens = list(seq_lens)
     query_lens = [1] * len(seq_lens) if query_lens is None else list(query_lens)
     if len(query_lens) != len(seq_lens) or not all(1 <= q <= s for q, s in zip(query_lens, seq_lens)):
@@ -98,25 +99,25 @@ def random_paged_case(
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     owned = [nb - (shared_blocks if b else 0) for b, nb in enumerate(blocks_per_seq)]
     num_blocks = sum(owned) + spare_blocks
-    physical = torch.randperm(num_blocks, generator=g).tolist()  # scattered, not contiguous
+    physical = torch.randperm(num_blocks, generator=g, device="cpu").tolist()  # scattered, not contiguous
     tables = []
     for b, nb in enumerate(owned):
         own = [physical.pop() for _ in range(nb)]
         tables.append(tables[0][:shared_blocks] + own if b else own)
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(dtype)
+        return torch.randn(*shape, generator=g, device="cpu").to(dtype)
 
     hkv, d, s_max = num_kv_heads, head_dim, max(seq_lens)
-    k = torch.zeros(len(seq_lens), hkv, s_max, d, dtype=dtype)
+    k = torch.zeros(len(seq_lens), hkv, s_max, d, dtype=dtype, device="cpu")
     v = torch.zeros_like(k)
-    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype)
+    k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=dtype, device="cpu")
     v_cache = torch.full_like(k_cache, float("nan"))
     for b, n in enumerate(seq_lens):
         k[b, :, :n], v[b, :, :n] = randn(hkv, n, d), randn(hkv, n, d)
         if b and shared:  # a shared prefix holds sequence 0's K/V
             k[b, :, :shared], v[b, :, :shared] = k[0, :, :shared], v[0, :, :shared]
-        slots = torch.tensor(slot_mapping(tables[b], range(n), block_size))
+        slots = torch.tensor(slot_mapping(tables[b], range(n), block_size), device="cpu")
         k_cache.view(-1, hkv, d)[slots] = k[b, :, :n].transpose(0, 1)
         v_cache.view(-1, hkv, d)[slots] = v[b, :, :n].transpose(0, 1)
 
@@ -131,11 +132,11 @@ def random_paged_case(
         q=randn(qsl[-1], num_q_heads, d),
         k_cache=k_cache,
         v_cache=v_cache,
-        block_tables=torch.tensor(padded, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        positions=torch.tensor(positions, dtype=torch.int64),
-        slot_mapping=torch.tensor(own_slots, dtype=torch.int64),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device="cpu"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cpu"),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device="cpu"),
+        positions=torch.tensor(positions, dtype=torch.int64, device="cpu"),
+        slot_mapping=torch.tensor(own_slots, dtype=torch.int64, device="cpu"),
         k=k,
         v=v,
         scale=scale,
@@ -176,10 +177,10 @@ def paged_from_contiguous(
     lens = [int(n) for n in seq_lens]
     if len(lens) != q.shape[0] or k.shape[0] != q.shape[0] or any(not 1 <= n <= k.shape[2] for n in lens):
         raise ValueError(f"need one seq_len in [1, {k.shape[2]}] per sequence of q, got {lens}")
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
-    physical = torch.randperm(num_blocks, generator=g).tolist()
+    physical = torch.randperm(num_blocks, generator=g, device="cpu").tolist()
     tables = [[physical.pop() for _ in range(nb)] for nb in blocks_per_seq]
     hkv, d = k.shape[1], k.shape[3]
     k_cache = torch.full((num_blocks, block_size, hkv, d), float("nan"), dtype=k.dtype, device=k.device)

@@ -53,6 +53,7 @@ __all__ = [
     "counting_runs",
     "fallbacks",
     "interpreting",
+    "kernel_device",
     "kernel_runs",
     "launch_or_fallback",
     "reset_fallbacks",
@@ -78,6 +79,11 @@ if interpreting() != isinstance(tl.cdiv, InterpretedFunction):
         "Triton was imported before TRITON_INTERPRET was settled: import kvcourse before anything that "
         "imports Triton (torch.compile does), or set TRITON_INTERPRET=1 (CPU) or 0 (GPU) in the environment"
     )
+
+
+def kernel_device() -> torch.device:
+    """Where this process's kernels take their tensors: the CPU in Triton's interpreter, else the GPU."""
+    return torch.device("cpu" if interpreting() else "cuda")
 
 
 def upcast(dtype: torch.dtype) -> bool:
