@@ -10,8 +10,9 @@ runs, each job in its own process:
 2. then, at most ``--parallel`` (2) at a time, each with ``cores / parallel`` CPU threads (eight
    notebooks at once starved each other on the first GPU run):
 
-   * **the kernel tests, compiled** (``tests/test_kernels.py`` and the native-compile check; no
-     ``TRITON_INTERPRET``, so Triton compiles for this GPU);
+   * **the kernel tests, compiled** (``tests/test_kernels*.py``, the native-compile check and chapter 5's
+     exercise checks; no ``TRITON_INTERPRET``, so Triton compiles for this GPU), and chapter 5's reference
+     solutions graded through the grader;
    * **every test that takes ``device``**, on ``cuda`` (``-k cuda``): the model, the backends, the engine,
      the paged and compressed caches and the exercise checks;
    * **every chapter top to bottom** on the GPU, executed in memory (the committed notebooks keep the CPU
@@ -87,11 +88,17 @@ def jobs(root: Path, out: Path, quick_bench: bool = False, save_notebooks: Path 
     return [
         Job("kernel benchmark", bench, alone=True),
         *chapters[:2],  # the two longest chapters start first
-        Job("kernel tests, compiled on the GPU", pytest + ["tests/test_kernels.py", "tests/test_kernels_native.py",
-                                                           "-k", "not bad_input"]),
+        Job("kernel tests, compiled on the GPU", pytest + kernel_test_files(root) + ["-k", "not bad_input"]),
+        Job("chapter 5's kernel exercises graded on the GPU", pytest + ["tests/test_catalog.py", "-k", "ch05"]),
         Job("tests that take a device, on cuda", pytest + device_test_files(root) + ["-k", "cuda"]),
         *chapters[2:],
     ]  # fmt: skip
+
+
+def kernel_test_files(root: Path) -> list[str]:
+    """Every kernel test and chapter 5's exercise checks: where Triton compiles, they run compiled."""
+    files = sorted((root / "tests").glob("test_kernels*.py")) + [root / "tests" / "test_exercises_ch05.py"]
+    return [f"tests/{p.name}" for p in files]
 
 
 def device_test_files(root: Path) -> list[str]:

@@ -2,6 +2,7 @@
 
 import nbformat
 import pytest
+import torch
 from nbclient import NotebookClient
 
 CELLS = [
@@ -49,3 +50,30 @@ def test_a_crash_in_the_learners_code_shows_the_learners_frame_only(executed):
     text = "\n".join(error.traceback)
     assert "return [][0]" in text and "IndexError" in text
     assert "_core.py" not in text and "exercises/ch01.py" not in text
+
+
+def test_checks_hand_the_learner_tensors_on_the_chapters_device():
+    from kvcourse.exercises._core import learner_device
+    from kvcourse.utils import default_device
+
+    assert learner_device() == default_device()  # the GPU on Colab, where the chapters now run
+    assert learner_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device must be"):
+        learner_device("no-such-device")
+
+
+def test_a_device_mismatch_in_the_learners_code_gets_the_device_hint():
+    from kvcourse.exercises._core import DEVICE_HINT, ExerciseError, call_learner
+
+    def made_on_the_cpu(x):  # what the first GPU run of chapter 5 raised
+        raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!")
+
+    def plain_bug(x):
+        raise RuntimeError("shape '[2, 3]' is invalid for input of size 5")
+
+    with pytest.raises(ExerciseError) as err:
+        call_learner("attend", made_on_the_cpu, torch.zeros(2))
+    assert DEVICE_HINT in str(err.value) and "device=x.device" in str(err.value)
+    with pytest.raises(ExerciseError) as err:
+        call_learner("attend", plain_bug, torch.zeros(2))
+    assert DEVICE_HINT not in str(err.value)

@@ -25,6 +25,8 @@ def test_jobs_cover_every_chapter_and_name_files_that_exist(tmp_path):
             if arg.startswith("tests/"):
                 assert (gpu_check.ROOT / arg).is_file(), arg
     assert str(tmp_path) in todo[0].command  # the benchmark writes beside the check's JSON
+    kernels = gpu_check.kernel_test_files(gpu_check.ROOT)
+    assert {"tests/test_kernels.py", "tests/test_kernels_native.py", "tests/test_exercises_ch05.py"} <= set(kernels)
     files = gpu_check.device_test_files(gpu_check.ROOT)
     assert {"tests/test_model.py", "tests/test_serving_real.py"} <= set(files)
     assert "tests/test_browser.py" not in files and "tests/test_loader.py" not in files

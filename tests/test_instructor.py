@@ -465,3 +465,14 @@ def test_a_students_kernel_runs_in_the_interpreter_even_where_triton_would_compi
     env = dict(os.environ, TRITON_INTERPRET="0")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.startswith("True "), done.stdout + done.stderr
+
+
+def test_an_appendix_after_the_exercises_is_not_part_of_the_last_one():
+    md = lambda s: {"cell_type": "markdown", "metadata": {}, "source": s}  # noqa: E731
+    code = lambda s: {"cell_type": "code", "metadata": {}, "source": s, "outputs": [], "execution_count": None}  # noqa: E731
+    ex = lambda label: md(f"```{{exercise}} T\n:label: {label}\nDo it.\n```")  # noqa: E731
+    nb = {"cells": [md("# 1. Title"), code("import x"), md("## Exercises"), ex("a"), code("a = 1"),
+                    md("### A note within the exercise"), code("a += 1"), ex("b"), code("b = 2"),
+                    md("## Appendix: provenance"), code("print('plumbing')"), ex("c"), code("c = 3")]}  # fmt: skip
+    found = {e.label: e.code_cells for e in find_exercises(nb)}
+    assert found == {"a": [4, 6], "b": [8], "c": [12]}  # cell 10 is the appendix's

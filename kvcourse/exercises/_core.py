@@ -282,16 +282,19 @@ def case_generator(*key: object):
 
 
 def learner_device(device=None):
-    """The device a check hands the learner's code its tensors on: ``device`` if given, else the CPU.
+    """The device a check hands the learner's code its tensors on: ``device`` if given, else
+    :func:`~kvcourse.utils.default_device` (the GPU on Colab), where every chapter now runs.
 
-    Chapters 1-4 and 6-8 keep their tensors on the CPU (their model is loaded there, on a GPU machine too), so
-    code written there need not be device-neutral; ``device="cuda"`` checks it on a GPU. (Checks that take the
-    model use the model's device; chapter 5's kernel checks, the device kernels run on.)
+    So on a GPU the learner's code must be device-neutral, as the package's is: a tensor it makes goes on its
+    inputs' device (``torch.arange(n, device=x.device)``); :func:`call_learner` says so when it is not. (Checks
+    that take the model use the model's device; chapter 5's kernel checks, the device kernels run on.)
     """
     import torch
 
     if device is None:
-        return torch.device("cpu")
+        from ..utils import default_device
+
+        return default_device()
     try:
         return torch.device(device)
     except (RuntimeError, TypeError):
@@ -322,7 +325,18 @@ def call_learner(name: str, fn, *args, **kwargs):
         raise Unfinished(f"{name} is not written yet (it raised NotImplementedError: {exc})") from exc
     except Exception as exc:  # the learner's code failed: say where, not the answer
         shown = ", ".join([describe(a, limit=4) for a in args] + [f"{k}={describe(v, limit=4)}" for k, v in kwargs.items()])
-        raise ExerciseError(f"{name}({shown}) raised {type(exc).__name__}: {exc}") from exc
+        hint = f" {DEVICE_HINT}" if _is_device_mismatch(exc) else ""
+        raise ExerciseError(f"{name}({shown}) raised {type(exc).__name__}: {exc}{hint}") from exc
+
+
+# What a device mismatch says (torch's messages, and Triton's for a CPU tensor handed to a compiled kernel).
+_DEVICE_MISMATCH = ("same device", "cpu tensor?", "found at least two devices")
+DEVICE_HINT = ("Hint: your code made a tensor on the CPU while its inputs are on the GPU. Make new tensors on "
+               "the inputs' device, e.g. torch.arange(n, device=x.device), or move one there with .to(x.device).")
+
+
+def _is_device_mismatch(exc: BaseException) -> bool:
+    return isinstance(exc, (RuntimeError, ValueError)) and any(m in str(exc) for m in _DEVICE_MISMATCH)
 
 
 def expect_close(name: str, got: object, want: float, rel: float = 1e-6, hint: str = "") -> None:

@@ -144,7 +144,7 @@ def check_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tor
 
     Causal softmax attention where the ``T`` queries are the last ``T`` of the ``S`` positions, and
     query head ``h`` reads KV head ``h // (Hq // Hkv)`` (grouped-query attention). Compared with
-    :func:`kvcourse.causal_attention` on hidden random inputs, handed to ``fn`` on ``device`` (the CPU by default).
+    :func:`kvcourse.causal_attention` on hidden random inputs, handed to ``fn`` on ``device`` (the chapter's device, default_device(), by default).
     """
     refuse_references(fn, {"causal_attention": kvcourse.causal_attention,
                            "decode_attention_ref": kvcourse.decode_attention_ref},

@@ -56,7 +56,7 @@ def check_new_positions(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: i
     """``fn(seq_lens [B], num_new)`` -> integer ``[B, num_new]``: the positions RoPE gives the new tokens.
 
     Sequence ``b`` already has ``seq_lens[b]`` tokens in its cache (positions ``0 .. seq_lens[b]-1``);
-    ``seq_lens`` is handed to ``fn`` on ``device`` (the CPU by default).
+    ``seq_lens`` is handed to ``fn`` on ``device`` (the chapter's device, default_device(), by default).
     """
     device = learner_device(device)
     if not callable(fn):
@@ -130,7 +130,7 @@ def check_cache_update(cache_cls: type, model=None, seed: int = 0, *,
     ``ValueError``. With ``model`` the cache also runs a greedy generation on the real model.
 
     The cache is built with ``device`` as torch's default device and handed ``k, v`` there: the model's
-    device when ``model`` is given (then leave ``device`` out), else the CPU unless ``device`` says otherwise.
+    device when ``model`` is given (then leave ``device`` out), else ``device`` (default_device() if left out).
     """
     if model is not None and device is not None:
         raise ValueError(f"give model or device, not both: the cases go to the model's device, got device={device!r}")

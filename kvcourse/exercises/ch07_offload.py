@@ -106,8 +106,8 @@ def check_replay(replay: Callable, seed: int = 0, *, device: torch.device | str 
     ``"to_device"`` (host block ``src`` into device block ``dst``); ``device``, ``host`` are
     ``[num_blocks, block_size]`` tensors (one layer's K, say).
 
-    The host pool is on the CPU; the device pool on this check's ``device`` argument (the CPU by default,
-    ``"cuda"`` for a device pool in GPU memory, where every move crosses between the two)."""
+    The host pool is on the CPU; the device pool on this check's ``device`` argument (default_device() by
+    default: the GPU on Colab, where every move crosses between GPU and CPU memory)."""
     pool_device = learner_device(device)
     refuse_references(replay, {"apply_transfers": apply_transfers}, "replay the moves yourself.")
     diagnosis = Diagnosis(_MISTAKES, same=_same, default=(

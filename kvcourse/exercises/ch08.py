@@ -118,7 +118,7 @@ def check_quantizer(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int =
 
     Every row (the last axis) is one group: zero point = the row's minimum, scale = its range over
     ``2**bits - 1`` steps, codes rounded to the nearest integer in ``0 .. 2**bits - 1``. ``x`` is handed to
-    ``fn`` on ``device`` (the CPU by default).
+    ``fn`` on ``device`` (the chapter's device, default_device(), by default).
     """
     device = learner_device(device)
     if not callable(fn):
@@ -339,7 +339,7 @@ _SNAPKV_MISTAKES = [
 def check_snapkv_keep(snapkv_keep: Callable, seed: int = 0, *, device: torch.device | str | None = None) -> CheckResult:
     """``snapkv_keep(probs, num_kv_heads, budget, window, kernel)`` -> the positions ``[num_kv_heads, budget]``
     (ascending) of the prompt tokens SnapKV keeps for each KV head, from one layer's prefill attention
-    ``probs [num_heads, S, S]`` (handed to it on ``device``, the CPU by default); compared with what
+    ``probs [num_heads, S, S]`` (handed to it on ``device``, default_device() by default); compared with what
     :class:`~kvcourse.compression.DroppingKVCache` keeps."""
     device = learner_device(device)
     refuse_references(snapkv_keep, {"select_tokens": select_tokens, "DroppingKVCache": DroppingKVCache},
@@ -442,7 +442,7 @@ def check_absorbed_decode(absorbed_decode: Callable, seed: int = 0, *,
     output per head ``[heads, v_head_dim]``, computed on the cached latents (``W_uk`` absorbed into the query,
     ``W_uv`` into the output) and compared with attention over the per-head K and V that
     :meth:`kvcourse.mla.MultiHeadLatentAttention.expanded_kv` rebuilds. The tensors are handed to it on
-    ``device`` (the CPU by default)."""
+    ``device`` (the chapter's device, default_device(), by default)."""
     device = learner_device(device)
     refuse_references(absorbed_decode, {"MultiHeadLatentAttention": MultiHeadLatentAttention},
                       "compute the step in latent space yourself.")  # fmt: skip

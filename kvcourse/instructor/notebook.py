@@ -46,8 +46,10 @@ class Exercise:
 
 
 def find_exercises(nb: dict) -> list[Exercise]:
-    """The exercises of ``nb`` in order. Code cells belong to the last exercise stated before them."""
+    """The exercises of ``nb`` in order. Code cells belong to the last exercise stated before them, until a
+    section heading (``#`` or ``##``) that states no exercise: an appendix after the exercises is not one."""
     exercises: list[Exercise] = []
+    closed = False  # a heading after the last exercise ended it
     for index, cell in enumerate(nb["cells"]):
         if cell.get("cell_type") == "markdown":
             found = len(exercises)
@@ -59,7 +61,11 @@ def find_exercises(nb: dict) -> list[Exercise]:
             stated = cell.get("metadata", {}).get("exercise")
             if len(exercises) == found and isinstance(stated, str) and stated:  # a reader copy: plain markdown
                 exercises.append(Exercise(stated, "", index))
-        elif cell.get("cell_type") == "code" and exercises:
+            if len(exercises) > found:
+                closed = False
+            elif re.match(r"#{1,2} ", cell_source(cell).lstrip()):
+                closed = True
+        elif cell.get("cell_type") == "code" and exercises and not closed:
             exercises[-1].code_cells.append(index)
     return exercises
 
