@@ -94,8 +94,7 @@ def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     return _COPIES[key][1]
 
 
-@pytest.fixture
-def model_on(model, device):
+def real_model_on(model, device: torch.device):
     """The real model on ``device``: the session's CPU model, or the same weights loaded once onto the GPU."""
     if device.type == "cpu":
         return model
@@ -103,6 +102,21 @@ def model_on(model, device):
         torch.manual_seed(0)
         _GPU_MODELS[str(device)] = kvcourse.load_pretrained(device=device)[0]
     return _GPU_MODELS[str(device)]
+
+
+@pytest.fixture
+def model_on(model, device):
+    """The real model on ``device`` (see :func:`real_model_on`)."""
+    return real_model_on(model, device)
+
+
+@pytest.fixture
+def kernel_model(model):
+    """The real model where this process's Triton kernels take their tensors: the CPU in the interpreter,
+    the GPU when Triton compiles (``python -m kvcourse.gpu_check`` runs the kernel tests there)."""
+    from kvcourse.kernels.triton_runtime import kernel_device
+
+    return real_model_on(model, kernel_device())
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvcourse.exercises import ExerciseError, ch05
+from kvcourse.exercises._core import Unfinished
 from kvcourse.kernels.triton_runtime import kernel_device, tl, triton
 
 
@@ -338,6 +339,30 @@ def test_merge_splits_wants_the_kernel_and_reports_a_stub():
         raise NotImplementedError("write the merge")
 
     assert not ch05.check_merge_splits(stub)
+
+
+def test_a_stub_that_cannot_compile_is_reported_as_not_written():
+    """Compiled on a GPU, a stub's ``raise NotImplementedError`` is a compile error (Triton has no raise):
+    the learner must still read "not written yet", as in the interpreter."""
+
+    class CompiledStub:  # what Triton's JIT does with the stub on a GPU
+        src = 'def stub(Partial, Lse, Out, Out_lse):\n    raise NotImplementedError("write the merge")\n'
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("at 2:4:\n    raise NotImplementedError\n    ^\nunsupported AST node type: Raise")
+
+            return launch
+
+    with pytest.raises(Unfinished, match="not written yet"):
+        ch05._launch("merge_splits_kernel", CompiledStub(), (1,))
+
+    class BrokenKernel(CompiledStub):  # the same error from a kernel that is not a stub is the learner's bug
+        src = "def k(X):\n    pass\n"
+
+    with pytest.raises(ExerciseError, match="unsupported AST node type: Raise") as err:
+        ch05._launch("merge_splits_kernel", BrokenKernel(), (1,))
+    assert not isinstance(err.value, Unfinished)
 
 
 # ---------------------------------------------------------------------------------------------

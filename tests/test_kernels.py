@@ -278,3 +278,25 @@ def test_decode_and_int8_bad_input_names_the_argument():
         paged_decode_attention_int8(c8.q, k8, v8, ks, vs.half(), c8.block_tables, c8.seq_lens)
     with pytest.raises(TypeError, match="k_cache must have dtype torch.int8"):
         paged_decode_attention_int8(c8.q, k8.float(), v8, ks, vs, c8.block_tables, c8.seq_lens)
+
+
+def test_a_loaded_scalar_bounds_a_loop_in_the_interpreter():
+    """Triton's interpreter up to 3.6 could not use a loaded scalar as a range bound under NumPy 2; kvcourse
+    patches it (triton_runtime), so our kernels and chapter 5's exercises run on Colab's Triton too."""
+    from kvcourse.kernels.triton_runtime import _index_loaded_scalars_in_the_interpreter, tl, triton
+
+    if not interpreting():
+        pytest.skip("compiled code: the loop bound is a register, nothing to patch")
+    assert _index_loaded_scalars_in_the_interpreter() and _index_loaded_scalars_in_the_interpreter()  # idempotent
+
+    @triton.jit
+    def count_tiles(Seq_lens, Out, BLOCK_N: tl.constexpr):
+        b = tl.program_id(0)
+        tiles = tl.full([1], 0, tl.int32)
+        for start in range(0, tl.load(Seq_lens + b), BLOCK_N):
+            tiles += 1
+        tl.store(Out + b + tl.arange(0, 1), tiles)
+
+    out = torch.zeros(3, dtype=torch.int32)
+    count_tiles[(3,)](torch.tensor([1, 16, 33], dtype=torch.int32), out, BLOCK_N=16)
+    assert out.tolist() == [1, 1, 3]

@@ -21,12 +21,19 @@ from kvcourse.kernels.triton_runtime import (
     KernelFallbackWarning,
     OutOfResources,
     fallbacks,
+    interpreting,
+    kernel_device,
     kernel_runs,
     reset_fallbacks,
     reset_kernel_runs,
 )
 from kvcourse.paged import PagedKVStore
 from kvcourse.serving import ModelRunner
+
+# Where the kernels take their tensors in this process: the CPU in Triton's interpreter, else the GPU
+# (``python -m kvcourse.gpu_check`` runs these tests there, compiled).
+DEVICE = kernel_device()
+HOW = "interpreter" if interpreting() else "compiled"
 
 
 @pytest.fixture
@@ -66,16 +73,17 @@ def _greedy(model, first, second, backend, steps=3):
     return tokens, all_logits
 
 
-def test_real_model_generates_the_same_tokens_through_triton(model, tok, no_fallback):
+def test_real_model_generates_the_same_tokens_through_triton(kernel_model, tok, no_fallback):
     first, second = tok.encode("The capital of France is"), tok.encode("def fibonacci(n):")
-    want, want_logits = _greedy(model, first, second, "paged-torch")
-    got, got_logits = _greedy(model, first, second, "triton")
+    want, want_logits = _greedy(kernel_model, first, second, "paged-torch")
+    got, got_logits = _greedy(kernel_model, first, second, "triton")
     assert got == want and len(got[0]) == 3 and len(got[1]) == 2
     for g, w in zip(got_logits, want_logits):
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-3)
 
 
-def test_kernels_reproduce_the_models_attention_on_real_keys_and_values(model, tok, no_fallback):
+def test_kernels_reproduce_the_models_attention_on_real_keys_and_values(kernel_model, tok, no_fallback):
+    model = kernel_model
     ids = tok.encode("A block table maps each sequence's logical blocks to physical blocks of one shared pool.")
     case = model_decode_case(model, [ids, ids[:9], ids[:2]], layer=7)
     assert case.q.shape == (3, 9, 64) and case.k.shape == (3, 3, len(ids), 64) and torch.isnan(case.k[2, :, 2:]).all()
@@ -99,19 +107,20 @@ def test_kernels_reproduce_the_models_attention_on_real_keys_and_values(model, t
 def _synthetic_step(seed: int, dtype=torch.float32):
     """A ragged step on a one-layer pool: two decodes and a 5-token chunk continuing a prefill."""
     g = torch.Generator().manual_seed(seed)
-    store = PagedKVStore(1, 16, 4, 2, 64, dtype=dtype)
-    store.k_cache[0].copy_(torch.randn(store.k_cache[0].shape, generator=g))
+    store = PagedKVStore(1, 16, 4, 2, 64, dtype=dtype, device=DEVICE)
+    store.k_cache[0].copy_(torch.randn(store.k_cache[0].shape, generator=g))  # drawn on the CPU, copied across
     store.v_cache[0].copy_(torch.randn(store.v_cache[0].shape, generator=g))
     seqs = [SeqSlice([1], 9, [3, 7, 1]), SeqSlice([2, 3, 4, 5, 6], 6, [0, 5, 9]), SeqSlice([7], 12, [2, 4, 6, 8])]
-    batch = ForwardBatch.build(seqs, block_size=4)
+    batch = ForwardBatch.build(seqs, block_size=4, device=DEVICE)
     n = batch.num_tokens
-    q = torch.randn(1, n, 6, 64, generator=g).to(dtype)
-    k, v = torch.randn(1, n, 2, 64, generator=g).to(dtype), torch.randn(1, n, 2, 64, generator=g).to(dtype)
+    q = torch.randn(1, n, 6, 64, generator=g).to(DEVICE, dtype)
+    k, v = (torch.randn(1, n, 2, 64, generator=g).to(DEVICE, dtype) for _ in range(2))
     return store, batch, (q, k, v)
 
 
 def _copy(store: PagedKVStore) -> PagedKVStore:
-    twin = PagedKVStore(1, store.num_blocks, store.block_size, store.num_kv_heads, store.head_dim, store.dtype)
+    twin = PagedKVStore(1, store.num_blocks, store.block_size, store.num_kv_heads, store.head_dim, store.dtype,
+                        store.device)
     twin.k_cache[0].copy_(store.k_cache[0])
     twin.v_cache[0].copy_(store.v_cache[0])
     return twin
@@ -125,8 +134,8 @@ def test_triton_backend_equals_torch_backend_on_a_mixed_step(dtype, no_fallback)
     got = backend(0, q, k, v)
     want = PagedTorchBackend(twin, batch)(0, q, k, v)
     torch.testing.assert_close(got, want, **tolerance(dtype))
-    # The step says how its kernels ran: in the interpreter here, one write and one decode, no fallback.
-    assert dict(backend.runs) == {("reshape_and_cache", "interpreter"): 1, ("paged_decode_attention", "interpreter"): 1}
+    # The step says how its kernels ran (in the interpreter on a CPU): one write and one decode, no fallback.
+    assert dict(backend.runs) == {("reshape_and_cache", HOW): 1, ("paged_decode_attention", HOW): 1}
     assert backend.fell_back == []
     assert torch.equal(store.k_cache[0], twin.k_cache[0]) and torch.equal(store.v_cache[0], twin.v_cache[0])
 
@@ -160,7 +169,7 @@ def _compiler_error() -> RuntimeError:
 
 
 def _paged_call():
-    c = random_paged_case(2, [5, 40], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16)
+    c = random_paged_case(2, [5, 40], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, device=DEVICE)
     return c, lambda: triton_paged.paged_decode_attention(c.q, c.k_cache, c.v_cache, c.block_tables, c.seq_lens)
 
 
@@ -174,7 +183,8 @@ def test_paged_kernel_falls_back_once_with_a_one_line_warning(monkeypatch, clean
         out = call()
     assert len(record) == 1
     message = str(record[0].message)
-    assert "\n" not in message and "paged_decode_attention could not compile on cpu" in message
+    where = "cpu" if DEVICE.type == "cpu" else torch.cuda.get_device_name(DEVICE)
+    assert "\n" not in message and f"paged_decode_attention could not compile on {where}" in message
     assert type(exc).__name__ in message and "using the torch reference" in message
     torch.testing.assert_close(out, case.expected(), **tolerance(torch.float32))
     with warnings.catch_warnings():
@@ -196,13 +206,13 @@ def test_every_kernel_falls_back(monkeypatch, clean_fallbacks):
     for module, name in ((triton_decode, "_decode_kernel"), (triton_cache, "_reshape_and_cache_kernel"),
                          (triton_paged, "_paged_decode_kernel")):  # fmt: skip
         monkeypatch.setattr(module, name, oom)
-    c = random_paged_case(4, [9, 30], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=8)
+    c = random_paged_case(4, [9, 30], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=8, device=DEVICE)
     with pytest.warns(KernelFallbackWarning):
         torch.testing.assert_close(triton_decode.decode_attention(c.q, c.k, c.v, c.seq_lens), c.expected())
     k_cache, v_cache = c.k_cache.clone(), c.v_cache.clone()
-    new = torch.ones(2, 2, 64)
+    new = torch.ones(2, 2, 64, device=DEVICE)
     with pytest.warns(KernelFallbackWarning):
-        triton_cache.reshape_and_cache(new, new, k_cache, v_cache, torch.tensor([3, -1]))
+        triton_cache.reshape_and_cache(new, new, k_cache, v_cache, torch.tensor([3, -1], device=DEVICE))
     assert torch.equal(k_cache.view(-1, 2, 64)[3], new[0])
     store, batch, (q, k, v) = _synthetic_step(5)
     twin = _copy(store)

@@ -13,9 +13,12 @@ from kvcourse.kernels.int8 import (
     reshape_and_cache_int8_ref,
 )
 from kvcourse.kernels.reference import reshape_and_cache_ref
-from kvcourse.kernels.triton_runtime import fallbacks, reset_fallbacks
+from kvcourse.kernels.triton_runtime import fallbacks, kernel_device, reset_fallbacks
 
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+# Where the kernels take their tensors: the CPU in Triton's interpreter, the GPU when Triton compiles
+# (``python -m kvcourse.gpu_check`` runs these tests there). Cases are drawn on the CPU, then moved.
+DEVICE = kernel_device()
 
 
 @pytest.fixture(autouse=True)
@@ -27,12 +30,12 @@ def no_fallback():
 
 def _problem(seed: int, dtype: torch.dtype, num_tokens: int, num_blocks=9, block_size=16, heads=3, head_dim=64):
     g = torch.Generator().manual_seed(seed)
-    key = torch.randn(num_tokens, heads, head_dim, generator=g).to(dtype)
-    value = torch.randn(num_tokens, heads, head_dim, generator=g).to(dtype)
+    key = torch.randn(num_tokens, heads, head_dim, generator=g).to(DEVICE, dtype)
+    value = torch.randn(num_tokens, heads, head_dim, generator=g).to(DEVICE, dtype)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
     slots[:: max(1, num_tokens // 3)] = -1  # padding tokens: never written
-    pool = torch.full((num_blocks, block_size, heads, head_dim), float("nan"), dtype=dtype)
-    return key, value, slots, pool
+    pool = torch.full((num_blocks, block_size, heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    return key, value, slots.to(DEVICE), pool
 
 
 @pytest.mark.parametrize(
@@ -70,7 +73,7 @@ def test_reshape_and_cache_int8_is_bit_exact(dtype):
     key, value, slots, _ = _problem(7, dtype, 40)
     key[3] = 0.0  # an all-zero vector: scale 0, values 0
     key[4, 1, 5] = 1e4  # one outlier in a head: a large scale for that head only
-    pools = [empty_int8_pool(9, 16, 3, 64) for _ in range(2)]
+    pools = [empty_int8_pool(9, 16, 3, 64, device=DEVICE) for _ in range(2)]
     for p in pools:
         for t in p:
             t.fill_(99)  # untouched slots keep this
@@ -101,9 +104,9 @@ def test_cache_write_bad_input_names_the_argument():
     key, value, slots, pool = _problem(1, torch.float32, 6)
     k_cache, v_cache = pool.clone(), pool.clone()
     with pytest.raises(ValueError, match="slot_mapping names one slot twice"):
-        reshape_and_cache(key, value, k_cache, v_cache, torch.tensor([5, 5, 6, 7, 8, 9]))
+        reshape_and_cache(key, value, k_cache, v_cache, torch.tensor([5, 5, 6, 7, 8, 9], device=DEVICE))
     with pytest.raises(ValueError, match="slot_mapping entries must lie in"):
-        reshape_and_cache(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 4, 9 * 16]))
+        reshape_and_cache(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 4, 9 * 16], device=DEVICE))
     with pytest.raises(TypeError, match="key has dtype torch.float16"):
         reshape_and_cache(key.half(), value, k_cache, v_cache, slots)
     with pytest.raises(ValueError, match="key must have shape"):
@@ -112,7 +115,7 @@ def test_cache_write_bad_input_names_the_argument():
         reshape_and_cache(key, value, k_cache, v_cache, slots.float())
     with pytest.raises(ValueError, match="key_cache must be contiguous in its last dimension"):
         reshape_and_cache(key, value, k_cache.transpose(2, 3).contiguous().transpose(2, 3), v_cache, slots)
-    pool8 = empty_int8_pool(9, 16, 3, 64)
+    pool8 = empty_int8_pool(9, 16, 3, 64, device=DEVICE)
     with pytest.raises(TypeError, match="k_scale must be float32"):
         reshape_and_cache_int8(key, value, pool8[0], pool8[1], pool8[2].half(), pool8[3], slots)
     with pytest.raises(TypeError, match="key_cache must have dtype torch.int8|k_cache must have dtype torch.int8"):

@@ -23,9 +23,10 @@ def fresh_counts():
 
 
 def _one_write():
-    key = torch.randn(2, 1, 4)
-    pool_k, pool_v = torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4)
-    reshape_and_cache(key, key.clone(), pool_k, pool_v, torch.tensor([1, 6]))
+    device = triton_runtime.kernel_device()  # the CPU in the interpreter, the GPU when Triton compiles
+    key = torch.randn(2, 1, 4, device=device)
+    pool_k, pool_v = torch.zeros(2, 4, 1, 4, device=device), torch.zeros(2, 4, 1, 4, device=device)
+    reshape_and_cache(key, key.clone(), pool_k, pool_v, torch.tensor([1, 6], device=device))
 
 
 def test_launch_report_counts_every_launch_and_names_fallbacks(fresh_counts, capsys, monkeypatch):

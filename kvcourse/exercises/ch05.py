@@ -71,6 +71,9 @@ def _launch(name: str, kernel, grid: tuple[int, ...], *args, **constexprs) -> No
             except Exception as exc:  # the interpreter wraps what a kernel raises; a stub's "not written yet" shows
                 if isinstance(exc.__cause__, NotImplementedError):
                     raise exc.__cause__ from None
+                if "Raise" in str(exc) and "NotImplementedError" in str(getattr(kernel, "src", "")):
+                    # Compiled, a stub does not even compile (Triton has no `raise`): it is still a stub.
+                    raise NotImplementedError("the kernel's body is still the stub's raise") from None
                 raise
 
     call_learner(getattr(getattr(kernel, "fn", None), "__name__", name), run)  # the learner's own kernel name

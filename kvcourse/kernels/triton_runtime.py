@@ -81,6 +81,37 @@ if interpreting() != isinstance(tl.cdiv, InterpretedFunction):
     )
 
 
+def _index_loaded_scalars_in_the_interpreter() -> bool:
+    """Let a loaded scalar bound a ``range`` in Triton's interpreter, as it does compiled code.
+
+    ``for start in range(0, tl.load(Seq_lens + b), BLOCK_N)`` is how our kernels (and chapter 5's exercises)
+    walk a sequence. Triton's interpreter up to 3.6 (what Colab and the course's first GPU machine ship) holds
+    that scalar as a one-element array and converts it with ``int()``, which NumPy 2 refuses ("only
+    0-dimensional arrays can be converted to Python scalars"); later versions squeeze it first. This applies
+    the same fix to the older interpreter: it wraps the private ``_patch_lang_tensor``, so it is skipped, and
+    returns False, wherever that function is missing. Returns True when the patch is in place.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover - depends on the Triton version
+        return False
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "squeezes_scalars", False):
+        return original is not None
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.squeezes_scalars = True
+    interpreter._patch_lang_tensor = patched
+    return True
+
+
+if interpreting():
+    _index_loaded_scalars_in_the_interpreter()
+
+
 def kernel_device() -> torch.device:
     """Where this process's kernels take their tensors: the CPU in Triton's interpreter, else the GPU."""
     return torch.device("cpu" if interpreting() else "cuda")
