@@ -111,6 +111,12 @@ def device_test_files(root: Path) -> list[str]:
     return [f"tests/{p.name}" for p in sorted((root / "tests").glob("test_*.py")) if uses.search(p.read_text())]
 
 
+def selected(name: str, only: list[str] | None) -> bool:
+    """Whether ``--only`` keeps the job called ``name``: any pattern found in it (``kernel.tests`` finds
+    "kernel tests": a pattern with no space needs no quoting in a shell)."""
+    return not only or any(re.search(pattern, name, re.I) for pattern in only)
+
+
 def job_env(root: Path, threads: int) -> dict[str, str]:
     """The environment of every job: compiled Triton, the repository importable, a share of the cores."""
     env = dict(os.environ, PYTHONHASHSEED="0", PYTHONUNBUFFERED="1", OMP_WAIT_POLICY="PASSIVE")
@@ -220,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick-bench", action="store_true", help="the kernel benchmark's quick shapes only")
     parser.add_argument("--parallel", type=int, default=2, help="jobs at a time after the benchmark (default 2)")
     parser.add_argument("--budget", type=float, default=450, help="seconds for all jobs together (default 450)")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only the jobs whose name contains one of these")
+    parser.add_argument("--only", nargs="+", metavar="PATTERN",
+                        help="run only the jobs whose name one of these regular expressions finds (case ignored)")
     parser.add_argument("--allow-no-gpu", action="store_true", help=f"exit 0, not {NO_GPU}, when there is no GPU")
     parser.add_argument("--save-notebooks", type=Path, metavar="DIR", help="write the executed chapters there")
     parser.add_argument("--execute-notebook", type=Path, metavar="NOTEBOOK", help=argparse.SUPPRESS)
@@ -244,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = "".join(c if c.isalnum() else "-" for c in prov["gpu"]).strip("-").lower()
     path = args.out / f"gpu-check-{gpu}-{prov['date'][:10]}.json"
-    todo = [j for j in jobs(ROOT, args.out, args.quick_bench, args.save_notebooks) if not args.only or any(o in j.name for o in args.only)]
+    todo = [j for j in jobs(ROOT, args.out, args.quick_bench, args.save_notebooks) if selected(j.name, args.only)]
     threads = max(1, (os.cpu_count() or 2) // args.parallel)
     env = job_env(ROOT, threads)
     deadline = time.perf_counter() + args.budget

@@ -88,6 +88,16 @@ def test_versions_name_what_the_jobs_use():
     assert gpu_check.missing_requirements() == []  # this environment has everything
 
 
+def test_only_selects_jobs_by_pattern():
+    names = [j.name for j in gpu_check.jobs(gpu_check.ROOT, gpu_check.ROOT / "out")]
+    keep = lambda only: [n for n in names if gpu_check.selected(n, only)]  # noqa: E731
+    assert keep(None) == names
+    # What the second GPU run asked for, unquoted: the dots must match the spaces.
+    picked = keep(["chapter", "kernel.tests", "graded", "tests.that"])
+    assert "kernel benchmark" not in picked and len(picked) == len(names) - 1
+    assert keep(["CHAPTER 05"]) == ["chapter 05 on the GPU"]
+
+
 def test_bad_parallel_is_refused():
     with pytest.raises(ValueError, match="--parallel"):
         gpu_check.main(["--parallel", "0"])

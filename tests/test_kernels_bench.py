@@ -118,3 +118,15 @@ def test_peak_for_known_gpu_names():
     assert peak_for("NVIDIA H100 80GB HBM3") is GPU_PEAKS["H100-SXM"]
     assert peak_for("NVIDIA H100 PCIe") is None  # a different memory system: not in the table
     assert peak_for("NVIDIA H200") is GPU_PEAKS["H200"]
+
+
+def test_provenance_names_the_commit_the_caller_handed_over(monkeypatch):
+    import subprocess
+
+    monkeypatch.setenv("KVCOURSE_COMMIT", "1f0129e")  # a tree copied to a GPU machine, with a stale .git there
+    assert bench.provenance(torch.device("cpu"))["commit"] == "1f0129e"
+    monkeypatch.delenv("KVCOURSE_COMMIT")
+    commit = bench.provenance(torch.device("cpu"))["commit"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    assert commit == head + (" (with uncommitted changes)" if dirty.stdout.strip() else "")

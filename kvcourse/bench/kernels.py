@@ -256,6 +256,15 @@ def targets(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _git_commit(command: Callable[[list[str]], str]) -> str:
+    """HEAD, marked when the tree differs from it. A copy of the tree handed to a GPU machine may carry an
+    old ``.git`` (the first GPU runs recorded a commit their files had moved past): whoever hands the tree
+    over says which commit it is with ``KVCOURSE_COMMIT``, which wins."""
+    head = command(["git", "rev-parse", "HEAD"])
+    changed = command(["git", "status", "--porcelain", "--untracked-files=no"])  # "unknown": no output, a clean tree
+    return head + " (with uncommitted changes)" if head != "unknown" and changed != "unknown" else head
+
+
 def provenance(device: torch.device) -> dict:
     """Where the numbers come from: GPU, driver, CUDA, torch, triton, the commit, the date."""
     import triton
@@ -271,10 +280,8 @@ def provenance(device: torch.device) -> dict:
         torch=torch.__version__,
         triton=triton.__version__,
         python=platform.python_version(),
-        commit=command(["git", "rev-parse", "HEAD"]),
+        commit=os.environ.get("KVCOURSE_COMMIT") or _git_commit(command),
     )
-    if info["commit"] == "unknown":  # a copy without .git (a GPU box handed the tree): the caller may say
-        info["commit"] = os.environ.get("KVCOURSE_COMMIT", "unknown")
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(
