@@ -110,3 +110,25 @@ def test_the_plot_refuses_what_it_cannot_draw():
     with pytest.raises(TypeError, match="ax must be a matplotlib Axes"):
         plot_bandwidth(load_kernel_bench(), ax="left")
     assert isinstance(load_kernel_bench(), KernelBench)
+
+
+def test_two_runs_compared_shape_by_shape():
+    first, repeat = load_kernel_bench(H200), load_kernel_bench("kernels-nvidia-h200-2026-11-26-repeat.json")
+    rows = measured.compare_runs(first, repeat)
+    raw_repeat = json.loads((ROOT / "kvcourse" / "results" / "kernels-nvidia-h200-2026-11-26-repeat.json").read_text())
+    by = {(r["batch"], r["context"], r["variant"]): r["gbps"] for r in raw_repeat["rows"] if "ms" in r}
+    for r in rows:  # each ratio is the files' own figures, divided
+        assert r["ratio"] == by[(r["batch"], r["context"], r["variant"])] / first.gbps(r["batch"], r["context"], r["variant"])
+    assert len(rows) == len({(r["batch"], r["context"], r["variant"]) for r in rows}) >= 80
+    assert [r["tokens"] for r in rows] == sorted(r["tokens"] for r in rows)
+    assert measured.compare_runs(first, first) and all(r["ratio"] == 1 for r in measured.compare_runs(first, first))
+    sdpa = measured.compare_runs(first, repeat, variants=["sdpa"])
+    assert {r["variant"] for r in sdpa} == {"sdpa"} and len(sdpa) == len(first.timed("sdpa"))
+    # From some size up the two runs agree; below it they need not (a hand-made pair says where the line falls).
+    fake = [dict(tokens=t, ratio=x) for t, x in ((512, 3.0), (2048, 1.01), (4096, 1.2), (8192, 0.99), (16384, 1.02))]
+    assert measured.reproducible_from(fake) == 8192 and measured.reproducible_from(fake, tolerance=0.25) == 2048
+    assert measured.reproducible_from([dict(tokens=1, ratio=2.0)]) is None
+    with pytest.raises(ValueError, match="tolerance"):
+        measured.reproducible_from(fake, tolerance=0)
+    with pytest.raises(TypeError, match="KernelBench"):
+        measured.compare_runs(first, RAW)

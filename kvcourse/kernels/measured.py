@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .. import results as committed
 from .roofline import decode_attention_bytes
 
-__all__ = ["KernelBench", "check_kernel_bench", "load_kernel_bench", "plot_bandwidth"]
+__all__ = ["KernelBench", "check_kernel_bench", "compare_runs", "load_kernel_bench", "plot_bandwidth",
+           "reproducible_from"]
 
 PATTERN = "kernels-*.json"
 OUR_KERNELS = ("paged", "paged-unsplit", "paged-int8", "contiguous")  # timed as compiled Triton code
@@ -188,6 +189,42 @@ def load_kernel_bench(name: str | None = None) -> KernelBench:
         rows=tuple(data["rows"]),
         targets=tuple(data["targets"]),
     )
+
+
+def compare_runs(first: KernelBench, second: KernelBench, variants: Iterable[str] | None = None) -> list[dict]:
+    """``second``'s GB/s over ``first``'s for every shape and variant both runs timed (or only ``variants``),
+    by tokens a batch.
+
+    Two runs of the same kernels say how far one run's figure can be trusted: each row is
+    ``{batch, context, tokens, variant, first, second, ratio}``.
+    """
+    if not isinstance(first, KernelBench) or not isinstance(second, KernelBench):
+        raise TypeError(f"first and second must be KernelBench (load_kernel_bench), got "
+                        f"{type(first).__name__}, {type(second).__name__}")  # fmt: skip
+    wanted = first.variants() if variants is None else list(variants)
+    rows = []
+    for batch, context in first.shapes():
+        for variant in wanted:
+            try:
+                a, b = first.gbps(batch, context, variant), second.gbps(batch, context, variant)
+            except KeyError:  # timed in one run only
+                continue
+            rows.append(dict(batch=batch, context=context, tokens=batch * context, variant=variant,
+                             first=a, second=b, ratio=b / a))  # fmt: skip
+    if not rows:
+        raise ValueError(f"{first.name} and {second.name} have no shape and variant in common")
+    return rows
+
+
+def reproducible_from(rows: list[dict], tolerance: float = 0.05) -> int | None:
+    """The fewest tokens a batch from which every figure of two runs (:func:`compare_runs`) agrees within
+    ``tolerance`` (0.05: 5%); None if even the largest shape moved more."""
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance must lie in (0, 1), got {tolerance!r}")
+    for tokens in sorted({r["tokens"] for r in rows}):
+        if all(abs(r["ratio"] - 1) <= tolerance for r in rows if r["tokens"] >= tokens):
+            return tokens
+    return None
 
 
 def _finding(bench: KernelBench) -> str:
