@@ -69,6 +69,7 @@ class ForwardBatch:
     query_start_loc_host: tuple[int, ...] = field(default=(), repr=False)
     seq_lens_host: tuple[int, ...] = field(default=(), repr=False)
     max_block_host: int = field(default=-1, repr=False)  # largest block id any sequence uses
+    token_range_host: tuple[int, int] = field(default=(0, 0), repr=False)  # smallest and largest token id
     checked: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +79,8 @@ class ForwardBatch:
                 object.__setattr__(self, "query_start_loc_host", tuple(self.query_start_loc.tolist()))
                 object.__setattr__(self, "seq_lens_host", tuple(self.seq_lens.tolist()))
                 object.__setattr__(self, "max_block_host", int(self.block_tables.max()) if self.block_tables.numel() else -1)
+            if isinstance(self.input_ids, torch.Tensor) and self.input_ids.numel():
+                object.__setattr__(self, "token_range_host", tuple(torch.stack(torch.aminmax(self.input_ids)).tolist()))
 
     def check(self) -> ForwardBatch:
         """Validate every field against the others (on the host, once); return the batch."""
@@ -134,8 +137,9 @@ class ForwardBatch:
         slots = slots_of(block_tables, seq_idx, positions, block_size)
         if torch.unique(slots).numel() != slots.numel():
             raise ValueError("slot_mapping names one slot twice: two sequences overlap in the pool")
+        tokens = [t for s in seqs for t in s.token_ids]
         batch = cls(
-            input_ids=torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.int64, device=host),
+            input_ids=torch.tensor(tokens, dtype=torch.int64, device=host),
             positions=positions,
             slot_mapping=slots,
             query_start_loc=query_start_loc,
@@ -145,25 +149,32 @@ class ForwardBatch:
             query_start_loc_host=tuple(qsl),
             seq_lens_host=tuple(lens),
             max_block_host=max_block,
+            token_range_host=(min(tokens), max(tokens)),
             checked=True,
         )
         return batch.to(device)
 
     def to(self, device: torch.device | str) -> ForwardBatch:
-        """The same batch with its tensors on ``device`` (host copies kept: no revalidation)."""
+        """The same batch with its tensors on ``device`` (host copies kept: no revalidation).
+
+        From the host to a GPU the six tensors travel in two copies (the int64 fields, the int32 ones)
+        through pinned buffers, without waiting for the GPU: the step's only wait stays the read of
+        its sampled tokens.
+        """
         device = torch.device(device)
         if self.input_ids.device == device:
             return self
-        moved = {
-            name: getattr(self, name).to(device)
-            for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")
-        }
+        if device.type == "cuda" and self.input_ids.device.type == "cpu":
+            moved = _to_cuda_pinned(self, device)
+        else:
+            moved = {name: getattr(self, name).to(device) for name in _TENSOR_FIELDS}
         return ForwardBatch(
             **moved,
             block_size=self.block_size,
             query_start_loc_host=self.query_start_loc_host,
             seq_lens_host=self.seq_lens_host,
             max_block_host=self.max_block_host,
+            token_range_host=self.token_range_host,
             checked=self.checked,
         )
 
@@ -196,6 +207,22 @@ class ForwardBatch:
             f"ForwardBatch(seqs={self.num_seqs}, tokens={self.num_tokens}, query_lens={self.query_lens}, "
             f"seq_lens={list(self.seq_lens_host)}, block_size={self.block_size})"
         )
+
+
+_TENSOR_FIELDS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+
+
+def _to_cuda_pinned(batch: ForwardBatch, device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch's tensors on ``device``: each dtype's fields packed into one pinned host buffer, one
+    asynchronous copy per buffer, then views. ``pin_memory`` draws from torch's caching host
+    allocator, which hands a buffer out again only once the copy that read it has finished."""
+    moved = {}
+    for names in (("input_ids", "positions", "slot_mapping"), ("query_start_loc", "seq_lens", "block_tables")):
+        parts = [getattr(batch, n).reshape(-1) for n in names]
+        staged = torch.cat(parts).pin_memory().to(device, non_blocking=True)
+        for name, piece in zip(names, staged.split([p.numel() for p in parts])):
+            moved[name] = piece.view(getattr(batch, name).shape)
+    return moved
 
 
 def _validate(batch: ForwardBatch) -> tuple[list[int], list[int], int]:

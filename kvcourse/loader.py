@@ -28,7 +28,7 @@ from unittest import mock
 import torch
 
 from .gguf_file import dequantize, header_digest, read_gguf
-from .model import LlamaConfig, LlamaModel
+from .model import LlamaConfig, LlamaModel, pack_state_dict
 from .tokenizer import ChatTokenizer, build_tokenizer
 
 __all__ = ["load_pretrained", "gguf_path", "load_gguf", "HF_REPO_ID"]
@@ -261,7 +261,8 @@ def load_pretrained(
         model = LlamaModel(config)
     if config.tie_word_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    # Hugging Face's q/k/v and gate/up weights become the packed projections (rows concatenated).
+    missing, unexpected = model.load_state_dict(pack_state_dict(state), strict=False, assign=True)
     missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")

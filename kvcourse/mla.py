@@ -178,17 +178,18 @@ def pooled_kv_heads(model, num_kv_heads: int) -> Iterator[None]:
     saved = []
     for layer in model.layers:
         attn = layer.self_attn
-        saved.append((attn.k_proj.weight, attn.v_proj.weight))
-        for proj in (attn.k_proj, attn.v_proj):
-            w = proj.weight.data.view(num_kv_heads, old // num_kv_heads, config.head_dim, -1)
-            proj.weight = nn.Parameter(w.mean(1).reshape(num_kv_heads * config.head_dim, -1), requires_grad=False)
+        saved.append(attn.qkv_proj.weight)
+        pooled = [proj.weight.detach().view(num_kv_heads, old // num_kv_heads, config.head_dim, -1).mean(1)
+                  .reshape(num_kv_heads * config.head_dim, -1) for proj in (attn.k_proj, attn.v_proj)]  # fmt: skip
+        # The packed projection gets fewer K and V rows: [Q | pooled K | pooled V].
+        packed = torch.cat([attn.q_proj.weight.detach(), *pooled])
+        attn.qkv_proj.weight = nn.Parameter(packed, requires_grad=False)
         attn.n_kv_heads = num_kv_heads
     config.num_key_value_heads = num_kv_heads
     try:
         yield
     finally:
-        for layer, (k_w, v_w) in zip(model.layers, saved):
-            attn = layer.self_attn
-            attn.k_proj.weight, attn.v_proj.weight = k_w, v_w
-            attn.n_kv_heads = old
+        for layer, weight in zip(model.layers, saved):
+            layer.self_attn.qkv_proj.weight = weight
+            layer.self_attn.n_kv_heads = old
         config.num_key_value_heads = old

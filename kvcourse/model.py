@@ -13,7 +13,16 @@ knows nothing about caches. Two entry points choose the backend:
   :class:`~kvcourse.KVCache` it runs the new tokens only, appends their K/V and attends over the history.
 * ``model.forward_batch(batch, kv_pool)`` -- chapter 4 on: one ragged step of many sequences (whole
   prompts, prefill chunks and decode tokens mixed) described by a :class:`~kvcourse.batch.ForwardBatch`,
-  its K/V in a paged pool.
+  its K/V in a paged pool. The step's tokens are packed in one row: hidden states ``[N, hidden]``.
+
+**Built like a serving model** (chapter 6, "where a step goes"). A decode step of a small model is
+hundreds of tiny operations, and on a GPU each is a kernel launch, so the layer does what vLLM's Llama
+does: Q, K and V come out of one packed matmul (``qkv_proj``), gate and up out of another
+(``gate_up_proj``), and the norms, RoPE and SiLU-and-mul are one call each (:mod:`kvcourse.kernels.fused`;
+Triton kernels on a GPU). The textbook names still work: ``attn.k_proj`` is a view of the K rows of the
+packed weight, usable as the ``nn.Linear`` it replaced, so chapters 1-2 can call ``k_proj(x)``. Hugging
+Face checkpoints load through :func:`pack_state_dict`. The residual travels beside the hidden state
+(``layer(x, residual) -> (x, residual)``) so that each residual add is fused into the norm after it.
 """
 
 from __future__ import annotations
@@ -26,8 +35,9 @@ from torch import nn
 
 from .backends import AttentionBackend, ContiguousBackend, KVCacheLike, NoCache, paged_backend
 from .batch import ForwardBatch
+from .kernels.fused import add_rms_norm, rms_norm, rope, rope_tables_signed, silu_and_mul
 
-__all__ = ["LlamaConfig", "LlamaModel", "KVCacheLike", "apply_rope", "rope_cos_sin"]
+__all__ = ["LlamaConfig", "LlamaModel", "KVCacheLike", "PackedRows", "apply_rope", "pack_state_dict", "rope_cos_sin"]
 
 
 @dataclass
@@ -67,11 +77,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x / sqrt(mean(x^2) + eps), in fp32 for stability as the reference implementation does.
-        # F.rms_norm is exactly that formula in one fused op (fewer small ops per decode step).
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """``weight * x / sqrt(mean(x^2) + eps)`` (statistics in fp32, as the reference implementation does).
+
+        With ``residual``: the add before the norm, fused into it; returns ``(normed, x + residual)``.
+        """
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +103,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
 
+class PackedRows:
+    """Rows ``start:stop`` of a packed projection, used like the ``nn.Linear`` they were packed from.
+
+    ``weight`` is a view of the packed weight (no copy), so ``attn.k_proj(x)`` computes exactly K.
+    """
+
+    def __init__(self, packed: nn.Linear, start: int, stop: int) -> None:
+        self.packed, self.start, self.stop = packed, start, stop
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed.weight[self.start : self.stop]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def __repr__(self) -> str:
+        return f"PackedRows(rows {self.start}:{self.stop} of {self.packed.out_features})"
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
@@ -100,32 +133,57 @@ class Attention(nn.Module):
             config.head_dim,
         )
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.n_kv_heads * self.head_dim, bias=False)
+        # One matmul for Q, K and V: rows [Q | K | V] of one weight (vLLM's QKVParallelLinear, on one GPU).
+        self.qkv_proj = nn.Linear(hidden, (self.n_heads + 2 * self.n_kv_heads) * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=False)
 
+    # The three projections of the textbook layer, as views of the packed one.
+    @property
+    def q_proj(self) -> PackedRows:
+        return PackedRows(self.qkv_proj, 0, self.n_heads * self.head_dim)
+
+    @property
+    def k_proj(self) -> PackedRows:
+        start = self.n_heads * self.head_dim
+        return PackedRows(self.qkv_proj, start, start + self.n_kv_heads * self.head_dim)
+
+    @property
+    def v_proj(self) -> PackedRows:
+        start = (self.n_heads + self.n_kv_heads) * self.head_dim
+        return PackedRows(self.qkv_proj, start, start + self.n_kv_heads * self.head_dim)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)  # [B, T, H, D]: token-major
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        """``x [..., hidden]`` (``[B, T, hidden]``, or ``[N, hidden]`` for a packed step) -> the same shape."""
+        lead, d = x.shape[:-1], self.head_dim
+        qkv = self.qkv_proj(x)
+        qk_end = (self.n_heads + self.n_kv_heads) * d
+        # Q and K sit side by side in the packed output: RoPE rotates both heads' groups in one call.
+        qk = rope(qkv[..., :qk_end].view(*lead, self.n_heads + self.n_kv_heads, d), cos, sin)
+        q, k = qk.split((self.n_heads, self.n_kv_heads), dim=-2)  # [..., H, D]: token-major views
+        v = qkv[..., qk_end:].view(*lead, self.n_kv_heads, d)
         out = attn(self.layer_idx, q, k, v)  # the backend stores K/V (or not) and attends
-        return self.o_proj(out.reshape(b, t, self.n_heads * self.head_dim))
+        return self.o_proj(out.reshape(*lead, self.n_heads * d))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up from one packed matmul."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)  # [gate | up]
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+    @property
+    def gate_proj(self) -> PackedRows:
+        return PackedRows(self.gate_up_proj, 0, self.intermediate_size)
+
+    @property
+    def up_proj(self) -> PackedRows:
+        return PackedRows(self.gate_up_proj, self.intermediate_size, 2 * self.intermediate_size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -136,9 +194,32 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, attn):
+        """``x + attn(norm(x))``, then ``+ mlp(norm(...))``, with each add fused into the norm after it:
+        returns ``(mlp output, residual)``, whose sum is the layer's output (``residual=None``: the first layer)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+def pack_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with Hugging Face's names (``q_proj``, ``k_proj``, ``v_proj``, ``gate_proj``,
+    ``up_proj``) -> this model's packed ``qkv_proj`` and ``gate_up_proj`` (rows concatenated); other
+    entries unchanged. A dict that is already packed is returned as it is."""
+    packed = dict(state)
+    for name in [k for k in state if k.endswith("self_attn.q_proj.weight")]:
+        prefix = name.removesuffix("q_proj.weight")
+        parts = [packed.pop(prefix + f"{p}_proj.weight") for p in "qkv"]
+        packed[prefix + "qkv_proj.weight"] = torch.cat(parts)
+    for name in [k for k in state if k.endswith("mlp.gate_proj.weight")]:
+        prefix = name.removesuffix("gate_proj.weight")
+        parts = [packed.pop(prefix + f"{p}_proj.weight") for p in ("gate", "up")]
+        packed[prefix + "gate_up_proj.weight"] = torch.cat(parts)
+    return packed
 
 
 class LlamaModel(nn.Module):
@@ -158,6 +239,7 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._rope_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (cos, sin)
+        self._rope_signed: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, dtype) -> (cos, signed sin)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCacheLike | None = None) -> torch.Tensor:
@@ -165,7 +247,7 @@ class LlamaModel(nn.Module):
             raise TypeError(f"input_ids must be an integer torch.Tensor [B, T], got {type(input_ids).__name__}")
         if input_ids.ndim != 2 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids must have shape [B, T] with T >= 1, got {tuple(input_ids.shape)}")
-        self.check_token_ids(input_ids, "input_ids")
+        self.check_token_ids(input_ids, "input_ids")  # before the copy: host ids are checked on the host
         if cache is not None and not (hasattr(cache, "update") and hasattr(cache, "seq_len")):
             raise TypeError(
                 f"cache must be a contiguous cache with seq_len and update() (a kvcourse.KVCache), got "
@@ -176,7 +258,7 @@ class LlamaModel(nn.Module):
         input_ids = input_ids.to(self.device)  # ids are host data: torch.tensor([ids]) works on a GPU model too
         positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
         attn = NoCache() if cache is None else ContiguousBackend(cache, start)
-        return self.lm_head(self.hidden_states(input_ids, positions, attn))
+        return self.lm_head(self.hidden_states(input_ids, positions, attn, num_positions=start + input_ids.shape[1]))
 
     @torch.inference_mode()
     def forward_batch(
@@ -197,12 +279,20 @@ class LlamaModel(nn.Module):
             )
         batch.check()  # a batch made by hand is checked here, once; a built one already was
         self.check_context(batch.max_seq_len)
-        self.check_token_ids(batch.input_ids, "batch.input_ids")
+        lo, hi = batch.token_range_host  # read on the host when the batch was built: no read back
+        if lo < 0 or hi >= self.config.vocab_size:
+            self.check_token_ids(batch.input_ids, "batch.input_ids")  # raises, naming the bad ids
         batch = batch.to(self.device)
-        hidden = self.hidden_states(batch.input_ids[None], batch.positions, paged_backend(backend, kv_pool, batch))[0]
+        hidden = self.step_hidden_states(batch, paged_backend(backend, kv_pool, batch))
         if not all_logits:
             hidden = hidden[batch.last_token_indices]  # only the rows whose next token we need
         return self.lm_head(hidden)
+
+    def step_hidden_states(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """The decoder stack over one packed step (``batch`` on the model's device, already checked):
+        final-norm hidden states ``[N, hidden]``. Nothing here reads a value back from the device, so
+        a CUDA graph can capture it (:mod:`kvcourse.serving.cuda_graphs`)."""
+        return self.hidden_states(batch.input_ids, batch.positions, attn, num_positions=batch.max_seq_len)
 
     def check_token_ids(self, ids: torch.Tensor, name: str) -> None:
         """Raise a clear ValueError if a token id is outside the vocabulary. (The embedding lookup would
@@ -221,25 +311,43 @@ class LlamaModel(nn.Module):
                 f"({self.config.max_position_embeddings} positions)"
             )
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """The decoder stack: ``input_ids [B, T]`` at ``positions [T]`` -> final-norm hidden states ``[B, T, hidden]``."""
-        cos, sin = self.rope_tables(positions)
-        cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]  # [T, 1, D]: broadcast over heads
-        x = self.embed_tokens(input_ids)
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend, num_positions: int | None = None
+    ) -> torch.Tensor:
+        """The decoder stack: ``input_ids [B, T]`` at ``positions [T]`` -> final-norm hidden states ``[B, T, hidden]``
+        (or a packed step: ``[N]`` at ``[N]`` -> ``[N, hidden]``). ``num_positions``: more than the largest
+        position, if the caller knows it (else it is read from ``positions``, a read back on a GPU)."""
+        cos, sin = self.rope_rows(positions, num_positions)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn)
+        return self.norm(x, residual)[0]
+
+    def rope_rows(self, positions: torch.Tensor, num_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin (:func:`~kvcourse.kernels.fused.rope_tables_signed`) at ``positions``,
+        ``[T, 1, D]`` in the model's dtype: rows of tables kept per device (see :meth:`rope_tables`)."""
+        if num_positions is None:
+            num_positions = int(positions.max()) + 1 if positions.numel() else 1
+        key = (positions.device, self.dtype)
+        cos, sin = self._rope_signed.get(key, (None, None))
+        if cos is None or cos.shape[0] < num_positions:
+            full_cos, full_sin = self._rope_table(num_positions, positions.device)
+            cos, sin = rope_tables_signed(full_cos.to(self.dtype), full_sin.to(self.dtype))
+            self._rope_signed[key] = (cos, sin)
+        return cos[positions][:, None], sin[positions][:, None]  # [T, 1, D]: broadcast over heads
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position up to the largest in ``positions``, ``[L, D]``: computed once and
         kept (grown by doubling), so a decode step looks its rows up instead of recomputing them."""
-        needed = int(positions.max()) + 1 if positions.numel() else 1
-        cos, sin = self._rope_tables.get(positions.device, (None, None))
+        return self._rope_table(int(positions.max()) + 1 if positions.numel() else 1, positions.device)
+
+    def _rope_table(self, needed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 tables of at least ``needed`` positions on ``device`` (a tensor's device: ``cuda:0``)."""
+        cos, sin = self._rope_tables.get(device, (None, None))
         if cos is None or cos.shape[0] < needed:
             length = min(max(needed, 2 * (0 if cos is None else cos.shape[0]), 256), self.config.max_position_embeddings)
-            table = torch.arange(length, device=positions.device)
-            cos, sin = rope_cos_sin(table, self.config.head_dim, self.config.rope_theta)
-            self._rope_tables[positions.device] = (cos, sin)
+            cos, sin = rope_cos_sin(torch.arange(length, device=device), self.config.head_dim, self.config.rope_theta)
+            self._rope_tables[device] = (cos, sin)
         return cos, sin
 
     @property

@@ -47,9 +47,9 @@ def _case_step(seed: int, block_size: int, dtype: torch.dtype, device: torch.dev
         block_tables=case.block_tables, block_size=block_size,
     ).check()  # fmt: skip
     # This step's own K/V: what the pool holds at its slots (the write puts back the same values).
-    k_new = case.k_cache.view(-1, 2, 16)[case.slot_mapping][None]
-    v_new = case.v_cache.view(-1, 2, 16)[case.slot_mapping][None]
-    return case, store, batch, (case.q[None], k_new, v_new)
+    k_new = case.k_cache.view(-1, 2, 16)[case.slot_mapping]
+    v_new = case.v_cache.view(-1, 2, 16)[case.slot_mapping]
+    return case, store, batch, (case.q, k_new, v_new)  # packed: [N, H, D], no batch dimension
 
 
 @pytest.mark.parametrize("backend", [PagedTorchBackend, PagedReferenceBackend], ids=["paged-torch", "paged-reference"])
@@ -58,7 +58,7 @@ def _case_step(seed: int, block_size: int, dtype: torch.dtype, device: torch.dev
 @pytest.mark.parametrize("seed", range(6))
 def test_paged_backends_equal_the_contiguous_reference(backend, dtype, block_size, seed, device):
     case, store, batch, (q, k, v) = _case_step(seed * 31 + block_size, block_size, dtype, device)
-    got = backend(store, batch)(0, q, k, v)[0]
+    got = backend(store, batch)(0, q, k, v)
     assert got.device.type == device.type
     want = case.expected()
     assert not got.isnan().any(), "a NaN from an unused slot leaked into the output"

@@ -113,8 +113,8 @@ def _synthetic_step(seed: int, dtype=torch.float32):
     seqs = [SeqSlice([1], 9, [3, 7, 1]), SeqSlice([2, 3, 4, 5, 6], 6, [0, 5, 9]), SeqSlice([7], 12, [2, 4, 6, 8])]
     batch = ForwardBatch.build(seqs, block_size=4, device=DEVICE)
     n = batch.num_tokens
-    q = torch.randn(1, n, 6, 64, generator=g).to(DEVICE, dtype)
-    k, v = (torch.randn(1, n, 2, 64, generator=g).to(DEVICE, dtype) for _ in range(2))
+    q = torch.randn(n, 6, 64, generator=g).to(DEVICE, dtype)  # packed: [N, H, D]
+    k, v = (torch.randn(n, 2, 64, generator=g).to(DEVICE, dtype) for _ in range(2))
     return store, batch, (q, k, v)
 
 

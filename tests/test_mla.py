@@ -60,7 +60,8 @@ def test_memory_math_for_deepseek_v3():
 def test_pooling_kv_heads(model):
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314]])
     before = model(ids)
-    k0 = model.layers[0].self_attn.k_proj.weight
+    k0 = model.layers[0].self_attn.k_proj.weight.clone()  # a view of the packed QKV weight
+    packed0 = model.layers[0].self_attn.qkv_proj.weight
     with pooled_kv_heads(model, 1):
         assert model.config.num_key_value_heads == 1
         cache = kvcourse.KVCache.for_model(model.config)
@@ -69,7 +70,8 @@ def test_pooling_kv_heads(model):
         w = model.layers[0].self_attn.k_proj.weight
         torch.testing.assert_close(w, k0.view(3, 64, -1).mean(0))
         assert (pooled - before).abs().max() > 0.1  # averaging heads changes what the model computes
-    assert model.config.num_key_value_heads == 3 and model.layers[0].self_attn.k_proj.weight is k0
+    assert model.config.num_key_value_heads == 3 and model.layers[0].self_attn.qkv_proj.weight is packed0
+    assert torch.equal(model.layers[0].self_attn.k_proj.weight, k0)
     torch.testing.assert_close(model(ids), before, rtol=0, atol=0)
     with pooled_kv_heads(model, 3):  # groups of one head: nothing changes
         torch.testing.assert_close(model(ids), before, rtol=0, atol=1e-5 * float(before.abs().max()))

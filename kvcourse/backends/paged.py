@@ -8,7 +8,11 @@ many. Per layer a paged backend does three things, each a method a faster backen
 3. ``prefill`` -- the prompt rows attend, all together.
 
 Everything that depends only on the step -- which rows decode, which slots each query reads, the
-masks -- is computed once, when the backend is built (once per forward), never once per layer.
+masks -- is computed once, when the backend is built (once per forward), never once per layer, and
+from the batch's host copies of its lengths: building a backend never waits for the device.
+
+The model hands a paged backend the step's packed tokens without a batch dimension:
+``q [N, Hq, D]``, ``k, v [N, Hkv, D]`` -> ``[N, Hq, D]``.
 
 Two backends here:
 
@@ -63,31 +67,34 @@ class PagedBackend:
         self.decode_seqs = [b for b in range(batch.num_seqs) if qsl[b + 1] - qsl[b] == 1]
         self.prefill_seqs = [b for b in range(batch.num_seqs) if qsl[b + 1] - qsl[b] > 1]
         self.all_decode = len(self.decode_seqs) == batch.num_seqs
+        self.decode_max_len = max((lens[b] for b in self.decode_seqs), default=0)
+        if self.all_decode:  # the common serving step: row b is sequence b, the batch's own tensors serve
+            self.decode_tables, self.decode_lens = batch.block_tables, batch.seq_lens
+            return
         device = batch.input_ids.device
         idx = torch.tensor(self.decode_seqs, dtype=torch.int64, device=device)
         self.decode_rows = batch.query_start_loc[:-1].to(torch.int64)[idx]  # each decode's row in the batch
         self.decode_tables = batch.block_tables[idx]
         self.decode_lens = batch.seq_lens[idx]
-        self.decode_max_len = max((lens[b] for b in self.decode_seqs), default=0)
         rows = [r for b in self.prefill_seqs for r in range(qsl[b], qsl[b + 1])]
         self.prefill_rows = torch.tensor(rows, dtype=torch.int64, device=device)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        q, k, v = q[0], k[0], v[0]  # the batch is one packed row: [N, H, D]
         self.write_kv(layer_idx, k, v)
-        if self.all_decode:  # the common serving step: one token per sequence, rows in order
-            return self.decode(layer_idx, q)[None]
+        if self.all_decode:
+            return self.decode(layer_idx, q)
         out = torch.empty_like(q)
         if self.decode_seqs:
             out[self.decode_rows] = self.decode(layer_idx, q[self.decode_rows])
         out[self.prefill_rows] = self.prefill(layer_idx, q)
-        return out[None]
+        return out
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Scatter the new tokens' K/V into their slots (the batch was checked: no per-layer checks)."""
         k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
-        reshape_and_cache_ref(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache,
-                              self.batch.slot_mapping, check=False)  # fmt: skip
+        if k.dtype != k_cache.dtype:  # a pool in another dtype than the model (tests use float64 pools)
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        reshape_and_cache_ref(k, v, k_cache, v_cache, self.batch.slot_mapping, check=False)
 
     def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         """The decoding sequences' queries ``[Bd, Hq, D]`` -> their outputs ``[Bd, Hq, D]``."""
@@ -137,16 +144,16 @@ class PagedTorchBackend(PagedBackend):
 
     def __init__(self, kv_pool, batch) -> None:
         super().__init__(kv_pool, batch)
-        lens = torch.tensor(batch.seq_lens_host, dtype=torch.int64, device=self.decode_rows.device)
         if self.decode_seqs:
-            d = torch.tensor(self.decode_seqs, dtype=torch.int64, device=lens.device)
-            self.decode_blocks, key_ok, self.decode_padding = self._blocks(d, lens[d], self.decode_max_len)
-            # Every decode sees its whole context: mask only the padding of the shorter ones.
-            self.decode_mask = None if bool(key_ok.all()) else key_ok[:, None, None, :]
+            d = self.decode_seqs
+            self.decode_blocks, key_ok, self.decode_padding = self._blocks(d, self.decode_max_len)
+            # Every decode sees its whole context: a mask only if some gathered row is not a key (known on the host).
+            whole = all(batch.seq_lens_host[b] == key_ok.shape[1] for b in d)
+            self.decode_mask = None if whole else key_ok[:, None, None, :]
         if self.prefill_seqs:
-            self._prepare_prefill(lens)
+            self._prepare_prefill()
 
-    def _blocks(self, seqs: torch.Tensor, lens: torch.Tensor, max_len: int) -> tuple[torch.Tensor, ...]:
+    def _blocks(self, seqs: list[int], max_len: int) -> tuple[torch.Tensor, ...]:
         """What a group reads: the blocks holding positions ``0 .. max_len-1`` of ``seqs``, ``[B * M]``;
         which of their ``M * block_size`` rows are keys, ``[B, M * block_size]``; and the gathered
         rows that may hold another sequence's leftovers, to be zeroed (see :meth:`attend`).
@@ -154,39 +161,52 @@ class PagedTorchBackend(PagedBackend):
         A shorter sequence's table is padded (-1) up to ``M`` columns; the padding reads the sequence's
         own first block, whose rows ``0 .. len-1`` hold its own K/V. So the only rows that can hold
         anything else are past ``len`` in its own last block, or past ``len`` in that repeated first
-        block: at most ``block_size`` per sequence, not every padding row.
+        block: at most ``block_size`` per sequence, not every padding row. They are listed on the host,
+        from the lengths the batch carries there.
         """
-        bs = self.batch.block_size
+        bs, device = self.batch.block_size, self.batch.input_ids.device
         m = -(-max_len // bs)
-        tables = self.batch.block_tables[seqs, :m].to(torch.int64)
+        tables = self.batch.block_tables[:, :m] if self.all_decode else self.batch.block_tables[seqs, :m]
+        tables = tables.to(torch.int64)
         tables = torch.where(tables >= 0, tables, tables[:, :1])  # table padding -> the sequence's first block
-        pos = torch.arange(m * bs, device=lens.device)[None, :]
-        key_ok = pos < lens[:, None]
-        in_padding = pos // bs >= -(-lens[:, None] // bs)  # rows read through a padding entry
-        own = key_ok | (in_padding & (pos % bs < lens[:, None]))
-        return tables.flatten(), key_ok, (~own).flatten().nonzero().flatten()
+        lens = torch.tensor([self.batch.seq_lens_host[b] for b in seqs], device=device)
+        key_ok = torch.arange(m * bs, device=device)[None, :] < lens[:, None]
+        leftovers = []
+        for i, b in enumerate(seqs):
+            n, base = self.batch.seq_lens_host[b], i * m * bs
+            used = -(-n // bs)
+            leftovers += range(base + n, base + used * bs)  # past the end of its own last block
+            for j in range(used, m):  # each padding entry repeats block 0: its rows past n
+                leftovers += range(base + j * bs + n, base + (j + 1) * bs)
+        padding = torch.tensor(leftovers, dtype=torch.int64, device=device)
+        return tables.flatten(), key_ok, padding
 
-    def _prepare_prefill(self, lens: torch.Tensor) -> None:
+    def _prepare_prefill(self) -> None:
         batch, qsl = self.batch, self.batch.query_start_loc_host
-        p = torch.tensor(self.prefill_seqs, dtype=torch.int64, device=lens.device)
-        q_lens = torch.tensor([qsl[b + 1] - qsl[b] for b in self.prefill_seqs], device=lens.device)
-        self.prefill_t = int(q_lens.max())
+        device = batch.input_ids.device
+        p = torch.tensor(self.prefill_seqs, dtype=torch.int64, device=device)
+        q_lens_host = [qsl[b + 1] - qsl[b] for b in self.prefill_seqs]
+        q_lens = torch.tensor(q_lens_host, device=device)
+        self.prefill_t = max(q_lens_host)
         max_len = max(batch.seq_lens_host[b] for b in self.prefill_seqs)
-        self.prefill_blocks, key_ok, self.prefill_padding = self._blocks(p, lens[p], max_len)
+        self.prefill_blocks, key_ok, self.prefill_padding = self._blocks(self.prefill_seqs, max_len)
         # Queries padded to [Bp, T]: a padding row repeats its sequence's first row (its output is dropped).
-        t = torch.arange(self.prefill_t, device=lens.device)
-        self.prefill_q_ok = (t[None, :] < q_lens[:, None]).flatten()
+        t = torch.arange(self.prefill_t, device=device)
+        # Which padded rows are real queries: listed on the host (a boolean mask would cost a read back).
+        real = [i * self.prefill_t + j for i, n in enumerate(q_lens_host) for j in range(n)]
+        self.prefill_q_ok = torch.tensor(real, dtype=torch.int64, device=device)
         first = batch.query_start_loc[:-1].to(torch.int64)[p]
         self.prefill_q_rows = (first[:, None] + torch.where(t[None, :] < q_lens[:, None], t[None, :], 0)).flatten()
         q_pos = batch.positions[self.prefill_q_rows].view(len(p), self.prefill_t)
-        k_pos = torch.arange(key_ok.shape[1], device=lens.device)
+        k_pos = torch.arange(key_ok.shape[1], device=device)
         self.prefill_mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]  # [Bp, T, S]
         self.prefill_mask = self.prefill_mask[:, None]  # [Bp, 1, T, S]: one mask for every head
 
     def read_kv(self, layer_idx: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` from layer ``layer_idx``'s pool, ``[n, block_size, Hkv, D]`` in ``dtype``."""
-        return (self.pool.k_cache[layer_idx].index_select(0, blocks).to(dtype),
-                self.pool.v_cache[layer_idx].index_select(0, blocks).to(dtype))  # fmt: skip
+        k = self.pool.k_cache[layer_idx].index_select(0, blocks)
+        v = self.pool.v_cache[layer_idx].index_select(0, blocks)
+        return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
 
     def attend(self, layer_idx: int, q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor | None,
                padding: torch.Tensor) -> torch.Tensor:  # fmt: skip
@@ -205,9 +225,9 @@ class PagedTorchBackend(PagedBackend):
             v.view(-1, *v.shape[2:]).index_fill_(0, padding, 0.0)
         k = k.view(b, -1, *k.shape[2:]).transpose(1, 2)  # [B, Hkv, M * block_size, D], a view
         v = v.view(b, -1, *v.shape[2:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2).to(cdt), k, v, attn_mask=mask, scale=self.scale,
-                                             enable_gqa=True)  # fmt: skip
-        return out.transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2) if q.dtype == cdt else q.transpose(1, 2).to(cdt), k, v,
+                                             attn_mask=mask, scale=self.scale, enable_gqa=True)  # fmt: skip
+        return out.transpose(1, 2) if out.dtype == q.dtype else out.transpose(1, 2).to(q.dtype)
 
     def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         return self.attend(layer_idx, q[:, None], self.decode_blocks, self.decode_mask, self.decode_padding)[:, 0]

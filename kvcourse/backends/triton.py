@@ -52,7 +52,13 @@ class KernelSteps:
 
 @register("triton")
 class TritonBackend(KernelSteps, PagedTorchBackend):
-    """A ragged batch on a paged pool, written and decoded by Triton kernels (prefill in torch)."""
+    """A ragged batch on a paged pool, written and decoded by Triton kernels (prefill in torch).
+
+    ``capturable``: a decode-only step launches its kernels without reading anything back from the device
+    and takes its shapes from the host, so a CUDA graph can record it (:mod:`kvcourse.serving.cuda_graphs`).
+    """
+
+    capturable = True
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]

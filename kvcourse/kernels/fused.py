@@ -10,9 +10,15 @@ torch allows, and the definitions the Triton kernels of :mod:`.triton_fused` mus
 Layouts are the serving step's: tokens packed in rows, ``x [N, hidden]``, heads ``[N, H, D]``.
 Every function also takes leading batch dimensions (``[..., hidden]``), so the plain forward
 (``[B, T, hidden]``) runs the same code.
+
+On a CPU, what costs is the number of framework calls, not the arithmetic, and a Python number in
+tensor arithmetic (``x * 0.5``) costs four of them (it becomes a tensor each time). So the norm keeps
+its two constants as tensors, made once per device, and RoPE swaps halves with a flip.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +29,24 @@ __all__ = ["add_rms_norm", "rms_norm", "rope", "rope_tables_signed", "silu_and_m
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, the statistics in fp32.
 
-    In fp32 it is one call. In fp16/bf16 the normalised value is rounded to ``x.dtype`` before the
-    weight multiplies it, as Hugging Face's ``LlamaRMSNorm`` does, so the two agree bit for bit.
+    In fp16/bf16 the normalised value is rounded to ``x.dtype`` before the weight multiplies it, as
+    Hugging Face's ``LlamaRMSNorm`` does. (``F.rms_norm`` computes the same in one call, but on a CPU
+    that call is 24 framework calls inside; these six ops are 7.)
     """
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    x32 = x if x.dtype == torch.float32 else x.float()
+    inv_n, eps_t = _norm_constants(x.device, x.shape[-1], eps)
+    mean_sq_eps = torch.addcmul(eps_t, torch.mul(x32, x32).sum(-1, keepdim=True), inv_n)  # mean(x^2) + eps
+    normed = x32 * torch.rsqrt(mean_sq_eps)
+    return weight * (normed if x.dtype == torch.float32 else normed.to(x.dtype))
+
+
+@functools.cache
+def _norm_constants(device: torch.device, hidden: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``1 / hidden`` and ``eps`` as fp32 tensors on ``device``, made once (as ordinary tensors, even when
+    first asked for under ``torch.inference_mode``, so that code tracked by autograd may use them too)."""
+    with torch.inference_mode(False):
+        return (torch.tensor([1.0 / hidden], dtype=torch.float32, device=device),
+                torch.tensor([eps], dtype=torch.float32, device=device))  # fmt: skip
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,15 +68,17 @@ def rope_tables_signed(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tens
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, rotate-half layout: ``x * cos + rotate_half(x) * sin`` in three ops.
 
-    ``x [N, H, D]`` (or ``[..., N, H, D]``); ``cos, signed_sin [N, 1, D]`` from :func:`rope_tables_signed`,
-    in ``x.dtype``. ``rotate_half(x) = cat(-x2, x1)``: a roll by ``D/2`` swaps the halves, and the
-    minus sign lives in ``signed_sin``. Q and K can be rotated together when they sit side by side in
-    the packed QKV projection (``[N, Hq + Hkv, D]``).
+    ``x [N, H, D]`` (or ``[..., N, H, D]``, last dimension contiguous); ``cos, signed_sin [N, 1, D]`` from
+    :func:`rope_tables_signed`, in ``x.dtype``. ``rotate_half(x) = cat(-x2, x1)``: viewing the last
+    dimension as two halves and flipping them swaps the halves, and the minus sign lives in
+    ``signed_sin``. Q and K can be rotated together when they sit side by side in the packed QKV
+    projection (``[N, Hq + Hkv, D]``).
     """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+    halves = x.view(*x.shape[:-1], 2, x.shape[-1] // 2)
+    return torch.addcmul(x * cos, halves.flip(-2).view(x.shape), signed_sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's middle: ``silu(gate) * up`` for ``gate_up = [gate | up]`` (the packed projection's output)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    half = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :half]) * gate_up[..., half:]

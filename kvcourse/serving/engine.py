@@ -55,6 +55,8 @@ class Engine:
             the pool is out of blocks (:data:`~kvcourse.serving.scheduler.PreemptionPolicy`); ``None``:
             the newest, vLLM's choice (:func:`~kvcourse.serving.scheduler.preempt_newest`).
         backend: the paged attention backend (``"paged-torch"``; chapter 5 adds ``"triton"``).
+        cuda_graphs: replay decode steps from CUDA graphs (:mod:`kvcourse.serving.cuda_graphs`);
+            ``None``: when the model is on a CUDA GPU and the backend is ``"triton"``.
         clock: seconds, for the latency metrics (``time.perf_counter``).
     """
 
@@ -73,6 +75,7 @@ class Engine:
         preemption_mode: str = "recompute",
         preemption_policy: PreemptionPolicy | None = None,
         backend: str = "paged-torch",
+        cuda_graphs: bool | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         # The cheap checks first, before the pool is allocated; the scheduler checks its own limits.
@@ -90,7 +93,11 @@ class Engine:
                     f"got {max_num_batched_tokens}"
                 )
         self.model = model
-        self.runner = ModelRunner(model, num_blocks, block_size, backend, enable_prefix_caching, num_cpu_blocks)
+        # Graphs for decode steps of up to max_num_seqs sequences (at most 512, as nano-vllm; larger ones run eagerly).
+        check_int("max_num_seqs", max_num_seqs, min=1, none_ok=True)
+        graph_seqs = 512 if max_num_seqs is None else min(max_num_seqs, 512)
+        self.runner = ModelRunner(model, num_blocks, block_size, backend, enable_prefix_caching, num_cpu_blocks,
+                                  cuda_graphs=cuda_graphs, max_num_seqs=graph_seqs)  # fmt: skip
         self.scheduler = Scheduler(
             self.runner.block_manager,
             max_num_seqs=max_num_seqs,

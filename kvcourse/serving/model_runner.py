@@ -16,6 +16,10 @@ nothing) and runs steps 2-3.
 
 The backend names the pool it needs (:mod:`kvcourse.backends`): ``backend="paged-int8-torch"`` gets
 an int8 pool.
+
+On a CUDA GPU with the ``"triton"`` backend, decode-only steps replay CUDA graphs
+(:mod:`kvcourse.serving.cuda_graphs`); prefills and mixed steps run eagerly. ``graph_steps`` counts
+the steps served from a graph.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 import torch
 
 from ..backends import backend_class
+from .cuda_graphs import DecodeGraphs
 from ..batch import ForwardBatch, SeqSlice
 from ..checks import check_bool, check_hashable, check_int, check_token_ids
 from ..paged import (BlockManager, BlockTransfer, NoFreeBlocksError, PagedKVStore, PrefixCachingBlockManager,
@@ -46,6 +51,10 @@ class ModelRunner:
         enable_prefix_caching: the pool is a :class:`~kvcourse.paged.PrefixCachingBlockManager` (chapter 7).
         num_cpu_blocks: a second pool of blocks in host memory, for swapped sequences and (with prefix
             caching) evicted cached blocks (chapter 7). 0: none.
+        cuda_graphs: replay decode steps from CUDA graphs. ``None`` (default): on when the model is on a
+            CUDA device and the backend can be captured (``"triton"``); ``True``: required (an error
+            otherwise); ``False``: every step eager.
+        max_num_seqs: the largest decode step a graph must hold (the engine passes its own limit).
     """
 
     def __init__(
@@ -56,12 +65,24 @@ class ModelRunner:
         backend: str = "paged-torch",
         enable_prefix_caching: bool = False,
         num_cpu_blocks: int = 0,
+        cuda_graphs: bool | None = None,
+        max_num_seqs: int = 64,
     ) -> None:
         if not hasattr(model, "forward_batch") or not hasattr(model, "config"):
             raise TypeError(f"model must be a kvcourse.LlamaModel, got {type(model).__name__}")
         backend_cls = backend_class(backend)
         check_bool("enable_prefix_caching", enable_prefix_caching)
         check_int("num_cpu_blocks", num_cpu_blocks, min=0)
+        if cuda_graphs is not None:
+            check_bool("cuda_graphs", cuda_graphs)
+        check_int("max_num_seqs", max_num_seqs, min=1)
+        on_cuda = model.device.type == "cuda"
+        capturable = getattr(backend_cls, "capturable", False)
+        if cuda_graphs and not (on_cuda and capturable):
+            raise ValueError(
+                f"cuda_graphs=True needs a model on a CUDA device and a backend that can be captured ('triton'); "
+                f"got a model on {model.device} and backend {backend!r}"
+            )
         if num_cpu_blocks and backend_cls.store_type is not PagedKVStore:
             raise ValueError(f"num_cpu_blocks needs a float pool (block moves copy K and V only); backend {backend!r} "
                              f"stores a {backend_cls.store_type.__name__}")  # fmt: skip
@@ -75,6 +96,9 @@ class ModelRunner:
             self.block_manager = PrefixCachingBlockManager(num_blocks, block_size, num_host_blocks=num_cpu_blocks)
         else:
             self.block_manager = BlockManager(num_blocks, block_size, num_host_blocks=num_cpu_blocks)
+        # Graphs last: the pool they read and write exists, and nothing after this can fail.
+        use_graphs = cuda_graphs if cuda_graphs is not None else on_cuda and capturable
+        self.graphs = DecodeGraphs(model, self.kv_store, backend, max_num_seqs) if use_graphs else None
         self.num_transferred_blocks = {"to_host": 0, "to_device": 0}
         self.transfer_seconds = 0.0  # time spent copying blocks between the pools
 
@@ -145,8 +169,16 @@ class ModelRunner:
         return self.forward([SeqSlice(s.token_ids, s.num_computed_tokens, table(s.seq.seq_id)) for s in out.scheduled],
                             all_logits)  # fmt: skip
 
+    @property
+    def graph_steps(self) -> int:
+        """Steps served from a CUDA graph (or, with ``graphs.capture=False``, its eager twin)."""
+        return 0 if self.graphs is None else self.graphs.replays
+
     def forward(self, seqs: Sequence[SeqSlice], all_logits: bool = False) -> torch.Tensor:
-        """Pack ``seqs`` (slots reserved, K/V of earlier tokens in the pool) into one batch and run it."""
+        """Pack ``seqs`` (slots reserved, K/V of earlier tokens in the pool) into one batch and run it:
+        from a CUDA graph when every sequence decodes one token, else eagerly."""
+        if self.graphs is not None and not all_logits and self.graphs.can_run(seqs):
+            return self.graphs.run(seqs)
         batch = ForwardBatch.build(seqs, self.block_size, self.kv_store.device)
         return self.model.forward_batch(batch, self.kv_store, self.backend, all_logits=all_logits)
 

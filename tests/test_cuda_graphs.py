@@ -1,0 +1,215 @@
+"""Decode steps from CUDA graphs (issue 29): the bookkeeping on any machine, the capture on a GPU.
+
+On a CPU, :class:`DecodeGraphs` with ``capture=False`` runs the padded, static-buffer forward a graph
+would record, eagerly: bucket choice, buffer filling, padding lanes and the eager fallback are tested
+here. On a GPU (``make gpu-check`` runs the ``cuda`` cases) the engine captures real graphs and must
+give the eager engine's tokens, token for token, in fp32.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.profiler import profile
+
+import kvcourse
+from kvcourse.batch import ForwardBatch, SeqSlice
+from kvcourse.serving import Engine, ModelRunner
+from kvcourse.serving.cuda_graphs import DecodeGraphs, bucket_for, graph_batch_sizes
+
+from .conftest import tiny_llama
+
+# Ops that make the host wait for the device (on a GPU): reading a value back, or a data-dependent shape.
+SYNC_OPS = {"aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal"}
+
+
+def sync_ops(fn, within: str | None = None) -> collections.Counter:
+    """The synchronising ops ``fn()`` runs, counted by torch's profiler (only those under a
+    ``record_function(within)`` scope, if given: host-side work on CPU tensors outside it is no sync)."""
+    with profile() as prof:
+        fn()
+
+    def inside(e) -> bool:
+        while e is not None:
+            if e.name == within:
+                return True
+            e = e.cpu_parent
+        return within is None
+
+    return collections.Counter(e.name for e in prof.events() if e.name in SYNC_OPS and inside(e))
+
+
+# A padding lane has no key to attend to: its row of the decode kernel divides 0 by 0 (a NaN nobody reads,
+# in a row no other row mixes with). Triton's CPU interpreter computes it with NumPy, which warns.
+padding_nan = pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+
+
+def test_buckets_are_nano_vllms():
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 32]  # the last bucket holds max_num_seqs
+    assert graph_batch_sizes(5) == [1, 2, 4, 8]
+    assert graph_batch_sizes(1) == [1]
+    sizes = graph_batch_sizes(48)
+    assert [bucket_for(n, sizes) for n in (1, 3, 8, 9, 17, 48, 49)] == [1, 4, 8, 16, 32, 48, None]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        graph_batch_sizes(0)
+
+
+def _graphs(model, num_blocks=32, block_size=4, max_num_seqs=6):
+    runner = ModelRunner(model, num_blocks, block_size, backend="triton", cuda_graphs=False)
+    return runner, DecodeGraphs(model, runner.kv_store, "triton", max_num_seqs, capture=False)
+
+
+def test_a_step_fills_the_static_buffers_and_pads_the_bucket():
+    model = tiny_llama(1)
+    _, graphs = _graphs(model)
+    assert graphs.sizes == [1, 2, 4, 8]
+    seqs = [SeqSlice([7], 5, [3, 9]), SeqSlice([8], 0, [4]), SeqSlice([9], 8, [1, 2, 6])]
+    graphs.load_inputs(seqs, bucket_for(3, graphs.sizes))
+    assert graphs.input_ids[:4].tolist() == [7, 8, 9, 0]
+    assert graphs.positions[:4].tolist() == [5, 0, 8, 0]
+    # Slot = block_table[pos // block_size] * block_size + pos % block_size; a padding lane writes nowhere.
+    assert graphs.slot_mapping[:4].tolist() == [9 * 4 + 1, 4 * 4 + 0, 6 * 4 + 0, -1]
+    assert graphs.seq_lens[:4].tolist() == [6, 1, 9, 0]  # a padding lane reads no key
+    assert graphs.block_tables[:3, :3].tolist() == [[3, 9, 0], [4, 0, 0], [1, 2, 6]]
+    # The same batch, built the eager way, agrees on every field the kernels read.
+    built = ForwardBatch.build(seqs, 4)
+    assert torch.equal(graphs.slot_mapping[:3], built.slot_mapping)
+    assert torch.equal(graphs.positions[:3], built.positions)
+    # A shorter step leaves older columns in place (never read) but re-pads its own lanes.
+    graphs.load_inputs(seqs[1:2], 1)
+    assert graphs.seq_lens[:1].tolist() == [1] and graphs.slot_mapping[:1].tolist() == [16]
+    with pytest.raises(ValueError, match="does not cover"):
+        graphs.load_inputs([SeqSlice([1], 4, [3])], 1)
+
+
+def test_only_decode_steps_that_fit_run_from_a_graph():
+    _, graphs = _graphs(tiny_llama(1), max_num_seqs=2)
+    one = SeqSlice([1], 0, [0])
+    assert graphs.can_run([one, SeqSlice([2], 0, [1])])
+    assert not graphs.can_run([SeqSlice([1, 2], 0, [0])])  # a prefill
+    assert not graphs.can_run([one] * 3)  # more than the largest bucket
+    with pytest.raises(ValueError, match="decode-only"):
+        graphs.run([SeqSlice([1, 2], 0, [0])])
+
+
+def test_graphs_are_refused_where_they_cannot_run():
+    model = tiny_llama(1)
+    runner = ModelRunner(model, 8, 4, backend="paged-torch")
+    assert runner.graphs is None and runner.graph_steps == 0  # on a CPU the default is eager
+    with pytest.raises(ValueError, match="cannot be captured"):
+        DecodeGraphs(model, runner.kv_store, "paged-torch", 4, capture=False)
+    with pytest.raises(ValueError, match="CUDA device"):
+        DecodeGraphs(model, runner.kv_store, "triton", 4, capture=True)
+    with pytest.raises(ValueError, match="cuda_graphs=True"):
+        ModelRunner(model, 8, 4, backend="triton", cuda_graphs=True)
+    with pytest.raises(TypeError, match="cuda_graphs"):
+        Engine(model, 8, 4, backend="triton", cuda_graphs="yes")
+
+
+def _serve(model, graphs: str, **engine):
+    """Serve a workload whose decode batches shrink as requests finish (3 of 4 lanes, 2 of 2, ...) and
+    whose prompts arrive while others decode (mixed steps, which run eagerly)."""
+    prompts = [[1, 5, 9, 13, 2, 6], [3, 7], [11] * 19, [4, 8, 12], [9, 9, 9, 9, 9, 9, 9, 9, 9]]
+    params = [kvcourse.SamplingParams(max_new_tokens=n, stop_token_ids=()) for n in (9, 4, 7, 12, 2)]
+    eng = Engine(model, num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, backend="triton",
+                 cuda_graphs=graphs == "captured", **engine)  # fmt: skip
+    if graphs == "static":
+        eng.runner.graphs = DecodeGraphs(model, eng.runner.kv_store, "triton", 4, capture=False)
+    return eng.generate(prompts, params), eng
+
+
+@padding_nan
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_graph_path_gives_the_eager_tokens(seed, device):
+    """fp32, token for token: on a CPU the static forward (what a graph records) run eagerly, on a GPU the
+    captured graphs replayed. Both serve only decode-only steps; prefills and mixed steps stay eager."""
+    model = tiny_llama(seed).to(device)
+    eager, _ = _serve(model, "off")
+    got, eng = _serve(model, "captured" if device.type == "cuda" else "static")
+    assert got == eager
+    steps = len(eng.events)
+    assert 0 < eng.runner.graph_steps < steps  # some steps replayed, the prefills did not
+    if device.type == "cuda":
+        assert set(eng.runner.graphs.graphs) <= set(eng.runner.graphs.sizes) and eng.runner.graphs.graphs
+
+
+@padding_nan
+def test_the_graph_path_with_prefix_caching_gives_the_eager_tokens():
+    model = tiny_llama(3)
+    eager, _ = _serve(model, "off", enable_prefix_caching=True)
+    got, eng = _serve(model, "static", enable_prefix_caching=True)
+    assert got == eager and eng.runner.graph_steps > 0
+
+
+@pytest.mark.parametrize("backend", ["paged-torch", "triton"])
+def test_a_forward_never_waits_for_the_device(backend):
+    """Inside ``forward_batch`` nothing reads a value back (on a GPU each would be a synchronisation):
+    the batch carries host copies of everything a decision needs. Mixed and decode-only steps alike."""
+    model = tiny_llama(2)
+    runner = ModelRunner(model, 32, 4, backend=backend, cuda_graphs=False)
+    forward_batch = model.forward_batch
+
+    def labelled(*args, **kwargs):
+        with torch.profiler.record_function("forward_batch"):
+            return forward_batch(*args, **kwargs)
+
+    model.forward_batch = labelled
+    runner.step([(0, [1, 2, 3, 4, 5, 6]), (1, [7, 8, 9])])
+    mixed = [(0, [10]), (1, [11]), (2, [12, 13, 14, 15, 16])]
+    assert sync_ops(lambda: runner.step(mixed), within="forward_batch") == {}
+    decode = [(0, [17]), (1, [18]), (2, [19])]
+    assert sync_ops(lambda: runner.step(decode), within="forward_batch") == {}
+    # The count is not blind: the host-side build of the batch (CPU tensors) does read values.
+    assert sync_ops(lambda: runner.step([(0, [20])])) != {}
+
+
+def test_the_static_forward_never_waits_for_the_device():
+    model = tiny_llama(2)
+    runner, graphs = _graphs(model)
+    runner.step([(0, [1, 2, 3, 4, 5]), (1, [6, 7])])
+    for seq_id in (0, 1):
+        runner.block_manager.append_slots(seq_id, 1)
+    table = runner.block_manager.block_table
+    graphs.load_inputs([SeqSlice([8], 5, table(0)), SeqSlice([9], 2, table(1))], 2)
+    assert sync_ops(lambda: graphs.forward(2)) == {}
+
+
+def test_a_hand_made_batch_with_a_bad_token_is_still_refused_by_name():
+    model = tiny_llama(1)
+    runner = ModelRunner(model, 8, 4)
+    runner.block_manager.allocate(0, 0)
+    start = kvcourse.paged.allocate_slots(runner.block_manager, runner.kv_store, 0, 2)
+    good = ForwardBatch.build([SeqSlice([1, 2], start, runner.block_manager.block_table(0))], 4)
+    bad = ForwardBatch(input_ids=torch.tensor([1, 500]), positions=good.positions, slot_mapping=good.slot_mapping,
+                       query_start_loc=good.query_start_loc, seq_lens=good.seq_lens, block_tables=good.block_tables,
+                       block_size=4)  # fmt: skip
+    assert bad.token_range_host == (1, 500)
+    with pytest.raises(ValueError, match=r"batch.input_ids has token ids outside the vocabulary.*500"):
+        model.forward_batch(bad, runner.kv_store)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+def test_captured_decode_of_the_real_model_equals_eager_cuda(model_on, tok):
+    """The real model, fp32, on the GPU: the captured engine's tokens are the eager engine's, and a
+    replayed step never synchronises (torch's sync debug mode raises on any synchronising call)."""
+    prompts = [tok.encode(p) for p in ("The capital of France is", "Once upon a time", "def fibonacci(n):")]
+    params = [kvcourse.SamplingParams(max_new_tokens=n, stop_token_ids=()) for n in (24, 9, 17)]
+    runs = {}
+    for graphs in (False, True):
+        eng = Engine(model_on, num_blocks=64, block_size=16, max_num_seqs=8, backend="triton", cuda_graphs=graphs)
+        runs[graphs] = (eng.generate(prompts, params), eng.runner.graph_steps)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] > 0 and runs[False][1] == 0
+    runner = ModelRunner(model_on, 16, 16, backend="triton", cuda_graphs=True, max_num_seqs=4)
+    runner.step([(0, prompts[0]), (1, prompts[1])])
+    runner.step([(0, [5]), (1, [6])])  # captures bucket 2
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logits = runner.step([(0, [7]), (1, [8])])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert logits.shape == (2, model_on.config.vocab_size) and runner.graph_steps == 2
