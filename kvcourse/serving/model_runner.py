@@ -32,6 +32,7 @@ import torch
 
 from ..backends import backend_class
 from .cuda_graphs import DecodeGraphs
+from .step_profile import FORWARD_SCOPE
 from ..batch import ForwardBatch, SeqSlice
 from ..checks import check_bool, check_hashable, check_int, check_token_ids
 from ..paged import (BlockManager, BlockTransfer, NoFreeBlocksError, PagedKVStore, PrefixCachingBlockManager,
@@ -178,9 +179,11 @@ class ModelRunner:
         """Pack ``seqs`` (slots reserved, K/V of earlier tokens in the pool) into one batch and run it:
         from a CUDA graph when every sequence decodes one token, else eagerly."""
         if self.graphs is not None and not all_logits and self.graphs.can_run(seqs):
-            return self.graphs.run(seqs)
+            with torch.profiler.record_function(FORWARD_SCOPE):  # a label for profile_step (a no-op otherwise)
+                return self.graphs.run(seqs)
         batch = ForwardBatch.build(seqs, self.block_size, self.kv_store.device)
-        return self.model.forward_batch(batch, self.kv_store, self.backend, all_logits=all_logits)
+        with torch.profiler.record_function(FORWARD_SCOPE):
+            return self.model.forward_batch(batch, self.kv_store, self.backend, all_logits=all_logits)
 
     def move_blocks(self, transfers: Sequence[BlockTransfer]) -> None:
         """Copy blocks between the device pool and the host pool, in order, and time it."""
