@@ -1,0 +1,66 @@
+"""profile_step (chapter 6's "where a step goes") and the packed, fused layer against the textbook one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcourse.model import apply_rope, pack_state_dict
+from kvcourse.serving import ModelRunner
+from kvcourse.serving.step_profile import profile_step
+
+from .conftest import tiny_llama
+
+
+def test_a_decode_step_is_profiled_and_its_forward_never_reads_back():
+    model = tiny_llama(4)
+    runner = ModelRunner(model, 32, 4)
+    runner.step([(0, [1, 2, 3, 4, 5]), (1, [6, 7, 8])])
+    cost = profile_step(lambda: runner.step([(0, [9]), (1, [10])]), repeats=2)
+    assert cost["aten_calls"] > 100 and cost["wall_ms"] > 0
+    assert cost["forward_sync_ops"] == 0 < cost["sync_ops"]  # the host reads its own lists while building the batch
+    assert "kernel_launches" not in cost  # CUDA-only figures
+    with pytest.raises(TypeError, match="step"):
+        profile_step(3)
+    with pytest.raises(ValueError, match="repeats"):
+        profile_step(lambda: None, repeats=0)
+
+
+def _textbook_layer(layer, x, cos, sin, eps):
+    """A decoder layer op by op (separate projections, rotate-half RoPE twice, unfused adds), attention
+    replaced by its queries: chapter 6 prints this beside the package's layer."""
+    a, n = layer.self_attn, x.shape[0]
+    h = layer.input_layernorm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    q = apply_rope(a.q_proj(h).view(n, a.n_heads, a.head_dim), cos, sin)
+    x = x + a.o_proj(q.reshape(n, -1))
+    h = layer.post_attention_layernorm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return x + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_packed_fused_layer_equals_the_textbook_layer(seed):
+    model = tiny_llama(seed)
+    layer = model.layers[1]
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    positions = torch.arange(3, 8)
+    cos, sin = model.rope_tables(positions)
+    with torch.inference_mode():
+        want = _textbook_layer(layer, x, cos[positions][:, None], sin[positions][:, None], model.config.rms_norm_eps)
+        out, residual = layer(x, None, *model.rope_rows(positions), lambda i, q, k, v: q)
+    torch.testing.assert_close(out + residual, want, rtol=1e-5, atol=1e-5)
+
+
+def test_hugging_face_names_are_packed_row_by_row():
+    model = tiny_llama(0)
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    hf = {"layers.0.self_attn.q_proj.weight": attn.q_proj.weight, "layers.0.self_attn.k_proj.weight": attn.k_proj.weight,
+          "layers.0.self_attn.v_proj.weight": attn.v_proj.weight, "layers.0.mlp.gate_proj.weight": mlp.gate_proj.weight,
+          "layers.0.mlp.up_proj.weight": mlp.up_proj.weight, "norm.weight": model.norm.weight}  # fmt: skip
+    packed = pack_state_dict(hf)
+    assert set(packed) == {"layers.0.self_attn.qkv_proj.weight", "layers.0.mlp.gate_up_proj.weight", "norm.weight"}
+    assert torch.equal(packed["layers.0.self_attn.qkv_proj.weight"], attn.qkv_proj.weight)
+    assert torch.equal(packed["layers.0.mlp.gate_up_proj.weight"], mlp.gate_up_proj.weight)
+    assert pack_state_dict(packed).keys() == packed.keys()  # already packed: unchanged
+    x = torch.randn(3, model.config.hidden_size)
+    torch.testing.assert_close(attn.k_proj(x), F.linear(x, hf["layers.0.self_attn.k_proj.weight"]))
