@@ -1,4 +1,4 @@
-"""Chapter 5's kernels compiled for real NVIDIA GPUs (sm_75, sm_80, sm_90) on this CPU machine.
+"""Chapter 5's kernels and a layer's fused small ops compiled for real NVIDIA GPUs (sm_75, sm_80, sm_90) on this CPU.
 
 Triton compiles to PTX and ``ptxas`` (shipped in the triton wheel) to machine code without a GPU
 (:mod:`kvcourse.kernels.compile_check`). Each check runs in a subprocess with ``TRITON_INTERPRET=0``
@@ -66,6 +66,15 @@ def _check_report(report: dict) -> None:
     config = "paged q=fp16 kv=fp16 heads=32/8 D=128 block=16 splits=1"
     assert not row(75, config)["mma"] and row(75, config)["fma"] > 0
     assert row(80, config)["mma"] and row(90, config)["mma"]
+    # A layer's fused small ops (kernels/triton_fused.py) at SmolLM2's shapes: fp32/fp16/bf16, 1, 64 and 2048
+    # tokens, the launch parameters their wrappers pick; no spills, no tensor cores (they have no dots).
+    fused = {"_rms_norm_kernel", "_fused_add_rms_norm_kernel", "_rotary_embedding_kernel", "_silu_and_mul_kernel"}
+    for capability in (75, 80, 90):
+        mine = [r for r in rows if r["capability"] == capability and r["kernel"] in fused]
+        assert {r["kernel"] for r in mine} == fused and len(mine) == 4 * 3 * 3, mine
+        assert all(r["model"] == "SmolLM2-135M" and r["stack_bytes"] == 0 and not r["mma"] for r in mine), mine
+    assert row(90, "rms_norm dtype=bf16 hidden=576 tokens=2048", "_rms_norm_kernel")["BLOCK"] == 1024
+    assert row(75, "silu_and_mul dtype=fp16 intermediate=1536 tokens=1", "_silu_and_mul_kernel")["num_warps"] == 4
 
 
 def test_kernels_compile_for_t4_a100_h100_without_spills(tmp_path):

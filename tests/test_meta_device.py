@@ -194,9 +194,24 @@ def test_online_softmax_and_merge():
     torch.testing.assert_close(merged, out)
 
 
+def test_fused_layer_ops():
+    """kernels/fused.py on the CPU: the torch versions (the Triton kernels run only on CUDA)."""
+    from kvcourse.kernels import fused
+
+    x, residual, weight = randn(3, 8, seed=20), randn(3, 8, seed=21), randn(8, seed=22)
+    q, angles = randn(3, 2, 8, seed=23), randn(3, 1, 8, seed=24)
+    cos, sin = fused.rope_tables_signed(angles.cos(), angles.sin())
+    for dtype in (torch.float32, torch.bfloat16):
+        on_meta_and_normally(lambda: fused.rms_norm(x.to(dtype), weight.to(dtype), 1e-5))
+        on_meta_and_normally(lambda: fused.add_rms_norm(x.to(dtype), residual.to(dtype), weight.to(dtype), 1e-5))
+        on_meta_and_normally(lambda: fused.rope(q.to(dtype), cos.to(dtype), sin.to(dtype)))
+        on_meta_and_normally(lambda: fused.silu_and_mul(x.to(dtype)))
+
+
 def test_triton_kernels_in_the_interpreter():
     from kvcourse.kernels import decode_attention, paged_decode_attention, paged_decode_attention_int8
-    from kvcourse.kernels import reshape_and_cache, reshape_and_cache_int8
+    from kvcourse.kernels import fused_add_rms_norm, reshape_and_cache, reshape_and_cache_int8, rms_norm
+    from kvcourse.kernels import rotary_embedding, silu_and_mul
     from kvcourse.kernels.triton_runtime import interpreting
 
     if not interpreting():
@@ -219,6 +234,11 @@ def test_triton_kernels_in_the_interpreter():
                                                              num_splits=2)
 
     on_meta_and_normally(writes)
+    x, weight = randn(3, 40, seed=15), randn(40, seed=16)
+    on_meta_and_normally(lambda: rms_norm(x, weight, 1e-5))
+    on_meta_and_normally(lambda: fused_add_rms_norm(x, x, weight, 1e-5))
+    on_meta_and_normally(lambda: rotary_embedding(x.view(3, 5, 8), randn(3, 1, 8, seed=17), randn(3, 1, 8, seed=18)))
+    on_meta_and_normally(lambda: silu_and_mul(x))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,12 +6,18 @@
 * :mod:`.int8` -- int8 K/V with a scale per token and head: quantize, dequantize, the references.
 * :mod:`.online_softmax` -- the online softmax and the split-KV merge, step by step in torch.
 * :mod:`.roofline` -- bytes moved by decode attention, and the GPUs' published peaks.
+* :mod:`.fused` -- a decoder layer's small ops in one call each (RMSNorm with its residual add, RoPE,
+  SiLU-and-mul): the torch versions, and the functions the model calls, which run the Triton kernels
+  of :mod:`.triton_fused` on a CUDA device (``fused.USE_TRITON = False`` turns them off).
 
-Chapter 5's Triton kernels, each beside the reference it must equal:
+The Triton kernels (chapter 5's, and the layer's fused ops), each beside the reference it must equal:
 
 * :mod:`.triton_decode` -- :func:`decode_attention`, one query per sequence on a contiguous cache;
 * :mod:`.triton_paged` -- :func:`paged_decode_attention` through block tables, split-KV, int8 reads;
 * :mod:`.triton_cache` -- :func:`reshape_and_cache`, the K/V write (float and int8);
+* :mod:`.triton_fused` -- a layer's small ops, one kernel each, equal to :mod:`.fused`'s torch versions:
+  :func:`rms_norm`, :func:`fused_add_rms_norm`, :func:`rotary_embedding`, :func:`silu_and_mul` (vLLM's
+  names; these names of this package are the kernels themselves, on the GPU or in the interpreter);
 * :mod:`.triton_runtime` -- where Triton runs (GPU, or its CPU interpreter), the torch fallback, and
   :func:`kernel_runs`: how every launch ran (compiled, interpreted, or fell back to torch);
 * :mod:`.compile_check` -- the kernels compiled for a T4, an A100 and an H100 without a GPU: registers,
@@ -60,6 +66,10 @@ _TRITON_NAMES = {
     "choose_num_splits": ".triton_paged",
     "reshape_and_cache": ".triton_cache",
     "reshape_and_cache_int8": ".triton_cache",
+    "rms_norm": ".triton_fused",
+    "fused_add_rms_norm": ".triton_fused",
+    "rotary_embedding": ".triton_fused",
+    "silu_and_mul": ".triton_fused",
     "fallbacks": ".triton_runtime",
     "interpreting": ".triton_runtime",
     "kernel_runs": ".triton_runtime",

@@ -1,4 +1,4 @@
-"""Compile chapter 5's kernels for NVIDIA GPUs on a machine without one, and read what came out.
+"""Compile chapter 5's kernels and a layer's fused ops for NVIDIA GPUs without one, and read what came out.
 
     TRITON_INTERPRET=0 python -m kvcourse.kernels.compile_check [--quick] [--json report.json]
 
@@ -15,10 +15,11 @@ ask, for a T4 (sm_75), an A100 (sm_80) and an H100 (sm_90):
   fused multiply-adds (``fma``)?
 
 How: the wrappers' launch functions (:func:`~.triton_decode.decode`, :func:`~.triton_paged.paged_decode`,
-:func:`~.triton_cache.reshape_and_cache`'s launch) run on small CPU tensors with each kernel's ``run``
-replaced by a recorder (:func:`recorded_launches`); each recorded launch goes through Triton's own
-argument binder and ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``; the cubin's
-registers and stack come from ``cuobjdump --dump-resource-usage`` (also in the wheel).
+:func:`~.triton_cache.reshape_and_cache`'s launch, :mod:`.triton_fused`'s ``_launch_*``) run on small
+CPU tensors with each kernel's ``run`` replaced by a recorder (:func:`recorded_launches`); each
+recorded launch goes through Triton's own argument binder and
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``; the cubin's registers and stack
+come from ``cuobjdump --dump-resource-usage`` (also in the wheel).
 
 This uses Triton internals (``JITFunction.run``/``_pack_args``, ``create_function_from_signature``,
 ``ASTSource``, ``make_backend``, the bundled ``cuobjdump``), tested with the triton version pinned in
@@ -69,30 +70,50 @@ NAMED_HEADS = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}
 # Other GQA groups (1, 8) the sweep compiles and reports, at both head dims.
 OTHER_HEADS = ((8, 8), (64, 8))
 
+# A layer's small ops (:mod:`.triton_fused`), compiled at the shapes of the models named here:
+# (hidden size, intermediate size, q heads, kv heads, head dim). RoPE rotates Q and K together (Hq + Hkv heads).
+NAMED_LAYERS = {"SmolLM2-135M": (576, 1536, 9, 3, 64)}
+FUSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+FUSED_TOKENS = (1, 64, 2048)  # a decode step, a batch of decodes, a prefill chunk (only the grid depends on it)
+_ATTENTION_KERNELS = ("_decode_kernel", "_paged_decode_kernel", "_merge_splits_kernel")  # the ones with tl.dot
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One launch of one wrapper: what it runs on (the tensors are made small; the kernel sees the same)."""
 
-    op: str  # "decode" | "paged" | "cache"
+    op: str  # "decode" | "paged" | "cache", or one of FUSED_OPS
     dtype: torch.dtype  # the query's (or the new K/V's) dtype
     heads: tuple[int, int]  # (q heads, kv heads); the cache write sees only kv heads
     head_dim: int
     kv_int8: bool = False
     block_size: int = 16  # paged and cache
     num_splits: int = 1  # paged
-    tokens: int = 1  # cache: new tokens written in one step
+    tokens: int = 1  # cache: new tokens written in one step; fused ops: rows (tokens) in the step
+    width: int = 0  # fused ops: the row a norm reads (hidden size), or silu_and_mul's intermediate size
     tiles: tuple[int, int, int] | None = None  # (BLOCK_N, num_warps, num_stages) instead of tile_config's choice
 
     @property
     def model(self) -> str | None:
         """Which named model's heads these are (spills fail only there), else None."""
+        if self.op in FUSED_OPS:
+            for name, (hidden, intermediate, hq, hkv, d) in NAMED_LAYERS.items():
+                if self.op == "rotary_embedding":
+                    if (self.heads, self.head_dim) == ((hq, hkv), d):
+                        return name
+                elif self.width == (intermediate if self.op == "silu_and_mul" else hidden):
+                    return name
+            return None
         for name, (hq, hkv, d) in NAMED_HEADS.items():
             if self.head_dim == d and self.heads[1] == hkv and (self.op == "cache" or self.heads[0] == hq):
                 return name
         return None
 
     def describe(self) -> str:
+        if self.op in FUSED_OPS:
+            shape = {"rotary_embedding": f"heads={self.heads[0]}+{self.heads[1]} D={self.head_dim}",
+                     "silu_and_mul": f"intermediate={self.width}"}.get(self.op, f"hidden={self.width}")  # fmt: skip
+            return f"{self.op} dtype={_dtype_name(self.dtype)} {shape} tokens={self.tokens}"
         kv = "int8" if self.kv_int8 else _dtype_name(self.dtype)
         parts = [self.op, f"q={_dtype_name(self.dtype)}", f"kv={kv}", f"heads={self.heads[0]}/{self.heads[1]}",
                  f"D={self.head_dim}"]  # fmt: skip
@@ -132,16 +153,19 @@ class Launch:
 
 
 def _kernels() -> tuple:
+    from . import triton_fused
     from .triton_cache import _reshape_and_cache_kernel
     from .triton_decode import _decode_kernel
     from .triton_paged import _merge_splits_kernel, _paged_decode_kernel
 
-    return _decode_kernel, _paged_decode_kernel, _merge_splits_kernel, _reshape_and_cache_kernel
+    fused = (triton_fused._rms_norm_kernel, triton_fused._fused_add_rms_norm_kernel,
+             triton_fused._rotary_embedding_kernel, triton_fused._silu_and_mul_kernel)  # fmt: skip
+    return _decode_kernel, _paged_decode_kernel, _merge_splits_kernel, _reshape_and_cache_kernel, *fused
 
 
 @contextmanager
 def recorded_launches() -> Iterator[list[Launch]]:
-    """While inside, launching any chapter-5 kernel records its arguments instead of running it.
+    """While inside, launching any kernel of :func:`_kernels` records its arguments instead of running it.
 
     ``kernel[grid](*args, **kwargs)`` calls ``kernel.run(*args, grid=grid, warmup=False, **kwargs)``;
     an instance attribute ``run`` shadows the method.
@@ -207,9 +231,35 @@ def launches_for(config: Config, target: Target | None) -> list[Launch]:
             pool = torch.empty(max(4, config.tokens), config.block_size, hkv, d, dtype=cache_dtype)
             scales = (torch.empty(pool.shape[:3]), torch.empty(pool.shape[:3])) if config.kv_int8 else ()
             cache_launch(new, new.clone(), pool, pool.clone(), torch.zeros(config.tokens, dtype=torch.int64), *scales)
+        elif config.op in FUSED_OPS:
+            _launch_fused(config)
         else:
-            raise ValueError(f"config.op must be 'decode', 'paged' or 'cache', got {config.op!r}")
+            raise ValueError(f"config.op must be 'decode', 'paged', 'cache' or one of {FUSED_OPS}, got {config.op!r}")
     return launches
+
+
+def _launch_fused(config: Config) -> None:
+    """Launch one of :mod:`.triton_fused`'s kernels as its wrapper does, on ``config.tokens`` contiguous rows.
+
+    (A slice of a packed projection has another row stride, but Triton specialises an integer argument
+    only on being 1 or a multiple of 16, and SmolLM2's widths (576, 960 for Q+K+V, 3072) are multiples
+    of 16: the same machine code.)
+    """
+    from . import triton_fused
+
+    n, dtype = config.tokens, config.dtype
+    if config.op == "rotary_embedding":
+        heads, d = sum(config.heads), config.head_dim
+        table = torch.empty(n, 1, d, dtype=dtype)
+        triton_fused._launch_rotary_embedding(torch.empty(n, heads, d, dtype=dtype), table, table.clone())
+    elif config.op == "silu_and_mul":
+        triton_fused._launch_silu_and_mul(torch.empty(n, 2 * config.width, dtype=dtype))
+    else:
+        x, weight = torch.empty(n, config.width, dtype=dtype), torch.empty(config.width, dtype=dtype)
+        if config.op == "rms_norm":
+            triton_fused._launch_rms_norm(x, weight, 1e-5)
+        else:
+            triton_fused._launch_fused_add_rms_norm(x, x.clone(), weight, 1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -312,7 +362,8 @@ def configurations(target: Target, quick: bool = False) -> list[Config]:
     the most the heuristic gives (the merge kernel's widest tile), int8 with 1 split; fp16 cache
     writes. Full: also GQA groups 1 and 8 and the named groups at the other head dim; blocks of 1, 16
     and 32 for the named heads; 1, 2 and the most splits; cache writes of 1, 5 and 37 tokens. (Split
-    counts above 1 differ in one constant of the same code, so all of them are not compiled.)
+    counts above 1 differ in one constant of the same code, so all of them are not compiled.) Both also
+    compile a layer's fused small ops (:func:`fused_configurations`).
     """
     named = list(NAMED_HEADS.values())
     others = [(hq, hkv, d) for hq, hkv in OTHER_HEADS for d in (64, 128)]
@@ -331,6 +382,19 @@ def configurations(target: Target, quick: bool = False) -> list[Config]:
                 out.append(Config("paged", dtype, (hq, hkv), d, kv_int8, block_size, s))
             for block_size, n in itertools.product(blocks, tokens):  # BLOCK_T follows the count; 1 is specialised
                 out.append(Config("cache", dtype, (hq, hkv), d, kv_int8, block_size, tokens=n))
+    return out + fused_configurations(target)
+
+
+def fused_configurations(target: Target) -> list[Config]:
+    """The fused small ops at :data:`NAMED_LAYERS`' shapes: every dtype, :data:`FUSED_TOKENS` rows (quick and full)."""
+    out = []
+    for (hidden, intermediate, hq, hkv, d), dtype, n in itertools.product(
+        NAMED_LAYERS.values(), dtypes_for(target), FUSED_TOKENS
+    ):
+        out += [Config("rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
+                Config("fused_add_rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
+                Config("rotary_embedding", dtype, (hq, hkv), d, tokens=n),
+                Config("silu_and_mul", dtype, (hq, hkv), d, tokens=n, width=intermediate)]  # fmt: skip
     return out
 
 
@@ -482,6 +546,7 @@ def report(results: list[Result], quick: bool, choice_rows: list[dict] | None = 
                 model=r.config.model, kernel=c.kernel, registers=c.registers, stack_bytes=c.stack,
                 shared_bytes=c.shared, num_warps=c.num_warps, mma=c.mma, dots=c.dots, fma=c.fma,
                 BLOCK_N=c.constants.get("BLOCK_N"), BLOCK_H=c.constants.get("BLOCK_H"),
+                BLOCK=c.constants.get("BLOCK"),  # the fused row kernels' tile
             ))  # fmt: skip
         if r.error:
             rows.append(dict(gpu=r.target.gpu, capability=r.target.capability, config=r.config.describe(),
@@ -498,7 +563,7 @@ def report(results: list[Result], quick: bool, choice_rows: list[dict] | None = 
             spilling_named=sorted({row["config"] for row in mine if row["stack_bytes"] and row["model"]}),
             spilling_other=sorted({row["config"] for row in mine if row["stack_bytes"] and not row["model"]}),
             attention_uses_mma=sorted({row["config"].split()[1] for row in mine
-                                       if row["kernel"] != "_reshape_and_cache_kernel" and row["mma"]}),
+                                       if row["kernel"] in _ATTENTION_KERNELS and row["mma"]}),
         ))  # fmt: skip
     return dict(
         report="compile",

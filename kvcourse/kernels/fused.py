@@ -14,16 +14,57 @@ Every function also takes leading batch dimensions (``[..., hidden]``), so the p
 On a CPU, what costs is the number of framework calls, not the arithmetic, and a Python number in
 tensor arithmetic (``x * 0.5``) costs four of them (it becomes a tensor each time). So the norm keeps
 its two constants as tensors, made once per device, and RoPE swaps halves with a flip.
+
+**Where each runs.** On a CUDA device each function launches its Triton kernel (:mod:`.triton_fused`,
+imported on first use there, so ``import kvcourse`` never needs Triton); anywhere else (the CPU, the
+``meta`` device, MPS) it runs its torch version, ``*_torch`` below, which is also what a kernel that
+cannot compile falls back to and what the kernel tests compare against. ``USE_TRITON`` switches the
+kernels off::
+
+    import kvcourse.kernels.fused as fused
+    fused.USE_TRITON = False  # the torch versions on a GPU too: to time one against the other
+
+It is read at every call (a CUDA graph keeps whichever path ran while it was captured). On a GPU
+machine without Triton installed, the torch versions run, with one warning.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["add_rms_norm", "rms_norm", "rope", "rope_tables_signed", "silu_and_mul"]
+__all__ = [
+    "add_rms_norm",
+    "add_rms_norm_torch",
+    "rms_norm",
+    "rms_norm_torch",
+    "rope",
+    "rope_tables_signed",
+    "rope_torch",
+    "silu_and_mul",
+    "silu_and_mul_torch",
+]
+
+USE_TRITON = True  # False: the torch versions on a CUDA device too (see the module doc)
+_TRITON_MISSING = False  # set when Triton failed to import, so that the warning is given once
+
+
+def _triton_kernels(x: torch.Tensor) -> ModuleType | None:
+    """:mod:`.triton_fused` when ``x``'s op should run as a Triton kernel (on CUDA), else None (the torch version)."""
+    global _TRITON_MISSING
+    if not USE_TRITON or x.device.type != "cuda" or _TRITON_MISSING:
+        return None
+    try:
+        from . import triton_fused  # imports Triton: only ever here, on a GPU
+    except ImportError as exc:
+        _TRITON_MISSING = True
+        warnings.warn(f"{exc}; the layer's small ops run as torch ops instead", RuntimeWarning, stacklevel=3)
+        return None
+    return triton_fused
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -33,6 +74,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Hugging Face's ``LlamaRMSNorm`` does. (``F.rms_norm`` computes the same in one call, but on a CPU
     that call is 24 framework calls inside; these six ops are 7.)
     """
+    kernels = _triton_kernels(x)
+    if kernels is not None:
+        return kernels.rms_norm(x, weight, eps)
+    return rms_norm_torch(x, weight, eps)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm`'s torch version, on any device."""
     x32 = x if x.dtype == torch.float32 else x.float()
     inv_n, eps_t = _norm_constants(x.device, x.shape[-1], eps)
     mean_sq_eps = torch.addcmul(eps_t, torch.mul(x32, x32).sum(-1, keepdim=True), inv_n)  # mean(x^2) + eps
@@ -54,8 +103,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
     Every layer but the first starts this way; fusing them reads ``h`` once instead of three times.
     """
+    kernels = _triton_kernels(x)
+    if kernels is not None:
+        return kernels.fused_add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm_torch(x, residual, weight, eps)
+
+
+def add_rms_norm_torch(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm`'s torch version, on any device."""
     h = x + residual
-    return rms_norm(h, weight, eps), h
+    return rms_norm_torch(h, weight, eps), h
 
 
 def rope_tables_signed(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,11 +133,27 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     ``signed_sin``. Q and K can be rotated together when they sit side by side in the packed QKV
     projection (``[N, Hq + Hkv, D]``).
     """
+    kernels = _triton_kernels(x)
+    if kernels is not None:
+        return kernels.rotary_embedding(x, cos, signed_sin)
+    return rope_torch(x, cos, signed_sin)
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rope`'s torch version, on any device."""
     halves = x.view(*x.shape[:-1], 2, x.shape[-1] // 2)
     return torch.addcmul(x * cos, halves.flip(-2).view(x.shape), signed_sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's middle: ``silu(gate) * up`` for ``gate_up = [gate | up]`` (the packed projection's output)."""
+    kernels = _triton_kernels(gate_up)
+    if kernels is not None:
+        return kernels.silu_and_mul(gate_up)
+    return silu_and_mul_torch(gate_up)
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_and_mul`'s torch version, on any device."""
     half = gate_up.shape[-1] // 2
     return F.silu(gate_up[..., :half]) * gate_up[..., half:]
