@@ -3,6 +3,7 @@
     python benchmarks/bench_engine.py [--requests 64] [--repeats 3] [--threads 2] [--quick] [--skip-hf]
                                       [--skip-neighbour] [--noise-threshold 0.15] [--seed 0]
                                       [--json benchmarks/results/cpu-engine-DATE.json] [--note TEXT]
+    python benchmarks/bench_engine.py --device cuda ...   # the GPU benchmark: bench_engine_gpu.py, its options
 
 Six measurements on SmolLM2-135M, all in one run, so every ratio divides two numbers measured minutes
 apart on the same machine in the same state:
@@ -395,8 +396,24 @@ def warm_up(model, hf) -> None:
         run_hf_padded(hf, [[1, 2, 3, 4]], 2)
 
 
+def gpu_requested(argv: list[str]) -> bool:
+    """Whether the command line names a device other than the CPU (``--device cuda``)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device", default="cpu")
+    known, _ = pre.parse_known_args(argv)
+    return not known.device.startswith("cpu")
+
+
 def main() -> None:
+    # On a GPU the questions differ (CUDA graphs, kernel launches, Hugging Face with its graphs), and so do
+    # the measurements: issue 29's command, `bench_engine.py --device cuda`, runs bench_engine_gpu.py.
+    if gpu_requested(sys.argv[1:]):
+        import bench_engine_gpu
+
+        sys.exit(bench_engine_gpu.main(sys.argv[1:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu"], default="cpu",
+                        help="cpu (this benchmark); cuda runs the GPU one, benchmarks/bench_engine_gpu.py")
     parser.add_argument("--requests", type=int, default=None,
                         help="requests in the varied trace (default 64; 6 with --quick)")
     parser.add_argument("--repeats", type=int, default=None,

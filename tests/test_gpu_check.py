@@ -15,20 +15,27 @@ from kvcourse import gpu_check
 def test_jobs_cover_every_chapter_and_name_files_that_exist(tmp_path):
     todo = gpu_check.jobs(gpu_check.ROOT, tmp_path)
     names = [j.name for j in todo]
-    assert names[0] == "kernel benchmark" and todo[0].alone and not any(j.alone for j in todo[1:])
+    # The two benchmarks first, each with the GPU to itself.
+    assert names[:2] == ["kernel benchmark", "engine benchmark"] and todo[0].alone and todo[1].alone
+    assert not any(j.alone for j in todo[2:])
     assert "kernel tests, compiled on the GPU" in names and "tests that take a device, on cuda" in names
     chapters = sorted(p.name for p in (gpu_check.ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
     assert sorted(j.notebook for j in todo if j.notebook) == chapters and len(chapters) == 8
     assert [j.notebook[:2] for j in todo if j.notebook] == list(gpu_check.CHAPTER_ORDER)  # longest first
     for job in todo:
         for arg in job.command:
-            if arg.startswith("tests/"):
+            if arg.startswith(("tests/", "benchmarks/")):
                 assert (gpu_check.ROOT / arg).is_file(), arg
     assert str(tmp_path) in todo[0].command  # the benchmark writes beside the check's JSON
+    engine = todo[1].command
+    assert engine[1:4] == ["benchmarks/bench_engine_gpu.py", "--device", "cuda"] and str(tmp_path) in engine
+    assert engine[engine.index("--budget") + 1] == str(gpu_check.ENGINE_BENCH_BUDGET_S) == "90"
+    assert todo[1].timeout_s and todo[1].timeout_s > gpu_check.ENGINE_BENCH_BUDGET_S  # a hang cannot eat the run
+    assert "--quick" in gpu_check.jobs(gpu_check.ROOT, tmp_path, quick_bench=True)[1].command
     kernels = gpu_check.kernel_test_files(gpu_check.ROOT)
     assert {"tests/test_kernels.py", "tests/test_kernels_native.py", "tests/test_exercises_ch05.py"} <= set(kernels)
     files = gpu_check.device_test_files(gpu_check.ROOT)
-    assert {"tests/test_model.py", "tests/test_serving_real.py"} <= set(files)
+    assert {"tests/test_model.py", "tests/test_serving_real.py", "tests/test_cuda_graphs.py"} <= set(files)
     assert "tests/test_browser.py" not in files and "tests/test_loader.py" not in files
 
 
@@ -94,7 +101,8 @@ def test_only_selects_jobs_by_pattern():
     assert keep(None) == names
     # What the second GPU run asked for, unquoted: the dots must match the spaces.
     picked = keep(["chapter", "kernel.tests", "graded", "tests.that"])
-    assert "kernel benchmark" not in picked and len(picked) == len(names) - 1
+    assert "kernel benchmark" not in picked and "engine benchmark" not in picked and len(picked) == len(names) - 2
+    assert keep(["benchmark"]) == ["kernel benchmark", "engine benchmark"]
     assert keep(["CHAPTER 05"]) == ["chapter 05 on the GPU"]
 
 
