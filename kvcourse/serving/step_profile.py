@@ -20,11 +20,16 @@ Chapter 6 ("where a step goes") reads these numbers.
 from __future__ import annotations
 
 import collections
+import os
 import time
 from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+# torch's profiler (Kineto) prints a timestamped line to stderr each time it starts and stops, which a notebook
+# would show under every profiled cell. Level 6 keeps only its errors; read when the profiler first starts.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 __all__ = ["FORWARD_SCOPE", "SYNC_OPS", "profile_step"]
 
