@@ -177,6 +177,22 @@ def test_the_static_forward_never_waits_for_the_device():
     assert sync_ops(lambda: graphs.forward(2)) == {}
 
 
+def test_the_static_forward_copies_nothing_from_the_host(monkeypatch):
+    """A copy from pageable host memory is not allowed while a CUDA graph records: the forward a graph
+    records must not make a tensor out of Python data (the SDPA backend's decode masks did, once)."""
+    model = tiny_llama(5)
+    runner, graphs = _graphs(model)
+    runner.step([(0, [1, 2, 3]), (1, [4, 5, 6, 7, 8])])
+    graphs.forward(2)  # once first, as capture_graph warms up: caches fill here
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor made from host data inside the captured forward")
+
+    monkeypatch.setattr(torch, "tensor", refuse)
+    monkeypatch.setattr(torch, "as_tensor", refuse)
+    graphs.forward(2)
+
+
 def test_a_hand_made_batch_with_a_bad_token_is_still_refused_by_name():
     model = tiny_llama(1)
     runner = ModelRunner(model, 8, 4)

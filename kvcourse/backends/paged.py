@@ -134,9 +134,10 @@ class PagedReferenceBackend(PagedBackend):
 class PagedTorchBackend(PagedBackend):
     """Gather the blocks the step reads, once per layer, and attend with one fused SDPA call per group.
 
-    Per step (here, in ``__init__``): for the decodes, the ``[Bd, M]`` blocks of their tables (``M``
-    blocks hold the longest context) and a key mask for the shorter ones and the last block's unused
-    slots; for the prefill rows, the same ``[Bp, M]`` blocks, the queries padded to ``[Bp, T]`` (``T``
+    Per step (the decodes' part on the first layer's :meth:`decode`, so that a backend reusing this class
+    with its own decode kernel -- ``"triton"`` -- never builds it): for the decodes, the ``[Bd, M]`` blocks
+    of their tables (``M`` blocks hold the longest context) and a key mask for the shorter ones and the
+    last block's unused slots; for the prefill rows (here, in ``__init__``), the same ``[Bp, M]`` blocks, the queries padded to ``[Bp, T]`` (``T``
     the longest chunk) and a causal mask built from positions. Per layer: one ``index_select`` of
     whole blocks per K and V -- the only copy, ``block_size`` tokens a row -- then SDPA, which groups
     the query heads of each KV head itself (``enable_gqa``), so K and V are never repeated per head.
@@ -144,14 +145,16 @@ class PagedTorchBackend(PagedBackend):
 
     def __init__(self, kv_pool, batch) -> None:
         super().__init__(kv_pool, batch)
-        if self.decode_seqs:
-            d = self.decode_seqs
-            self.decode_blocks, key_ok, self.decode_padding = self._blocks(d, self.decode_max_len)
-            # Every decode sees its whole context: a mask only if some gathered row is not a key (known on the host).
-            whole = all(batch.seq_lens_host[b] == key_ok.shape[1] for b in d)
-            self.decode_mask = None if whole else key_ok[:, None, None, :]
+        self.decode_blocks = None  # built by the first decode() of the step
         if self.prefill_seqs:
             self._prepare_prefill()
+
+    def _prepare_decode(self) -> None:
+        d = self.decode_seqs
+        self.decode_blocks, key_ok, self.decode_padding = self._blocks(d, self.decode_max_len)
+        # Every decode sees its whole context: a mask only if some gathered row is not a key (known on the host).
+        whole = all(self.batch.seq_lens_host[b] == key_ok.shape[1] for b in d)
+        self.decode_mask = None if whole else key_ok[:, None, None, :]
 
     def _blocks(self, seqs: list[int], max_len: int) -> tuple[torch.Tensor, ...]:
         """What a group reads: the blocks holding positions ``0 .. max_len-1`` of ``seqs``, ``[B * M]``;
@@ -230,6 +233,8 @@ class PagedTorchBackend(PagedBackend):
         return out.transpose(1, 2) if out.dtype == q.dtype else out.transpose(1, 2).to(q.dtype)
 
     def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        if self.decode_blocks is None:
+            self._prepare_decode()
         return self.attend(layer_idx, q[:, None], self.decode_blocks, self.decode_mask, self.decode_padding)[:, 0]
 
     def prefill(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
