@@ -4,7 +4,8 @@
 
 * ``wall_ms`` -- the step's wall time (the device synchronised before and after);
 * ``aten_calls`` -- every framework op the step ran, nested ones included (``aten::linear`` counts,
-  and so do the ``aten::mm`` and ``aten::t`` inside it): the host's work, op by op;
+  and so do the ``aten::mm`` and ``aten::t`` inside it): the host's work, op by op; ``aten_calls_top``,
+  only the ones Python called (not inside another aten op);
 * ``sync_ops`` -- ops that read a value back from the device (``item``, ``nonzero``, ...): on a GPU
   each one makes the host wait for everything queued before it; ``forward_sync_ops``, those inside the
   model's forward (the ``ModelRunner.forward`` scope): on a CPU the others are the host reading its own
@@ -66,6 +67,7 @@ def profile_step(step: Callable[[], object], device: torch.device | str = "cpu",
     result = {
         "wall_ms": 1e3 * sum(walls) / repeats,
         "aten_calls": sum(n for name, n in names.items() if name.startswith("aten::")) / repeats,
+        "aten_calls_top": sum(e.name.startswith("aten::") and not _under_aten(e) for e in events) / repeats,
         "sync_ops": sum(names[name] for name in SYNC_OPS) / repeats,
         "forward_sync_ops": sum(e.name in SYNC_OPS and _under(e, FORWARD_SCOPE) for e in events) / repeats,
     }
@@ -83,4 +85,14 @@ def _under(event, scope: str) -> bool:
         if event.name == scope:
             return True
         event = event.cpu_parent
+    return False
+
+
+def _under_aten(event) -> bool:
+    """Whether ``event`` was called by another aten op (rather than by Python)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
     return False
