@@ -26,6 +26,8 @@ tested on a machine without a GPU (``tests/test_cuda_graphs.py``); ``make gpu-ch
 
 from __future__ import annotations
 
+import warnings
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -101,7 +103,7 @@ class DecodeGraphs:
             raise ValueError(f"a graph runs decode-only steps of at most {self.sizes[-1]} sequences")
         size = bucket_for(len(seqs), self.sizes)
         if self.capture and size not in self.graphs:
-            self.capture_graph(size)
+            self.capture_graph(size)  # may turn capture off (a kernel that falls back to torch cannot be recorded)
         self.load_inputs(seqs, size)
         if self.capture:
             self.graphs[size].replay()
@@ -162,12 +164,21 @@ class DecodeGraphs:
         Before the first step the static buffers hold padding only (slot -1, length 0): the warm-up
         run writes no K/V and reads none.
         """
+        from ..kernels.triton_runtime import KernelFallbackWarning, counting_runs  # Triton: only where graphs run
+
         self.load_padding(size)
         stream = torch.cuda.Stream(self.kv_store.device)
         stream.wait_stream(torch.cuda.current_stream(self.kv_store.device))
-        with torch.cuda.stream(stream):
+        runs: Counter = Counter()
+        with torch.cuda.stream(stream), counting_runs(runs):
             self.forward(size)  # warm-up: Triton compiles, the allocator sizes its blocks
         torch.cuda.current_stream(self.kv_store.device).wait_stream(stream)
+        fell_back = sorted({kernel for kernel, how in runs if how == "fallback"})
+        if fell_back:  # the torch stand-in builds tensors from host data: it cannot be recorded
+            warnings.warn(f"{', '.join(fell_back)} could not compile here: decode steps run the same static forward "
+                          f"without CUDA graphs", KernelFallbackWarning, stacklevel=3)  # fmt: skip
+            self.capture = False
+            return
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory_pool):
             self.forward(size)
@@ -182,5 +193,5 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         """Capture every bucket now, largest first (they share one memory pool), as engines do at start-up."""
         for size in sorted(self.sizes, reverse=True):
-            if size not in self.graphs:
+            if self.capture and size not in self.graphs:
                 self.capture_graph(size)
