@@ -474,3 +474,56 @@ def test_other_seeds_draw_other_cases_and_still_accept_right_answers():
     assert ch05.check_masked_decode(mask_right, seed=3)
     with pytest.raises(ExerciseError, match="One slot too many"):
         ch05.check_masked_decode(mask_off_by_one, seed=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs are the learner's to read, not to write (issue 36)
+# ---------------------------------------------------------------------------------------------
+class Vandal:
+    """The right kernel, launched, then argument ``index`` (an input) zeroed: the output is right, but
+    the caller's data is gone. A check must refuse it, naming the input."""
+
+    def __init__(self, kernel, index: int) -> None:
+        self.kernel, self.index = kernel, index
+        self.fn = getattr(kernel, "fn", None)
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            out = launch(*args, **kwargs)
+            args[self.index].zero_()
+            return out
+
+        return run
+
+
+@pytest.mark.parametrize(
+    "check, kernel, index, name",
+    [
+        (ch05.check_masked_decode, mask_right, 2, "V"),
+        (ch05.check_online_softmax, _online("none"), 1, "K"),
+        (ch05.check_paged_offsets, _paged("none"), 2, "V_cache"),
+        (ch05.check_merge_splits, _merge("none"), 0, "Partial"),
+        (ch05.check_tiled_decode, _tiled("none"), 0, "Q"),
+    ],
+    ids=["mask", "online", "paged", "merge", "tiled"],
+)
+def test_a_kernel_that_writes_into_its_inputs_is_refused(check, kernel, index, name):
+    with pytest.raises(ExerciseError, match=rf"(?s)input {name}\b.*changed at \d+ positions"):
+        check(Vandal(kernel, index))
+
+
+@triton.jit
+def mask_zeroes(Q, K, V, Seq_lens, Out, scale, BLOCK_S: tl.constexpr, D: tl.constexpr):
+    """The cheat of issue 36: write zeros to V and to Out, compute nothing."""
+    b = tl.program_id(0)
+    n = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    tl.store(V + b * BLOCK_S * D + n[:, None] * D + d[None, :], tl.zeros([BLOCK_S, D], tl.float32))
+    tl.store(Out + b * D + d, tl.zeros([D], tl.float32))
+
+
+def test_a_kernel_that_zeroes_its_value_input_and_output_gets_no_credit():
+    with pytest.raises(ExerciseError):
+        ch05.check_masked_decode(mask_zeroes)

@@ -61,8 +61,14 @@ def _expect_kernel(kernel: object, name: str) -> None:
                             f"got {type(kernel).__name__}")  # fmt: skip
 
 
-def _launch(name: str, kernel, grid: tuple[int, ...], *args, **constexprs) -> None:
-    """Launch the learner's kernel on ``args`` (tensors already where kernels run)."""
+def _launch(name: str, kernel, grid: tuple[int, ...], *args, inputs: tuple[str, ...] = (), **constexprs) -> None:
+    """Launch the learner's kernel on ``args`` (tensors already where kernels run).
+
+    The first ``len(inputs)`` arguments are the kernel's inputs, named by ``inputs``: they are copies (the
+    expected answer was computed from the originals before the launch), and a kernel that writes into
+    one is refused, naming it, even where the output happens to come out right.
+    """
+    before = [a.clone() for a in args[: len(inputs)]]
 
     def run():
         with np.errstate(all="ignore"):  # a wrong kernel may overflow: the check reports it, NumPy need not
@@ -77,6 +83,11 @@ def _launch(name: str, kernel, grid: tuple[int, ...], *args, **constexprs) -> No
                 raise
 
     call_learner(getattr(getattr(kernel, "fn", None), "__name__", name), run)  # the learner's own kernel name
+    for arg_name, was, now in zip(inputs, before, args):
+        if not torch.equal(was.isnan(), now.isnan()) or not torch.equal(was.nan_to_num(), now.nan_to_num()):
+            fail(f"{name}'s input {arg_name}", expected="left as it was (a kernel reads its inputs)",
+                 got=f"changed at {int(((was != now) & ~(was.isnan() & now.isnan())).sum())} positions",
+                 hint=f"Store only into the output: a tl.store to {arg_name} overwrites the caller's data.")  # fmt: skip
 
 
 def _same(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> bool:
@@ -157,7 +168,8 @@ def check_masked_decode(kernel, seed: int = 0) -> CheckResult:
             seq_lens = torch.tensor(lens, dtype=torch.int32, device="cpu")
             out = torch.full_like(q, float("nan"))
             args = _on_kernel_device(q, k, v, seq_lens, out)
-            _launch("masked_decode_kernel", kernel, (len(lens),), *args, scale, BLOCK_S=MASK_BLOCK_S, D=MASK_D)
+            _launch("masked_decode_kernel", kernel, (len(lens),), *args, scale, inputs=("Q", "K", "V", "Seq_lens"),
+                    BLOCK_S=MASK_BLOCK_S, D=MASK_D)
             out = on_host(args[-1])
             if not _right(out, want):
                 diagnosis.record(f"masked_decode_kernel with seq_lens {lens}, {pad} padding", (q, k, v, lens), out, want,
@@ -222,8 +234,8 @@ def check_online_softmax(kernel, seed: int = 0) -> CheckResult:
             want = _online(q, k, v, lens, scale)
             out = torch.full_like(q, float("nan"))
             args = _on_kernel_device(q, k, v, torch.tensor(lens, dtype=torch.int32, device="cpu"), out)
-            _launch("online_decode_kernel", kernel, (len(lens),), *args, scale, S_MAX=ONLINE_S, BLOCK_N=ONLINE_BLOCK_N,
-                    D=ONLINE_D)  # fmt: skip
+            _launch("online_decode_kernel", kernel, (len(lens),), *args, scale, inputs=("Q", "K", "V", "Seq_lens"),
+                    S_MAX=ONLINE_S, BLOCK_N=ONLINE_BLOCK_N, D=ONLINE_D)  # fmt: skip
             out = on_host(args[-1])
             if not _right(out, want):
                 kind = "scores rising along the sequence" if growing else "random scores"
@@ -310,7 +322,8 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
         q, k_cache, tables = args[0], args[1], args[3]
         _launch("paged_decode_kernel", kernel, (q.shape[0], q.shape[1]), *args, 1 / math.sqrt(PAGED_D), q.stride(0),
                 q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0), GROUP=2,
-                BLOCK_SIZE=block_size, BLOCK_N=16, D=PAGED_D)  # fmt: skip
+                BLOCK_SIZE=block_size, BLOCK_N=16, D=PAGED_D,
+                inputs=("Q", "K_cache", "V_cache", "Block_tables", "Seq_lens"))  # fmt: skip
         out = on_host(args[-1])
         if not _right(out, want):
             pad = "NaN" if nan else "stale numbers"
@@ -455,7 +468,8 @@ def check_merge_splits(kernel, seed: int = 0) -> CheckResult:
         block_s = triton.next_power_of_2(num_splits)
         args = _on_kernel_device(partial, lse, torch.full((rows, MERGE_D), float("nan"), device="cpu"),
                                  torch.full((rows,), float("nan"), device="cpu"))  # fmt: skip
-        _launch("merge_splits_kernel", kernel, (rows,), *args, NUM_SPLITS=num_splits, BLOCK_S=block_s, D=MERGE_D)
+        _launch("merge_splits_kernel", kernel, (rows,), *args, NUM_SPLITS=num_splits, BLOCK_S=block_s, D=MERGE_D,
+                inputs=("Partial", "Lse"))
         out, out_lse = on_host(args[2]), on_host(args[3])
         right = _right(out, want_out) and _right(out_lse, want_lse)
         if not right:
@@ -564,7 +578,8 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
                                  torch.full_like(q, float("nan")))  # fmt: skip
         q_d, k_d = args[0], args[1]
         _launch("tiled_decode_kernel", kernel, (len(lens), TILED_HKV), *args, scale, q_d.stride(0), q_d.stride(1),
-                k_d.stride(0), k_d.stride(1), k_d.stride(2), GROUP=group, BLOCK_N=block_n, D=TILED_D)  # fmt: skip
+                k_d.stride(0), k_d.stride(1), k_d.stride(2), GROUP=group, BLOCK_N=block_n, D=TILED_D,
+                inputs=("Q", "K", "V", "Seq_lens"))  # fmt: skip
         out = on_host(args[-1])
         if not _right(out, want):
             what = f"GROUP={group}, BLOCK_N={block_n}, seq_lens {lens}, {pad} padding" + (
