@@ -18,12 +18,9 @@ import kvcourse
 from kvcourse.batch import ForwardBatch, SeqSlice
 from kvcourse.serving import Engine, ModelRunner
 from kvcourse.serving.cuda_graphs import DecodeGraphs, bucket_for, graph_batch_sizes
+from kvcourse.serving.step_profile import SYNC_OPS
 
 from .conftest import tiny_llama
-
-# Ops that make the host wait for the device (on a GPU): reading a value back, or a data-dependent shape.
-SYNC_OPS = {"aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal"}
-
 
 def sync_ops(fn, within: str | None = None) -> collections.Counter:
     """The synchronising ops ``fn()`` runs, counted by torch's profiler (only those under a

@@ -67,9 +67,9 @@ def profile_step(step: Callable[[], object], device: torch.device | str = "cpu",
     result = {
         "wall_ms": 1e3 * sum(walls) / repeats,
         "aten_calls": sum(n for name, n in names.items() if name.startswith("aten::")) / repeats,
-        "aten_calls_top": sum(e.name.startswith("aten::") and not _under_aten(e) for e in events) / repeats,
+        "aten_calls_top": sum(e.name.startswith("aten::") and not _under(e, "aten::") for e in events) / repeats,
         "sync_ops": sum(names[name] for name in SYNC_OPS) / repeats,
-        "forward_sync_ops": sum(e.name in SYNC_OPS and _under(e, FORWARD_SCOPE) for e in events) / repeats,
+        "forward_sync_ops": sum(e.name in SYNC_OPS and _under(e, FORWARD_SCOPE, exact=True) for e in events) / repeats,
     }
     if cuda:
         kernels = [e for e in events if e.device_type.name == "CUDA"]
@@ -79,20 +79,13 @@ def profile_step(step: Callable[[], object], device: torch.device | str = "cpu",
     return result
 
 
-def _under(event, scope: str) -> bool:
-    """Whether ``event`` ran inside a ``record_function(scope)`` block."""
-    while event is not None:
-        if event.name == scope:
-            return True
-        event = event.cpu_parent
-    return False
 
-
-def _under_aten(event) -> bool:
-    """Whether ``event`` was called by another aten op (rather than by Python)."""
+def _under(event, name: str, exact: bool = False) -> bool:
+    """Whether ``event`` ran inside an event called ``name`` (``exact``) or whose name starts with it
+    (``"aten::"``: called by another aten op rather than by Python)."""
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name.startswith("aten::"):
+        if parent.name == name if exact else parent.name.startswith(name):
             return True
         parent = parent.cpu_parent
     return False
