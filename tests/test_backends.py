@@ -88,6 +88,48 @@ def test_the_sdpa_backend_reads_whole_blocks_once_per_layer():
     assert len(calls) == groups  # one gather for the decodes, one for every prefill row together
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_additive_mask_attends_exactly_as_the_boolean_one(dtype, seed):
+    # The backend hands SDPA its mask as a 0 / -inf bias, made once per step (SDPA would convert a boolean
+    # mask on every layer): the outputs are the same bits, and a masked-out NaN key still needs zeroing.
+    from kvcourse.backends.paged import additive_mask
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(3, 4, t, 16, generator=g).to(dtype) for t in (5, 9, 9))
+    keep = torch.rand(3, 1, 5, 9, generator=g) > 0.4
+    keep[..., 0] = True  # every query sees a key (a fully masked row is NaN either way)
+    bias = additive_mask(keep, dtype)
+    assert bias.dtype == dtype and bias.shape == keep.shape
+    assert torch.equal(bias == 0, keep) and torch.isneginf(bias[~keep]).all()
+    F = torch.nn.functional
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=keep),
+                       F.scaled_dot_product_attention(q, k, v, attn_mask=bias))  # fmt: skip
+
+
+SEED_WITH_BOTH = 5  # _case_step(5, ...) mixes three decodes and two prefills
+
+
+def test_the_step_hands_sdpa_float_masks(monkeypatch):
+    # What each group of the step gives SDPA: head-major queries ([Bd, Hq, 1, D] for the decodes) and
+    # additive masks, so that SDPA converts nothing itself.
+    case, store, batch, (q, k, v) = _case_step(SEED_WITH_BOTH, 4, torch.float32)
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, **kw):
+        seen.append((query.shape, None if attn_mask is None else attn_mask.dtype))
+        return real(query, key, value, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    backend = PagedTorchBackend(store, batch)
+    out = backend(0, q, k, v)
+    assert backend.decode_seqs and backend.prefill_seqs, "the case should mix decodes and prefills"
+    assert out.shape == q.shape and len(seen) == 2  # one call for the decodes, one for the prefills
+    assert seen[0][0] == (len(backend.decode_seqs), 6, 1, 16)  # decodes first: [Bd, Hq, 1, D]
+    assert all(mask_dtype in (None, torch.float32) for _, mask_dtype in seen)
+
+
 # ---- the registry and the stores ---------------------------------------------------------------------
 def test_every_backend_is_named_and_knows_its_store():
     assert backend_names() == ["paged-int8-torch", "paged-reference", "paged-torch", "triton", "triton-int8"]

@@ -182,3 +182,18 @@ def test_model_rejects_bad_input(model):
         model(torch.tensor([[1.0, 2.0]]))
     with pytest.raises(ValueError, match="input_ids"):
         model(torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("shape", [(7, 32), (2, 5, 32), (0, 32)], ids=["rows", "batch", "empty"])
+def test_linear_is_nn_linear_bit_for_bit(shape):
+    # The model's Linear takes a shortcut for 2-D rows (torch.mm on the weight's transposed view): the same bits
+    # as nn.Linear, the same state dict, the same repr; and it has no bias.
+    from kvcourse.model import Linear
+
+    torch.manual_seed(len(shape))
+    ours, theirs = Linear(32, 24), torch.nn.Linear(32, 24, bias=False)
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(shape)
+    assert ours.bias is None and list(ours.state_dict()) == ["weight"]
+    assert torch.equal(ours(x), theirs(x))
+    assert repr(ours) == repr(theirs)

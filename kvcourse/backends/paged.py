@@ -105,6 +105,15 @@ class PagedBackend:
         raise NotImplementedError
 
 
+def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as the 0 / -inf bias SDPA adds to the scores, in ``dtype``.
+
+    SDPA turns a boolean mask into this itself, on every call: 6 framework calls per layer, 180 a
+    step. Made once per step, the conversion is done once; the result is the same, bit for bit.
+    """
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+
+
 @register("paged-reference")
 class PagedReferenceBackend(PagedBackend):
     """The plain torch references, read through the block tables: slow, obviously right."""
@@ -149,12 +158,12 @@ class PagedTorchBackend(PagedBackend):
         if self.prefill_seqs:
             self._prepare_prefill()
 
-    def _prepare_decode(self) -> None:
+    def _prepare_decode(self, dtype: torch.dtype) -> None:
         d = self.decode_seqs
         self.decode_blocks, key_ok, self.decode_padding = self._blocks(d, self.decode_max_len)
         # Every decode sees its whole context: a mask only if some gathered row is not a key (known on the host).
         whole = all(self.batch.seq_lens_host[b] == key_ok.shape[1] for b in d)
-        self.decode_mask = None if whole else key_ok[:, None, None, :]
+        self.decode_mask = None if whole else additive_mask(key_ok[:, None, None, :], dtype)
 
     def _blocks(self, seqs: list[int], max_len: int) -> tuple[torch.Tensor, ...]:
         """What a group reads: the blocks holding positions ``0 .. max_len-1`` of ``seqs``, ``[B * M]``;
@@ -204,6 +213,7 @@ class PagedTorchBackend(PagedBackend):
         k_pos = torch.arange(key_ok.shape[1], device=device)
         self.prefill_mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]  # [Bp, T, S]
         self.prefill_mask = self.prefill_mask[:, None]  # [Bp, 1, T, S]: one mask for every head
+        self.prefill_bias = None  # the mask as SDPA adds it, made by the first prefill() (it needs q's dtype)
 
     def read_kv(self, layer_idx: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``blocks`` from layer ``layer_idx``'s pool, ``[n, block_size, Hkv, D]`` in ``dtype``."""
@@ -211,33 +221,46 @@ class PagedTorchBackend(PagedBackend):
         v = self.pool.v_cache[layer_idx].index_select(0, blocks)
         return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
 
+    @staticmethod
+    def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+        """The dtype attention runs in for queries of ``dtype`` (float64 pools in the tests: see ``compute_dtype``)."""
+        return compute_dtype(dtype) if dtype == torch.float64 else dtype
+
     def attend(self, layer_idx: int, q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor | None,
                padding: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """``q [B, T, Hq, D]`` against the K/V of ``blocks [B * M]`` (M per sequence) -> ``[B, T, Hq, D]``.
+        """``q [B, T, Hq, D]`` against the K/V of ``blocks [B * M]`` (M per sequence) -> ``[B, T, Hq, D]``."""
+        return self.attend_heads(layer_idx, q.transpose(1, 2), blocks, mask, padding).transpose(1, 2)
 
-        ``padding``: gathered rows past a sequence's length that may hold another sequence's leftovers
-        (a freed sequence's K/V; NaN in the tests). The mask keeps them out of the softmax, but a
-        weight of 0 times NaN is still NaN: so they are zeroed in the gathered copy first, as a kernel
-        never loads them.
+    def attend_heads(self, layer_idx: int, q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor | None,
+                     padding: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """:meth:`attend` head-major, as SDPA takes it: ``q [B, Hq, T, D]`` -> ``[B, Hq, T, D]``.
+
+        ``mask``: additive (0 or -inf, see :func:`additive_mask`), or None. ``padding``: gathered rows
+        past a sequence's length that may hold another sequence's leftovers (a freed sequence's K/V;
+        NaN in the tests). The mask keeps them out of the softmax, but a weight of 0 times NaN is still
+        NaN: so they are zeroed in the gathered copy first, as a kernel never loads them.
         """
-        b = q.shape[0]
-        cdt = compute_dtype(q.dtype) if q.dtype == torch.float64 else q.dtype
+        b, cdt = q.shape[0], self.compute_dtype(q.dtype)
         k, v = self.read_kv(layer_idx, blocks, cdt)
         if padding.numel():
             k.view(-1, *k.shape[2:]).index_fill_(0, padding, 0.0)
             v.view(-1, *v.shape[2:]).index_fill_(0, padding, 0.0)
         k = k.view(b, -1, *k.shape[2:]).transpose(1, 2)  # [B, Hkv, M * block_size, D], a view
         v = v.view(b, -1, *v.shape[2:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2) if q.dtype == cdt else q.transpose(1, 2).to(cdt), k, v,
+        out = F.scaled_dot_product_attention(q if q.dtype == cdt else q.to(cdt), k, v,
                                              attn_mask=mask, scale=self.scale, enable_gqa=True)  # fmt: skip
-        return out.transpose(1, 2) if out.dtype == q.dtype else out.transpose(1, 2).to(q.dtype)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         if self.decode_blocks is None:
-            self._prepare_decode()
-        return self.attend(layer_idx, q[:, None], self.decode_blocks, self.decode_mask, self.decode_padding)[:, 0]
+            self._prepare_decode(self.compute_dtype(q.dtype))
+        # [Bd, Hq, 1, D]: one query per sequence, already head-major for SDPA (no transposes either way).
+        out = self.attend_heads(layer_idx, q.unsqueeze(2), self.decode_blocks, self.decode_mask, self.decode_padding)
+        return out.view(q.shape)
 
     def prefill(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        if self.prefill_bias is None:
+            self.prefill_bias = additive_mask(self.prefill_mask, self.compute_dtype(q.dtype))
         padded = q[self.prefill_q_rows].view(-1, self.prefill_t, *q.shape[1:])
-        out = self.attend(layer_idx, padded, self.prefill_blocks, self.prefill_mask, self.prefill_padding)
+        out = self.attend(layer_idx, padded, self.prefill_blocks, self.prefill_bias, self.prefill_padding)
         return out.flatten(0, 1)[self.prefill_q_ok]
