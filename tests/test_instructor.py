@@ -195,6 +195,14 @@ def _synthetic(first_markdown: bool = True) -> nbformat.NotebookNode:
     return nb
 
 
+def _book(tmp_path: Path) -> Path:
+    """A reference book of one chapter, the synthetic one: what the grader counts every submission against."""
+    book = tmp_path / "book"
+    book.mkdir(exist_ok=True)
+    nbformat.write(_synthetic(), book / "99_synthetic.ipynb")
+    return book
+
+
 def _read_csv(path: Path) -> dict[tuple[str, str], tuple[str, str]]:
     with path.open() as f:
         rows = list(csv.DictReader(f))
@@ -271,24 +279,27 @@ def test_a_slow_notebook_is_stopped_and_its_exercises_are_still_graded(tmp_path)
     slow = _synthetic()
     slow.cells.insert(2, _code("import time\ntime.sleep(120)"))
     slow.cells[6].source = "import time\ntime.sleep(120)\n" + OUTWEIGH  # a solution cell that never ends
-    nbformat.write(slow, tmp_path / "99_synthetic.ipynb")
+    (tmp_path / "sub").mkdir()
+    nbformat.write(slow, tmp_path / "sub" / "99_synthetic.ipynb")
     out, reports = tmp_path / "grades.csv", tmp_path / "reports"
-    assert main(["grade", str(tmp_path), "--out", str(out), "--timeout", "10", "--check-timeout", "20",
-                 "--reports", str(reports), "--quiet"]) == 0
+    assert main(["grade", str(tmp_path / "sub"), "--out", str(out), "--timeout", "10", "--check-timeout", "20",
+                 "--reports", str(reports), "--quiet", "--book", str(_book(tmp_path))]) == 0
     rows = _read_csv(out)
     assert rows[("99_synthetic.ipynb", "ch01-ex-mask")] == ("1", "ok")
     assert rows[("99_synthetic.ipynb", "ch01-ex-frozen")] == ("1", "ok")
     passed, message = rows[("99_synthetic.ipynb", "ch02-ex-outweigh")]
     assert passed == "0" and message.startswith("timed out"), message
-    assert "ran longer than 10 s and was stopped in cell 2" in (reports / f"{tmp_path.name}.md").read_text()
+    assert "ran longer than 10 s and was stopped in cell 2" in (reports / "sub.md").read_text()
 
 
 def test_a_replaced_check_does_not_pass(tmp_path):
     nb = _synthetic()
     nb.cells[3].source = "ch01.check_causal_mask = lambda fn: True\nch01.check_causal_mask(None)"
-    nbformat.write(nb, tmp_path / "99_synthetic.ipynb")
+    (tmp_path / "sub").mkdir()
+    nbformat.write(nb, tmp_path / "sub" / "99_synthetic.ipynb")
     out = tmp_path / "grades.csv"
-    main(["grade", str(tmp_path), "--out", str(out), "--timeout", "60", "--quiet", "--no-run"])
+    main(["grade", str(tmp_path / "sub"), "--out", str(out), "--timeout", "60", "--quiet", "--no-run",
+          "--book", str(_book(tmp_path))])
     passed, message = _read_csv(out)[("99_synthetic.ipynb", "ch01-ex-mask")]
     assert passed == "0" and "does not define `causal_mask`" in message
 
@@ -296,9 +307,11 @@ def test_a_replaced_check_does_not_pass(tmp_path):
 def test_an_exercise_the_catalog_does_not_know_is_reported(tmp_path):
     nb = _synthetic()
     nb.cells[2] = _exercise("ch99-ex-new", "Not in the catalog")
-    nbformat.write(nb, tmp_path / "99_synthetic.ipynb")
+    for folder in ("book", "sub"):  # an instructor's book with an exercise the installed catalog lacks
+        (tmp_path / folder).mkdir()
+        nbformat.write(nb, tmp_path / folder / "99_synthetic.ipynb")
     out = tmp_path / "grades.csv"
-    main(["grade", str(tmp_path), "--out", str(out), "--quiet", "--no-run"])
+    main(["grade", str(tmp_path / "sub"), "--out", str(out), "--quiet", "--no-run", "--book", str(tmp_path / "book")])
     passed, message = _read_csv(out)[("99_synthetic.ipynb", "ch99-ex-new")]
     assert passed == "0" and "no check is registered" in message
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MODEL", "ExerciseSpec", "EXERCISES", "spec_for"]
+__all__ = ["MODEL", "ExerciseSpec", "EXERCISES", "NOTEBOOKS", "spec_for"]
 
 MODEL = "<model>"  # an argument of the check that is the real model, not a name the student defines
 
@@ -62,6 +62,9 @@ P = len(ids)
 full = ids + kvcourse.generate(model, ids, max_new_tokens=3, use_cache=False, eos_token_ids=())
 """
 
+# Chapter 3's cards, from the cell that plots how many sequences fit: the fit exercise may read them.
+_CH03_GPUS = 'gpus = {"24 GB (RTX 4090, L4)": 24 * GB, "80 GB (A100, H100)": 80 * GB, "141 GB (H200)": 141 * GB}\n'
+
 _SPECS = [
     # chapter 1
     ExerciseSpec("ch01-ex-frozen", "ch01.check_frozen_tensors", ("frozen",), given=("model", "tok"), setup=_CH01_PROMPT),
@@ -78,9 +81,9 @@ _SPECS = [
     ExerciseSpec("ch02-ex-outweigh", "ch02.check_tokens_to_outweigh", ("tokens_to_outweigh",)),
     # chapter 3
     ExerciseSpec("ch03-ex-per-token", "ch03.check_bytes_per_token", ("bytes_per_token",)),
-    ExerciseSpec("ch03-ex-per-rank", "ch03.check_bytes_per_rank", ("bytes_per_rank",)),
+    ExerciseSpec("ch03-ex-per-rank", "ch03.check_bytes_per_rank", ("bytes_per_rank",), uses=("ch03-ex-per-token",)),
     ExerciseSpec("ch03-ex-kivi", "ch03.check_quantized_bytes", ("quantized_bytes",)),
-    ExerciseSpec("ch03-ex-fit", "ch03.check_max_sequences", ("n",)),
+    ExerciseSpec("ch03-ex-fit", "ch03.check_max_sequences", ("n",), setup=_CH03_GPUS),
     # chapter 4
     ExerciseSpec("ch04-ex-slot-mapping", "ch04.check_slot_mapping", ("step_slot_mapping",)),
     ExerciseSpec("ch04-ex-bughunt", "ch04.check_block_manager", ("FixedBlockManager",), references_in_cells=True),
@@ -100,7 +103,8 @@ _SPECS = [
     # chapter 7
     ExerciseSpec("ch07-ex-hash-chain", "ch07.check_block_hashes", ("block_hashes",)),
     ExerciseSpec("ch07-ex-lru", "ch07.check_lru_takes", ("lru_takes",)),
-    ExerciseSpec("ch07-ex-lookup", "ch07.check_prefix_lookup", ("find_longest_cache_hit", MODEL)),
+    ExerciseSpec("ch07-ex-lookup", "ch07.check_prefix_lookup", ("find_longest_cache_hit", MODEL),
+                 uses=("ch07-ex-hash-chain",)),
     ExerciseSpec("ch07-ex-replay", "ch07.check_replay", ("replay",)),
     # chapter 8
     ExerciseSpec("ch08-ex-quantizer", "ch08.check_quantizer", ("quantize_dequantize",)),
@@ -110,6 +114,18 @@ _SPECS = [
 ]
 
 EXERCISES: dict[str, ExerciseSpec] = {spec.label: spec for spec in _SPECS}
+
+# The book's notebook of each chapter: what the grader names a chapter nobody handed in.
+NOTEBOOKS = {
+    "ch01": "01_naive_generation.ipynb",
+    "ch02": "02_kv_cache.ipynb",
+    "ch03": "03_memory.ipynb",
+    "ch04": "04_paged_kv_cache.ipynb",
+    "ch05": "05_triton_kernels.ipynb",
+    "ch06": "06_serving.ipynb",
+    "ch07": "07_reusing_the_cache.ipynb",
+    "ch08": "08_compressing_the_cache.ipynb",
+}
 
 
 def spec_for(label: str) -> ExerciseSpec:

@@ -49,6 +49,17 @@ def _writable_file(path: Path) -> str | None:
     return None
 
 
+def _chapter_list(text: str) -> list[str]:
+    """argparse type: ``"3,4"`` -> ``["03", "04"]``."""
+    try:
+        numbers = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected chapter numbers such as 3 or 3,4, got {text!r}") from None
+    if not numbers or any(not 0 <= n <= 99 for n in numbers):
+        raise argparse.ArgumentTypeError(f"expected chapter numbers from 1 to 99, such as 3 or 3,4, got {text!r}")
+    return [f"{n:02d}" for n in numbers]
+
+
 def _grade(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not args.dir.is_dir():
         parser.error(f"DIR is not a folder: {args.dir}")
@@ -63,12 +74,21 @@ def _grade(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--reports is not a folder: {args.reports}")
     if args.jobs is not None and args.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {args.jobs}")
+    from .chapters import reference_chapters
+
+    try:
+        reference_chapters(args.book, args.chapters)  # a chapter the list lacks is named before any grading
+    except ValueError as exc:
+        parser.error(f"--chapters: {exc}")
     results = grade_directory(args.dir, args.book, args.timeout, jobs=args.jobs, run=not args.no_run,
-                              check_timeout=args.check_timeout, progress=not args.quiet)
+                              check_timeout=args.check_timeout, progress=not args.quiet, chapters=args.chapters)
     rows = rows_of(results)
     write_csv(rows, args.out)
     for result in results:
-        print(f"{result.notebook}: {sum(r.passed for r in result.rows)} of {len(result.rows)} exercises passed")
+        if result.rows:
+            print(f"{result.notebook}: {sum(r.passed for r in result.rows)} of {len(result.rows)} exercises passed")
+        for note in result.notes if not result.rows else [n for n in result.notes if "more than once" in n]:
+            print(f"{result.notebook}: {note}")
     print(f"{len(rows)} rows -> {args.out}")
     if args.reports is not None:
         from .report import write_class_summary, write_student_reports
@@ -106,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     grade.add_argument("--out", type=Path, required=True, help="the CSV file to write")
     grade.add_argument("--book", type=Path, default=None,
                        help="the reference chapters: lists every exercise and reports missing notebooks")
+    grade.add_argument("--chapters", type=_chapter_list, default=None,
+                       help="grade only these chapters, e.g. 3 or 3,4 (default: every chapter; a chapter "
+                            "a submission lacks counts as zero)")
     grade.add_argument("--timeout", type=finite_seconds, default=1800,
                        help="seconds allowed to run each notebook top to bottom (default 1800)")
     grade.add_argument("--check-timeout", type=finite_seconds, default=300,

@@ -139,7 +139,7 @@ def exercise_cells(nb: dict, label: str, exercises: list[Exercise] | None = None
     """
     spec = EXERCISES[label]
     exercises = find_exercises(nb) if exercises is None else exercises
-    by_label = {e.label: e for e in exercises}
+    by_label = _first_of_each(exercises)
     in_exercises = {i for e in exercises for i in e.code_cells}
     cells = [["context", "chapter imports", _imports(nb, in_exercises)]]
     if spec.setup:
@@ -153,6 +153,14 @@ def exercise_cells(nb: dict, label: str, exercises: list[Exercise] | None = None
         kind = "solution" if i == answers[-1] else "given"
         cells.append([kind, f"{label} cell {i}", cell_source(nb["cells"][i])])
     return cells
+
+
+def _first_of_each(exercises: list[Exercise]) -> dict[str, Exercise]:
+    """Each label's first exercise (a label written twice is graded once, the first time, and reported)."""
+    by_label: dict[str, Exercise] = {}
+    for e in exercises:
+        by_label.setdefault(e.label, e)
+    return by_label
 
 
 def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, expected: list[str] | None = None,
@@ -174,7 +182,10 @@ def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, e
         return NotebookResult(name, [Row(name, "(notebook)", False, "no exercises found in the notebook")])
     submitted = copy.deepcopy(nb)  # what the clean processes run: the cells as handed in
     notes = _run(nb, path, timeout) if run else []
-    by_label = {e.label: e for e in exercises}
+    by_label = _first_of_each(exercises)
+    twice = [label for label in by_label if sum(e.label == label for e in exercises) > 1]
+    notes += [f"exercise {label} appears {sum(e.label == label for e in exercises)} times in the notebook: "
+              "the first one was graded" for label in twice]
     rows = []
     for label in labels:
         if label not in by_label:
@@ -216,27 +227,35 @@ def default_jobs(tasks: int) -> int:
 
 
 def grade_directory(directory: Path, book: Path | None = None, timeout: float = 1800, jobs: int | None = None,
-                    run: bool = True, check_timeout: float = 300, progress: bool = False) -> list[NotebookResult]:
-    """Grade every notebook under ``directory``, ``jobs`` at a time; with ``book``, also report missing chapters."""
-    reference: dict[str, list[str]] = {}
-    if book is not None:
-        import nbformat
+                    run: bool = True, check_timeout: float = 300, progress: bool = False,
+                    chapters: list[str] | None = None) -> list[NotebookResult]:
+    """Grade every submission under ``directory`` against the reference list, ``jobs`` notebooks at a time.
 
-        for chapter in sorted(book.glob("*.ipynb")):
-            labels = [e.label for e in find_exercises(nbformat.read(chapter, as_version=4))]
-            if CHAPTER.match(chapter.name) and labels:
-                reference[chapter.name] = labels
+    The list is every chapter of ``book`` (else of the course), or the ``chapters`` named (``["03"]``):
+    each submission gets one row per exercise of it, whatever it handed in (:mod:`.chapters`).
+    """
+    from .chapters import assign, reference_chapters
+
+    reference = reference_chapters(book, chapters)
     tasks: list[tuple[Path, str, list[str] | None]] = []
-    missing: list[NotebookResult] = []
+    extra: dict[str, list[str]] = {}  # notes for a graded notebook: the copies of its chapter that were not
+    untouched: list[NotebookResult] = []  # chapters nobody handed in, notebooks that are no chapter
     for folder in submissions(directory):
-        notebooks = notebooks_under(folder)
-        tasks += [(p, p.relative_to(directory).as_posix(), reference.get(p.name)) for p in notebooks]
-        present = {p.name for p in notebooks}
-        for chapter, labels in reference.items():
-            if chapter not in present:
-                name = (folder / chapter).relative_to(directory).as_posix()
-                missing.append(NotebookResult(name, [Row(name, label, False, "notebook missing from the submission")
-                                                     for label in labels]))
+        found = assign(folder, notebooks_under(folder), reference)
+        rel = lambda p: p.relative_to(directory).as_posix()  # noqa: E731
+        for number, path in found.graded.items():
+            tasks.append((path, rel(path), list(reference[number].labels)))
+            if number in found.duplicates:
+                copies = ", ".join(rel(p) for p in found.duplicates[number])
+                extra[rel(path)] = [f"chapter {number} was handed in more than once: graded {rel(path)}; "
+                                    f"not graded: {copies}"]
+        for number in found.missing:
+            name = rel(folder / reference[number].notebook)
+            untouched.append(NotebookResult(name, [Row(name, label, False, "notebook missing from the submission")
+                                                   for label in reference[number].labels]))
+        for path in found.strays:
+            untouched.append(NotebookResult(rel(path), [], [f"not graded: {path.name} is no chapter of the course "
+                                                            f"(chapters {', '.join(reference)})"]))
     jobs = default_jobs(len(tasks)) if jobs is None else max(1, min(jobs, len(tasks) or 1))
     results: dict[str, NotebookResult] = {}
     bar = _progress(len(tasks), progress)
@@ -249,18 +268,21 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(grade_notebook, path, name, timeout, expected, run, check_timeout): name
+            futures = {pool.submit(grade_notebook, path, name, timeout, expected, run, check_timeout): (name, expected)
                        for path, name, expected in tasks}
             for future in as_completed(futures):
-                name = futures[future]
+                name, expected = futures[future]
                 try:
                     results[name] = future.result()
                 except Exception as exc:  # a worker died: its notebook gets rows saying so
-                    results[name] = NotebookResult(name, [Row(name, "(notebook)", False,
-                                                              f"grading failed: {type(exc).__name__}: {exc}")])
+                    reason = f"grading failed: {type(exc).__name__}: {exc}"
+                    results[name] = NotebookResult(name, [Row(name, label, False, reason)
+                                                          for label in expected or ["(notebook)"]])
                 bar.update(1)
     bar.close()
-    ordered = [results[name] for _, name, _ in tasks] + missing
+    for name, notes in extra.items():
+        results[name].notes += notes
+    ordered = [results[name] for _, name, _ in tasks] + untouched
     return sorted(ordered, key=lambda r: r.notebook)
 
 

@@ -50,7 +50,7 @@ def _student_markdown(student: str, results: list[NotebookResult]) -> str:
             text = "<br>".join(f"**{k}:** {_cell(v)}" for k, v in _feedback(row))
             lines.append(f"| `{row.exercise}` | {'yes' if row.passed else 'no'} | {text} |")
         if res.notes:
-            lines += ["", "When the notebook ran top to bottom:", ""] + [f"- {n}" for n in res.notes]
+            lines += ["", "Notes (from running the notebook top to bottom, and from grading):", ""] + [f"- {n}" for n in res.notes]
         lines.append("")
     return "\n".join(lines)
 
@@ -69,7 +69,7 @@ def _student_html(student: str, results: list[NotebookResult]) -> str:
                         f"<td>{text}</td></tr>")
         body.append("</table>")
         if res.notes:
-            body.append("<p>When the notebook ran top to bottom:</p><ul>"
+            body.append("<p>Notes (from running the notebook top to bottom, and from grading):</p><ul>"
                         + "".join(f"<li>{html.escape(n)}</li>" for n in res.notes) + "</ul>")
     style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse;width:100%}"
              "td,th{border:1px solid #ccc;padding:.3em;vertical-align:top;text-align:left}"
