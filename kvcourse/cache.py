@@ -61,6 +61,9 @@ class KVCache:
         max_seq_len: the most tokens the cache may hold; ``None`` for no limit.
         dtype, device: of the stored tensors.
         initial_capacity: positions allocated up front (grows by doubling).
+
+    ``writes`` lists how many tokens each forward pass appended, in order (read off layer 0): ``[5, 1, 1]``
+    is a 5-token prefill and two decode steps; ``[3, 3, 2]``, an 8-token prompt prefilled in chunks of 3.
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class KVCache:
         self.max_seq_len, self.dtype, self.device = max_seq_len, dtype, torch.device(device)
         cap = initial_capacity if max_seq_len is None else min(initial_capacity, max_seq_len)
         self._layers = [_Layer(self._empty(cap), self._empty(cap)) for _ in range(num_layers)]
+        self.writes: list[int] = []
 
     @classmethod
     def for_model(
@@ -138,6 +142,8 @@ class KVCache:
         layer.k[:, :, layer.length : new_len] = k
         layer.v[:, :, layer.length : new_len] = v
         layer.length = new_len
+        if layer_idx == 0:  # one entry per forward pass, not per layer
+            self.writes.append(k.shape[2])
         return layer.k[:, :, :new_len], layer.v[:, :, :new_len]
 
     def _grow(self, layer: _Layer, needed: int) -> None:

@@ -251,8 +251,31 @@ def first_logits_of_last_chunk(model, ids, chunk_size):
     return logits[0, 0], cache
 
 
+def one_pass_ignoring_chunks(model, ids, chunk_size):  # issue 36: the same cache and logits, no chunks at all
+    cache = kvcourse.KVCache.for_model(model.config)
+    logits = model(torch.tensor([ids]), cache=cache)
+    return logits[0, -1], cache
+
+
+def token_at_a_time(model, ids, chunk_size):  # at most chunk_size per pass: smaller chunks are chunks too
+    cache = kvcourse.KVCache.for_model(model.config)
+    for t in ids:
+        logits = model(torch.tensor([[t]]), cache=cache)
+    return logits[0, -1], cache
+
+
+def test_the_cache_lists_what_each_forward_pass_wrote(model):
+    cache = kvcourse.KVCache.for_model(model.config)
+    assert cache.writes == []
+    model(torch.tensor([[1, 2, 3, 4, 5]]), cache=cache)
+    model(torch.tensor([[6]]), cache=cache)
+    assert cache.writes == [5, 1]
+    assert right_prefill(model, list(range(8)), 3)[1].writes == [3, 3, 2]
+
+
 def test_chunked_prefill_accepts_the_fix(model_on):
     assert ch02.check_chunked_prefill(right_prefill, model_on)
+    assert ch02.check_chunked_prefill(token_at_a_time, model_on)
 
 
 @pytest.mark.parametrize(
@@ -262,6 +285,7 @@ def test_chunked_prefill_accepts_the_fix(model_on):
         (fresh_cache_per_chunk, "only the last chunk"),
         (overlapping_chunks, "fed twice"),
         (first_logits_of_last_chunk, "LAST prompt token"),
+        (one_pass_ignoring_chunks, "each call of the model takes at most chunk_size tokens"),
         (lambda model, ids, chunk_size: None, "tuple \\(logits, cache\\)"),
     ],
 )

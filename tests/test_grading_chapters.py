@@ -5,6 +5,7 @@ a browser's re-download name is still its chapter; a label written twice is grad
 from __future__ import annotations
 
 import base64
+import copy
 import csv
 import json
 import shutil
@@ -97,7 +98,8 @@ def test_a_label_written_twice_is_graded_once_and_reported(tmp_path):
     from kvcourse.instructor import grade_notebook
 
     nb = _synthetic()
-    nb.cells += nb.cells[2:4]  # the mask exercise again, at the end
+    again = [nbformat.from_dict({k: v for k, v in copy.deepcopy(c).items() if k != "id"}) for c in nb.cells[2:4]]
+    nb.cells += again  # the mask exercise again, at the end
     nb.cells[-1].source = "def causal_mask(num_queries, num_keys):\n    return None\n"  # a wrong second answer
     path = tmp_path / "99_synthetic.ipynb"
     nbformat.write(nb, path)

@@ -206,7 +206,7 @@ def _book(tmp_path: Path) -> Path:
 def _read_csv(path: Path) -> dict[tuple[str, str], tuple[str, str]]:
     with path.open() as f:
         rows = list(csv.DictReader(f))
-    assert all(set(r) == {"notebook", "exercise", "passed", "message"} for r in rows)
+    assert all(set(r) == {"notebook", "exercise", "passed", "message", "check_s", "notebook_s"} for r in rows)
     return {(r["notebook"], r["exercise"]): (r["passed"], r["message"]) for r in rows}
 
 
@@ -275,6 +275,32 @@ def test_a_notebook_that_starts_with_a_code_cell_runs_as_handed_in(tmp_path):
     assert [(r.exercise, r.passed) for r in result.rows] == [(label, True) for label in LABELS]
 
 
+def test_each_kernel_gets_its_share_of_the_cores_waiting_passively(tmp_path, monkeypatch):
+    from kvcourse.instructor import grade_notebook
+    from kvcourse.instructor.grade import thread_budget
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert [thread_budget(j) for j in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")  # what the instructor set is kept
+    nb = _synthetic()
+    nb.cells.append(_code("import os, torch\n"
+                          "assert os.environ['OMP_WAIT_POLICY'] == 'PASSIVE' and os.environ['OMP_NUM_THREADS'] == '1'\n"
+                          "assert os.environ['MKL_NUM_THREADS'] == '3'"))
+    path = tmp_path / "99_synthetic.ipynb"
+    nbformat.write(nb, path)
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        result = grade_notebook(path, timeout=300, threads=1)
+        assert result.notes == [] and all(r.passed for r in result.rows), (result.notes, result.rows)
+        assert torch.get_num_threads() == 1 and result.run_seconds > 0
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_slow_notebook_is_stopped_and_its_exercises_are_still_graded(tmp_path):
     slow = _synthetic()
     slow.cells.insert(2, _code("import time\ntime.sleep(120)"))
@@ -290,6 +316,12 @@ def test_a_slow_notebook_is_stopped_and_its_exercises_are_still_graded(tmp_path)
     passed, message = rows[("99_synthetic.ipynb", "ch02-ex-outweigh")]
     assert passed == "0" and message.startswith("timed out"), message
     assert "ran longer than 10 s and was stopped in cell 2" in (reports / "sub.md").read_text()
+    # the time of each: the notebook's run (stopped at 10 s) on every row of it, and each check's own
+    with out.open() as f:
+        timed = {r["exercise"]: (float(r["notebook_s"]), float(r["check_s"])) for r in csv.DictReader(f)}
+    assert all(10 <= run < 60 for run, _ in timed.values())
+    assert 20 <= timed["ch02-ex-outweigh"][1] < 60 and 0 < timed["ch01-ex-mask"][1] < 20
+    assert "| Notebooks run (s) | Checks (s) |" in (reports / "summary.md").read_text()
 
 
 def test_a_replaced_check_does_not_pass(tmp_path):
@@ -489,3 +521,46 @@ def test_an_appendix_after_the_exercises_is_not_part_of_the_last_one():
                     md("## Appendix: provenance"), code("print('plumbing')"), ex("c"), code("c = 3")]}  # fmt: skip
     found = {e.label: e.code_cells for e in find_exercises(nb)}
     assert found == {"a": [4, 6], "b": [8], "c": [12]}  # cell 10 is the appendix's
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a killed orphan may wait to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_processes_an_answer_starts_end_with_its_grading(tmp_path):
+    pids = tmp_path / "pids"
+    source = ("import subprocess, sys, os\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+              f"open({str(pids)!r}, 'w').write(str(child.pid))\n"
+              "def causal_mask(num_queries, num_keys):\n"
+              "    return torch.ones(num_queries, num_keys, dtype=torch.bool).tril(num_keys - num_queries)\n")
+    verdict = _cheat("ch01-ex-mask", source)
+    assert verdict.passed, verdict.message
+    pid = int(pids.read_text())
+    import time
+
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "a process started by the answer outlived its grading"
+
+
+def test_a_bughunt_answer_that_ignores_the_chunks_fails_in_the_grader():
+    # issue 36, item 2: one forward pass over the whole prompt fills the same cache with the same logits
+    one_pass = ("def prefill_in_chunks_fixed(model, ids, chunk_size):\n"
+                "    cache = kvcourse.KVCache.for_model(model.config, device=model.device)\n"
+                "    return model(torch.tensor([ids]), cache=cache)[0, -1], cache\n")
+    verdict = _cheat("ch02-ex-bughunt", one_pass)
+    assert not verdict.passed and "at most chunk_size tokens" in verdict.hint, verdict.message
+    chunked = ("def prefill_in_chunks_fixed(model, ids, chunk_size):\n"
+               "    cache = kvcourse.KVCache.for_model(model.config, device=model.device)\n"
+               "    for start in range(0, len(ids), chunk_size):\n"
+               "        logits = model(torch.tensor([ids[start : start + chunk_size]]), cache=cache)\n"
+               "    return logits[0, -1], cache\n")
+    assert _cheat("ch02-ex-bughunt", chunked).passed

@@ -54,6 +54,30 @@ def test_tensor_views_keep_their_storage_from_message_to_message():
     assert copies[0].untyped_storage().data_ptr() != copies[1].untyped_storage().data_ptr()
 
 
+def test_the_mirrors_the_checker_keeps_are_bounded_there(monkeypatch):
+    # issue 36, item 5: an answer returning a view of a fresh storage on every call made the grader keep a mirror
+    # of each (11 x 60 MiB). The bound lives on the receiving side, whatever the student's side sends.
+    import kvcourse.instructor.wire as wire
+
+    monkeypatch.setattr(wire, "MIRROR_BUDGET", 1 << 20)
+    sender, receiver = Endpoint(None, lends_calls_only=False), Endpoint(None, lends_calls_only=True)
+    kept = []
+    for i in range(11):
+        fresh = torch.full((300_000,), float(i), dtype=torch.uint8)  # 300 kB, a new storage each call
+        buffers: list[bytes] = []
+        got = receiver.decode(sender.encode(fresh[10:], buffers), buffers)
+        assert int(got[0]) == i
+        kept.append(receiver.mirror_bytes)
+    assert max(kept) <= 1 << 20 and kept[-1] == 3 * 300_000  # three fit in the budget; older ones were let go
+    # the recently used storage keeps its identity: a second view of it arrives in the same mirror
+    again = torch.arange(100, dtype=torch.uint8)
+    views = []
+    for part in (again[:10], again[5:]):
+        buffers = []
+        views.append(receiver.decode(sender.encode(part, buffers), buffers))
+    assert views[0].untyped_storage().data_ptr() == views[1].untyped_storage().data_ptr()
+
+
 def test_a_tensor_that_reaches_outside_its_storage_is_refused():
     sender, receiver = Endpoint(None, lends_calls_only=False), Endpoint(None, lends_calls_only=True)
     buffers: list[bytes] = []

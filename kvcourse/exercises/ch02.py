@@ -290,6 +290,16 @@ def check_chunked_prefill(fn: Callable, model=None, seed: int = 0) -> CheckResul
             else:
                 hint = "Some tokens were fed twice: the chunks must not overlap."
             fail(case + ": cache.seq_len afterwards", expected=n, got=held, hint=hint)
+        # The chunks themselves: one forward pass over the whole prompt fills the same cache, with the same
+        # logits, and ignores chunk_size. The cache lists the tokens each forward pass wrote.
+        writes = getattr(cache, "writes", None)
+        if not isinstance(writes, list):
+            fail(case + ": the cache returned", expected="the kvcourse.KVCache the chunks were written to",
+                 got=describe(cache), hint="Create the cache with KVCache.for_model(model.config, ...) and return it.")
+        if not writes or max(writes) > chunk or sum(writes) != n:
+            fail(case + ": tokens per forward pass", expected=f"at most {chunk} per pass, {n} in all",
+                 got=list(writes), hint="Feed the prompt chunk_size tokens at a time: each call of the model "
+                                        "takes at most chunk_size tokens, and together they cover the prompt once.")
         expect_tensor(case, logits, (model.config.vocab_size,), what="[vocab]: the last prompt token's logits")
         logits = on_host(logits)
         if (logits.float() - want).abs().max().item() > 1e-3:

@@ -83,7 +83,7 @@ def _grade(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     results = grade_directory(args.dir, args.book, args.timeout, jobs=args.jobs, run=not args.no_run,
                               check_timeout=args.check_timeout, progress=not args.quiet, chapters=args.chapters)
     rows = rows_of(results)
-    write_csv(rows, args.out)
+    write_csv(rows, args.out, {r.notebook: r.run_seconds for r in results})
     for result in results:
         if result.rows:
             print(f"{result.notebook}: {sum(r.passed for r in result.rows)} of {len(result.rows)} exercises passed")

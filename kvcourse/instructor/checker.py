@@ -22,6 +22,7 @@ import importlib
 import inspect
 import io
 import multiprocessing
+import shutil
 import textwrap
 import time
 from dataclasses import dataclass
@@ -89,8 +90,9 @@ def grade_exercise(spec: ExerciseSpec, cells: list[list[str]], timeout: float = 
     """Run ``cells`` (``[kind, name, source]``, the solution last) in a sandbox and ``spec``'s check on them."""
     check = load_check(spec)
     given = list(dict.fromkeys([*spec.given, *(["model"] if MODEL in spec.args else [])]))  # the cell's check call names it
+    workdir = _workdir()
     job = {"label": spec.label, "answers": list(spec.answers), "given": given, "cells": cells,
-           "forbidden": references_of(check), "references_in_cells": spec.references_in_cells}
+           "forbidden": references_of(check), "references_in_cells": spec.references_in_cells, "workdir": workdir}
     context = _sandboxes()
     ours, theirs = context.Pipe()
     process = context.Process(target=_sandbox_main, args=(theirs, job), daemon=True)
@@ -136,7 +138,33 @@ def grade_exercise(spec: ExerciseSpec, cells: list[list[str]], timeout: float = 
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
+            _end_group(process.pid)
         ours.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _workdir() -> str:
+    """A fresh folder for one sandbox, its own (``nobody``'s, when the grader is root: see ``sandbox._confine``)."""
+    import os
+    import tempfile
+
+    from .sandbox import NOBODY
+
+    path = tempfile.mkdtemp(prefix="kvcourse-sandbox-")
+    if os.geteuid() == 0:
+        os.chown(path, NOBODY, NOBODY)
+    return path
+
+
+def _end_group(pid: int) -> None:
+    """Kill what is left of the sandbox's process group: processes the student's code started
+    (``subprocess.Popen``, ``os.fork``) would otherwise outlive grading. (A process that leaves the
+    group on purpose, with ``setsid``, escapes this; the threat model in ``instructors.md`` says so.)"""
+    import os
+    import signal
+
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _sandbox_main(conn, job: dict) -> None:

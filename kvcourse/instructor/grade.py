@@ -33,7 +33,8 @@ from ..exercises.catalog import EXERCISES
 from .notebook import Exercise, cell_source, find_exercises
 
 __all__ = ["Row", "NotebookResult", "grade_notebook", "grade_directory", "write_csv", "exercise_cells", "rows_of",
-           "submissions", "notebooks_under", "default_jobs", "finite_seconds", "CHAPTER"]
+           "submissions", "notebooks_under", "default_jobs", "thread_budget", "budget_threads", "finite_seconds",
+           "CHAPTER"]
 
 CHAPTER = re.compile(r"^\d\d_.*\.ipynb$")  # the book's chapter notebooks: 01_naive_generation.ipynb, ...
 _WORKER_BYTES = 4 * 2**30  # a grading worker: its notebook's kernel, the checker, a sandbox server (model in each)
@@ -49,15 +50,17 @@ class Row:
     expected: str = ""
     got: str = ""
     hint: str = ""
+    seconds: float = 0.0  # the check's time, its sandbox included
 
 
 @dataclass
 class NotebookResult:
-    """One submitted notebook: its rows, and notes from running it top to bottom."""
+    """One submitted notebook: its rows, notes from running it top to bottom, and how long that took."""
 
     notebook: str
     rows: list[Row]
     notes: list[str] = field(default_factory=list)
+    run_seconds: float = 0.0  # running the notebook top to bottom (0: not run)
 
 
 def _one_line(text: str, limit: int = 600) -> str:
@@ -72,14 +75,42 @@ def _cell_error(cell: dict) -> str | None:
     return None
 
 
+def thread_budget(jobs: int) -> int:
+    """Threads for each notebook's kernel and each worker's checks: the cores shared among the ``jobs``."""
+    return max(1, (os.cpu_count() or 1) // max(1, jobs))
+
+
+def budget_threads(threads: int) -> None:
+    """Hold this process's torch, and the kernels it starts, to ``threads`` threads that wait passively.
+
+    Two notebooks side by side, each with OpenMP's default busy-waiting threads on every core, starve
+    each other: chapters 6 and 7 graded together did not finish in 25 minutes, and took 202 s with
+    one passive thread each. A value the instructor set in the environment is kept.
+    """
+    import torch
+
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(name, str(threads))
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]) if os.environ["OMP_NUM_THREADS"].isdigit() else threads)
+
+
 def _run(nb, path: Path, timeout: float) -> list[str]:
     """Execute ``nb`` in place, cell by cell (none added, none overwritten); notes on what went wrong."""
+    import tempfile
     import time
 
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
+    from traitlets.config import Config
 
-    client = NotebookClient(nb, timeout=int(timeout), kernel_name="python3", allow_errors=True,
+    # The kernel talks over Unix sockets in a private folder, not TCP on localhost: nothing else on the
+    # machine can connect, and the kernel prints no warning about unencrypted TCP into the grader's terminal.
+    sockets = tempfile.TemporaryDirectory(prefix="kvcourse-kernel-")
+    config = Config()
+    config.KernelManager.transport = "ipc"
+    config.KernelManager.ip = os.path.join(sockets.name, "kernel")
+    client = NotebookClient(nb, timeout=int(timeout), kernel_name="python3", allow_errors=True, config=config,
                             resources={"metadata": {"path": str(path.parent.resolve())}})
     deadline = time.monotonic() + timeout
     index = -1
@@ -100,6 +131,8 @@ def _run(nb, path: Path, timeout: float) -> list[str]:
         notes.append(f"the kernel died in cell {index}")
     except Exception as exc:  # the kernel did not start, or nbclient failed: say so, grade the exercises anyway
         notes.append(f"the notebook could not run: {type(exc).__name__}: {_one_line(str(exc), 200)}")
+    finally:
+        sockets.cleanup()
     errors = [(i, e) for i, c in enumerate(nb.cells) if c.cell_type == "code" and (e := _cell_error(c))]
     for i, error in errors[:5]:
         notes.append(f"cell {i} raised {_one_line(error, 300)}")
@@ -164,12 +197,22 @@ def _first_of_each(exercises: list[Exercise]) -> dict[str, Exercise]:
 
 
 def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, expected: list[str] | None = None,
-                   run: bool = True, check_timeout: float = 300) -> NotebookResult:
-    """Run and grade one submitted notebook. ``expected``: the exercise labels the reference chapter has."""
+                   run: bool = True, check_timeout: float = 300, threads: int | None = None) -> NotebookResult:
+    """Run and grade one submitted notebook. ``expected``: the exercise labels the reference chapter has.
+
+    ``threads``: this worker's share of the cores (:func:`thread_budget`), for the notebook's kernel and the checks.
+    """
+    import time
+
     import nbformat
 
     from .checker import grade_exercise
 
+    if threads is not None:
+        budget_threads(threads)
+    from .integrity import load_checks
+
+    load_checks()  # the checks in effect are those imported now, before this notebook's code runs
     name = name or path.name
     try:
         nb = nbformat.read(path, as_version=4)
@@ -181,7 +224,9 @@ def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, e
     if not labels:
         return NotebookResult(name, [Row(name, "(notebook)", False, "no exercises found in the notebook")])
     submitted = copy.deepcopy(nb)  # what the clean processes run: the cells as handed in
+    start = time.perf_counter()
     notes = _run(nb, path, timeout) if run else []
+    run_seconds = time.perf_counter() - start if run else 0.0
     by_label = _first_of_each(exercises)
     twice = [label for label in by_label if sum(e.label == label for e in exercises) > 1]
     notes += [f"exercise {label} appears {sum(e.label == label for e in exercises)} times in the notebook: "
@@ -194,11 +239,12 @@ def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, e
             rows.append(Row(name, label, False, "no check is registered for this exercise in "
                                                 "kvcourse.exercises.catalog: tell your instructor"))
         else:
+            start = time.perf_counter()
             verdict = grade_exercise(EXERCISES[label], exercise_cells(submitted, label, exercises), check_timeout)
             message = "ok" if verdict.passed else _one_line(verdict.message)
             rows.append(Row(name, label, verdict.passed, message, verdict.case, verdict.expected, verdict.got,
-                            verdict.hint))
-    return NotebookResult(name, rows, notes)
+                            verdict.hint, time.perf_counter() - start))
+    return NotebookResult(name, rows, notes, run_seconds)
 
 
 def submissions(directory: Path) -> list[Path]:
@@ -235,8 +281,18 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
     each submission gets one row per exercise of it, whatever it handed in (:mod:`.chapters`).
     """
     from .chapters import assign, reference_chapters
+    from .integrity import changed, load_checks, snapshot, writable_installation
 
     reference = reference_chapters(book, chapters)
+    load_checks()
+    installed = snapshot()  # before any student code runs: compared after every notebook
+    writable = writable_installation()
+    if writable:
+        import warnings
+
+        warnings.warn(f"kvcourse is installed where the graded code could write ({', '.join(writable)} in "
+                      f"{_package_dir()}): grade as a user who cannot write there, or in a throwaway container. "
+                      "The grader stops if the files change.", RuntimeWarning, stacklevel=2)
     tasks: list[tuple[Path, str, list[str] | None]] = []
     extra: dict[str, list[str]] = {}  # notes for a graded notebook: the copies of its chapter that were not
     untouched: list[NotebookResult] = []  # chapters nobody handed in, notebooks that are no chapter
@@ -257,18 +313,31 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
             untouched.append(NotebookResult(rel(path), [], [f"not graded: {path.name} is no chapter of the course "
                                                             f"(chapters {', '.join(reference)})"]))
     jobs = default_jobs(len(tasks)) if jobs is None else max(1, min(jobs, len(tasks) or 1))
+    threads = thread_budget(jobs)
     results: dict[str, NotebookResult] = {}
     bar = _progress(len(tasks), progress)
+    def verify(name: str) -> None:
+        touched = changed(installed)
+        if touched:
+            from .integrity import InstallationChanged
+
+            raise InstallationChanged(
+                f"kvcourse's files changed while {name} was graded{'' if jobs == 1 else ' (with others side by side)'}: "
+                f"{', '.join(touched)}. Graded code wrote into the installation; reinstall kvcourse before grading "
+                "again, as a user who cannot write there.")
+
     if jobs == 1:
         for path, name, expected in tasks:
-            results[name] = grade_notebook(path, name, timeout, expected, run, check_timeout)
+            results[name] = grade_notebook(path, name, timeout, expected, run, check_timeout, threads)
+            verify(name)
             bar.update(1)
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(grade_notebook, path, name, timeout, expected, run, check_timeout): (name, expected)
+            futures = {pool.submit(grade_notebook, path, name, timeout, expected, run, check_timeout, threads):
+                       (name, expected)
                        for path, name, expected in tasks}
             for future in as_completed(futures):
                 name, expected = futures[future]
@@ -278,12 +347,23 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
                     reason = f"grading failed: {type(exc).__name__}: {exc}"
                     results[name] = NotebookResult(name, [Row(name, label, False, reason)
                                                           for label in expected or ["(notebook)"]])
+                try:
+                    verify(name)
+                except Exception:
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise
                 bar.update(1)
     bar.close()
     for name, notes in extra.items():
         results[name].notes += notes
     ordered = [results[name] for _, name, _ in tasks] + untouched
     return sorted(ordered, key=lambda r: r.notebook)
+
+
+def _package_dir() -> Path:
+    from .integrity import package_dir
+
+    return package_dir()
 
 
 class _NoBar:
@@ -306,13 +386,16 @@ def rows_of(results: list[NotebookResult]) -> list[Row]:
     return [row for result in results for row in result.rows]
 
 
-def write_csv(rows: list[Row], out: Path) -> None:
+def write_csv(rows: list[Row], out: Path, run_seconds: dict[str, float] | None = None) -> None:
+    """One line per row; ``check_s``: the exercise's check, ``notebook_s``: running its notebook (``run_seconds``)."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    run_seconds = run_seconds or {}
     with out.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
-        writer.writerow(["notebook", "exercise", "passed", "message"])
+        writer.writerow(["notebook", "exercise", "passed", "message", "check_s", "notebook_s"])
         for row in rows:
-            writer.writerow([row.notebook, row.exercise, int(row.passed), row.message])
+            writer.writerow([row.notebook, row.exercise, int(row.passed), row.message, f"{row.seconds:.1f}",
+                             f"{run_seconds.get(row.notebook, 0.0):.1f}"])
 
 
 def finite_seconds(text: str) -> float:

@@ -122,10 +122,11 @@ def write_class_summary(results: list[NotebookResult], out: Path, flat_name: str
              "", "## Pass rate per exercise", "", "| Exercise | Passed | Graded | Rate |", "| --- | ---: | ---: | ---: |"]
     lines += [f"| `{label}` | {p} | {n} | {100 * p / n:.0f}% |" for label, p, n in rates]
     lines += ["", "![Pass rate per exercise](pass_rates.png)", "", "## Per student", "",
-              "| Student | Passed | Exercises |", "| --- | ---: | ---: |"]
+              "| Student | Passed | Exercises | Notebooks run (s) | Checks (s) |", "| --- | ---: | ---: | ---: | ---: |"]
     for student, theirs in sorted(students.items()):
         rows = [r for res in theirs for r in res.rows]
-        lines.append(f"| {_cell(student)} | {sum(r.passed for r in rows)} | {len(rows)} |")
+        run, checks = sum(res.run_seconds for res in theirs), sum(r.seconds for r in rows)
+        lines.append(f"| {_cell(student)} | {sum(r.passed for r in rows)} | {len(rows)} | {run:.0f} | {checks:.0f} |")
     summary = out / "summary.md"
     summary.write_text("\n".join(lines) + "\n", encoding="utf-8")
 

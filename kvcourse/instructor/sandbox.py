@@ -36,7 +36,7 @@ from typing import Any
 
 from .wire import Endpoint, PeerGone, Shared
 
-__all__ = ["main", "preload", "SHARED"]
+__all__ = ["NOBODY", "SHARED", "main", "nobody_can_run", "preload"]
 
 
 def _load_model():
@@ -245,8 +245,60 @@ def _run_cells(cells: list[list[str]], namespace: dict) -> str | None:
     return None
 
 
+NOBODY = 65534  # the unprivileged user (and group) a sandbox started by root runs as
+
+
+def _confine(workdir: str | None) -> None:
+    """A fresh, private working folder (the checker deletes it afterwards, so no later sandbox reads what this
+    one wrote), as home and caches too; and, when the grader runs as root, no root: the student's code runs as
+    ``nobody``, who cannot write into the installation. (The model and tokenizer were loaded before the fork.)"""
+    if workdir is None:
+        return
+    os.chdir(workdir)
+    for name in ("HOME", "TMPDIR", "TRITON_CACHE_DIR", "MPLCONFIGDIR", "XDG_CACHE_HOME"):
+        os.environ[name] = workdir
+    # Nothing imports from the grader's working folder, or from the folder a previous sandbox wrote into.
+    sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.isabs(p)]
+    if os.geteuid() == 0 and nobody_can_run():
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+
+
+def nobody_can_run() -> bool:
+    """Whether ``nobody`` can read Python's standard library, torch, Triton and kvcourse (a student's ``import``
+    loads modules after the switch). Not where Python lives under root's own home (pyenv in ``/root``, mode 700):
+    there the sandbox keeps root, and the grader's check of the installed files is what stands guard."""
+    import stat
+
+    import kvcourse
+    import torch
+
+    places = [os.path.dirname(os.__file__), os.path.dirname(torch.__file__), os.path.dirname(kvcourse.__file__)]
+    try:
+        import triton
+
+        places.append(os.path.dirname(triton.__file__))
+    except ImportError:
+        pass
+    for place in places:
+        path = os.path.realpath(place)
+        if not os.stat(path).st_mode & stat.S_IROTH:
+            return False
+        while True:  # every folder on the way must let others through
+            if not os.stat(path).st_mode & stat.S_IXOTH:
+                return False
+            parent = os.path.dirname(path)
+            if parent == path:
+                break
+            path = parent
+    return True
+
+
 def main(conn, job: dict) -> None:
     """The process's entry point: run the job's cells, lend the answers, serve the checker, exit."""
+    os.setsid()  # its own process group: the checker ends it and everything the student's code started with it
+    _confine(job.get("workdir"))
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)  # the student's prints do not reach the grader's terminal

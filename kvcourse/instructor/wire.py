@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections import OrderedDict
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +32,9 @@ __all__ = ["Endpoint", "Shared", "PeerGone", "GradingTimeout", "WireError", "Rem
 
 MAX_MESSAGE_BYTES = 512 * 2**20  # a student answer may not send the checker more than this in one message
 _MIRROR_LIMIT = 64 * 2**20  # a tensor whose storage is larger travels as a compact copy (view identity lost)
+# The mirrors this side keeps, at most (least recently used dropped first): the student's side decides how many
+# storages it sends, so the bound lives here. A storage dropped and sent again arrives as a new mirror.
+MIRROR_BUDGET = 256 * 2**20
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
            "complex64", "complex128")
 
@@ -127,7 +131,8 @@ class Endpoint:
         self._lent: dict[int, Any] = {}  # id -> object lent to the peer
         self._lent_ids: dict[int, int] = {}  # id(object) -> its id on the wire
         self._kept: dict[int, Any] = {}  # storages sent to the peer stay alive, so their keys stay unique
-        self._mirrors: dict[int, Any] = {}  # the peer's storage key -> a local uint8 mirror tensor
+        self._mirrors: OrderedDict[int, Any] = OrderedDict()  # the peer's storage key -> a local uint8 mirror
+        self.mirror_bytes = 0  # held in _mirrors, at most MIRROR_BUDGET
         self._types: dict[str, type] = {}  # proxy classes by the peer's type name
         self._next_request = 0
 
@@ -288,13 +293,27 @@ class Endpoint:
             _malformed()
         # Tensors cross as bytes and arrive in host memory, whatever torch's default device (the checker moves
         # them where it computes; the written-back values are copied into its own tensors, on any device).
-        mirror = self._mirrors.get(key)
-        if mirror is None or mirror.numel() != nbytes:
-            mirror = self._mirrors[key] = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+        mirror = self._mirror(key, nbytes)
         if nbytes:
             mirror.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         view = torch.empty(0, dtype=dtype, device="cpu")
         return view.set_(mirror.untyped_storage(), offset, tuple(shape), tuple(stride))
+
+    def _mirror(self, key: int, nbytes: int):
+        """The local mirror of the peer's storage ``key``: the same one while it is kept, so views stay views."""
+        import torch
+
+        mirror = self._mirrors.get(key)
+        if mirror is not None and mirror.numel() == nbytes:
+            self._mirrors.move_to_end(key)
+            return mirror
+        if mirror is not None:
+            self.mirror_bytes -= self._mirrors.pop(key).numel()
+        while self._mirrors and self.mirror_bytes + nbytes > MIRROR_BUDGET:
+            self.mirror_bytes -= self._mirrors.popitem(last=False)[1].numel()
+        mirror = self._mirrors[key] = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
+        self.mirror_bytes += nbytes
+        return mirror
 
     # ---- messages ------------------------------------------------------------------------------
     def send(self, header: dict, buffers: list[bytes] = ()) -> None:
