@@ -138,3 +138,32 @@ def test_nobody_can_run_sees_a_closed_folder_on_the_way(tmp_path, monkeypatch):
     private.chmod(0o700)  # pyenv's home: root may enter, others may not
     monkeypatch.setattr(os, "__file__", str(private / "lib" / "os.py"))
     assert not sandbox.nobody_can_run()
+
+
+def test_files_are_checked_against_the_installers_record(tmp_path):
+    # A wheel's RECORD holds each file's SHA-256: an installation an earlier run changed is refused before grading.
+    import base64
+    import hashlib
+    import importlib.metadata
+
+    package = tmp_path / "kvcourse"
+    (package / "exercises").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "exercises" / "ch03.py").write_text("def check_max_sequences(n):\n    ...\n")
+    info = tmp_path / "kvcourse-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcourse\nVersion: 0.1.0\n")
+    lines = []
+    for path in sorted(package.rglob("*.py")):
+        digest = base64.urlsafe_b64encode(hashlib.sha256(path.read_bytes()).digest()).rstrip(b"=").decode()
+        lines.append(f"{path.relative_to(tmp_path).as_posix()},sha256={digest},{path.stat().st_size}")
+    (info / "RECORD").write_text("\n".join(lines + ["kvcourse-0.1.0.dist-info/RECORD,,"]) + "\n")
+    dist = importlib.metadata.PathDistribution(info)
+    recorded = integrity.recorded_hashes(dist)
+    assert recorded == integrity.snapshot(package) and set(recorded) == {"__init__.py", "exercises/ch03.py"}
+    assert integrity.unrecorded_changes(integrity.snapshot(package), recorded) == []
+    with (package / "exercises" / "ch03.py").open("a") as f:
+        f.write("    return True\n")
+    (package / "helper.py").write_text("")
+    assert integrity.unrecorded_changes(integrity.snapshot(package), recorded) == ["exercises/ch03.py", "helper.py"]
+    assert integrity.unrecorded_changes(integrity.snapshot(package), None) == []  # an editable install records none

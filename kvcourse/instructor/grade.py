@@ -281,11 +281,17 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
     each submission gets one row per exercise of it, whatever it handed in (:mod:`.chapters`).
     """
     from .chapters import assign, reference_chapters
-    from .integrity import changed, load_checks, snapshot, writable_installation
+    from .integrity import changed, load_checks, recorded_hashes, snapshot, unrecorded_changes, writable_installation
 
     reference = reference_chapters(book, chapters)
     load_checks()
     installed = snapshot()  # before any student code runs: compared after every notebook
+    tampered = unrecorded_changes(installed, recorded_hashes())
+    if tampered:
+        from .integrity import InstallationChanged
+
+        raise InstallationChanged(f"kvcourse's files differ from what its installer recorded: {', '.join(tampered)}. "
+                                  "Reinstall kvcourse before grading.")
     writable = writable_installation()
     if writable:
         import warnings

@@ -12,18 +12,24 @@ student graded after it. So the grader:
    notebook, if anything changed: reinstall kvcourse before grading again;
 4. warns when the package folder is writable by the user grading (:func:`writable_installation`).
 
-What it cannot do: tell whether the files were already changed before this run started (by an
-earlier run, say). Grade from a fresh installation, in a container, as GitHub Classroom does.
+Before the first notebook, the files are also compared with what the installer recorded
+(:func:`unrecorded_changes`): a wheel's ``RECORD`` holds every file's SHA-256, so a kvcourse installed with
+``pip install`` that an earlier run changed is refused. An editable install (``make setup``, a clone)
+records no hashes: there, only changes during the run are caught, so grade from a fresh installation, in
+a container, as GitHub Classroom does.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib
+import importlib.metadata
 import os
 from pathlib import Path
 
-__all__ = ["InstallationChanged", "changed", "load_checks", "package_dir", "snapshot", "writable_installation"]
+__all__ = ["InstallationChanged", "changed", "load_checks", "package_dir", "recorded_hashes", "snapshot",
+           "unrecorded_changes", "writable_installation"]
 
 
 class InstallationChanged(RuntimeError):
@@ -69,3 +75,23 @@ def writable_installation(root: Path | None = None) -> list[str]:
     root = package_dir() if root is None else root
     places = [root, root / "exercises", root / "instructor", *sorted((root / "exercises").glob("*.py"))]
     return [("." if p == root else p.relative_to(root).as_posix()) for p in places if os.access(p, os.W_OK)]
+
+
+def recorded_hashes(dist: importlib.metadata.Distribution | None = None, package: str = "kvcourse") -> dict[str, str] | None:
+    """The SHA-256 (hex) the installer recorded for each ``.py`` file of the package, by path relative to it;
+    None when it recorded none (an editable install or a source checkout)."""
+    dist = importlib.metadata.distribution(package) if dist is None else dist
+    recorded = {}
+    for f in dist.files or []:
+        name = f.as_posix()
+        if f.hash is not None and f.hash.mode == "sha256" and name.startswith(f"{package}/") and name.endswith(".py"):
+            digest = base64.urlsafe_b64decode(f.hash.value + "=" * (-len(f.hash.value) % 4))
+            recorded[name[len(package) + 1 :]] = digest.hex()
+    return recorded or None
+
+
+def unrecorded_changes(installed: dict[str, str], recorded: dict[str, str] | None) -> list[str]:
+    """Files whose hash differs from the installer's record, and files it never installed; [] with no record."""
+    if recorded is None:
+        return []
+    return sorted(name for name in installed.keys() | recorded.keys() if installed.get(name) != recorded.get(name))
