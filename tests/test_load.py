@@ -174,3 +174,54 @@ def test_modelled_clock_moves_only_when_told():
     assert clock() == 0.25
     clock.advance_to(2.0)
     assert clock() == 2.0
+
+
+# ---- refusals (issue 31, item 4): nothing hangs, nothing is accepted silently ---------------------------------
+@pytest.mark.parametrize(("field", "value", "exc"), [
+    ("fixed_s", float("nan"), ValueError), ("fixed_s", -0.05, ValueError), ("per_token_s", "0.1", TypeError),
+    ("per_seq_s", float("inf"), ValueError),
+])  # fmt: skip
+def test_step_cost_refuses_what_is_not_a_non_negative_time(field, value, exc):
+    kwargs = {"fixed_s": 0.01, "per_token_s": 0.001, "per_seq_s": 0.0, field: value}
+    with pytest.raises(exc, match=f"StepCost.{field}"):
+        StepCost(**kwargs)
+
+
+def test_a_nan_cost_cannot_reach_the_open_loop(model):
+    # it once never returned: the modelled clock kept max(nan, t) at NaN
+    with pytest.raises(TypeError, match="cost must be a StepCost"):
+        serve_open_loop(_make(model), [[1, 2]], SamplingParams(max_new_tokens=2), [0.0], (float("nan"), 0, 0))
+    clock = ModelledClock()
+    for call, value in ((clock.advance, float("nan")), (clock.advance, -1.0), (clock.advance_to, float("nan"))):
+        with pytest.raises(ValueError):
+            call(value)
+    assert clock() == 0.0
+
+
+def test_fit_step_cost_refuses_durations_that_are_not_times():
+    good = [_event(i, 0.1 * i, 2 + i, 1, 0.01 + 0.001 * i) for i in range(5)]
+    with pytest.raises(ValueError, match=r"events\[2\].duration"):
+        fit_step_cost(good[:2] + [_event(2, 0.2, 3, 1, float("nan"))] + good[3:])
+    with pytest.raises(ValueError, match=r"events\[0\].duration"):
+        fit_step_cost([_event(i, 0.1 * i, 2 + i, 1, -0.01) for i in range(5)])
+    with pytest.raises(ValueError, match="every duration is 0"):
+        fit_step_cost([_event(i, 0.1 * i, 2 + i, 1, 0.0) for i in range(5)])
+
+
+@pytest.mark.parametrize("slo", [float("nan"), -1.0, 0.0, "1"])
+def test_slo_targets_must_be_positive_times(slo):
+    ms = [_metrics(0.1, 0.05)]
+    with pytest.raises((ValueError, TypeError), match="ttft_slo"):
+        slo_attainment(ms, ttft_slo=slo, tpot_slo=0.1)
+    with pytest.raises((ValueError, TypeError), match="tpot_slo"):
+        slo_attainment(ms, ttft_slo=0.1, tpot_slo=slo)
+
+
+def test_a_load_point_of_a_run_that_finished_nothing_or_took_no_time_says_so(model):
+    params = SamplingParams(max_new_tokens=2, stop_token_ids=())
+    engine = _make(model)(ModelledClock())
+    with pytest.raises(ValueError, match="no finished request"):
+        LoadPoint.of(1.0, engine, 1.0, 1.0)
+    free = serve_open_loop(_make(model), [[1, 2, 3]], params, [0.0], StepCost(0.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="finished the moment they arrived"):
+        LoadPoint.of(1.0, free, 1.0, 1.0)

@@ -497,3 +497,40 @@ def test_prefill_flops_matches_the_course_cost_model():
         prefill_flops("llama-3-8b", -1)
     with pytest.raises(ValueError, match="dense"):
         prefill_flops("deepseek-v3", 10)
+
+
+# ---- configs a user might hand the CLI by mistake (issue 31, item 5): each refused with a clear line ----------
+_QWEN = {"model_type": "qwen2", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+         "hidden_size": 512, "sliding_window": 128, "use_sliding_window": True}
+
+
+@pytest.mark.parametrize(("text", "word"), [
+    (json.dumps({**GPT2, "n_layer": 10**30}), "at most 10,000"),
+    (json.dumps({**GPT2, "n_layer": 10**8}), "at most 10,000"),
+    ("[" * 100_000 + "]" * 100_000, "nests its JSON too deeply"),
+    (json.dumps({**_QWEN, "max_window_layers": "a"}), "max_window_layers"),
+    (json.dumps({**_QWEN, "max_window_layers": -5}), "max_window_layers"),
+    (json.dumps({**_QWEN, "max_window_layers": 2.5}), "max_window_layers"),
+    (json.dumps({**_QWEN, "max_window_layers": 5}), "max_window_layers"),
+    (json.dumps({"num_hidden_layers": 32, "num_attention_heads": 32, "hidden_size": 4096, "multi_query": True,
+                 "num_key_value_heads": 8}), "disagree"),
+])  # fmt: skip
+def test_cli_refuses_odd_configs_in_one_line(tmp_path, capsys, text, word):
+    import time
+
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as e:
+        cli_main(["--config", str(path), "--seq-len", "1024"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and word in err and "Traceback" not in err, err
+    assert time.perf_counter() - start < 5  # refused, not built (10^8 layers once took 12 s and 1.8 GB)
+
+
+def test_qwen_max_window_layers_still_reads_right():
+    layout = kv_layout({**_QWEN, "max_window_layers": 2})
+    assert layout.layer_windows == (None, None, 128, 128)
+    assert kv_layout({**_QWEN, "max_window_layers": None}).layer_windows == (128,) * 4
+    assert kv_layout({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, "multi_query": True,
+                      "num_key_value_heads": 1}).num_kv_heads == 1  # agreeing keys are fine

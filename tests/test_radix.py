@@ -70,9 +70,46 @@ def test_a_locked_prefix_is_never_evicted_and_unlock_releases_it():
     assert cache.evict(100) == 3
     assert paths(cache) == {(1, 2, 3)}
     cache.unlock(node)
-    assert cache.evict(100) == 3 and len(cache) == 0
     with pytest.raises(ValueError, match="not locked"):
-        cache.unlock(node)
+        cache.unlock(node)  # twice
+    assert cache.evict(100) == 3 and len(cache) == 0
+    with pytest.raises(ValueError, match="no longer in the tree"):
+        cache.lock(node)  # evicted
+
+
+def test_only_the_node_that_was_locked_can_be_unlocked():
+    # issue 31: unlocking an ancestor of a locked node (it holds the lock too) left lock_ref at -1 on the path
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4])
+    _, leaf = cache.match_prefix([1, 2, 3, 4])
+    cache.lock(leaf)
+    _, mid = cache.match_prefix([1, 2])  # splits the edge: (1, 2) then (3, 4), both locked through the leaf
+    assert mid.lock_ref == 1
+    with pytest.raises(ValueError, match="not locked by a request"):
+        cache.unlock(mid)
+    assert mid.lock_ref == 1 and leaf.lock_ref == 1  # the refusal changed nothing
+    cache.unlock(leaf)
+    assert mid.lock_ref == 0 and leaf.lock_ref == 0 and cache.evict(10) == 4
+    other = RadixCache()
+    other.insert([5])
+    for bad, exc, word in ((None, TypeError, "RadixNode"), ("node", TypeError, "RadixNode"),
+                           (other.match_prefix([5])[1], ValueError, "another RadixCache")):  # fmt: skip
+        with pytest.raises(exc, match=word):
+            cache.lock(bad)
+        with pytest.raises(exc, match=word):
+            cache.unlock(bad)
+    cache.lock(cache.root)  # an empty match locks the root: harmless, and it can be unlocked
+    cache.unlock(cache.root)
+
+
+@pytest.mark.parametrize(("value", "exc"), [(float("nan"), TypeError), (-3, ValueError), (2.5, TypeError),
+                                            ("1", TypeError)])  # fmt: skip
+def test_evict_refuses_what_is_not_a_count_of_tokens(value, exc):
+    cache = RadixCache()
+    cache.insert([1, 2])
+    with pytest.raises(exc, match="num_tokens"):
+        cache.evict(value)
+    assert len(cache) == 2
 
 
 def test_capacity_evicts_to_make_room_and_keeps_the_path_being_extended():

@@ -80,8 +80,14 @@ def _grade(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         reference_chapters(args.book, args.chapters)  # a chapter the list lacks is named before any grading
     except ValueError as exc:
         parser.error(f"--chapters: {exc}")
-    results = grade_directory(args.dir, args.book, args.timeout, jobs=args.jobs, run=not args.no_run,
-                              check_timeout=args.check_timeout, progress=not args.quiet, chapters=args.chapters)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # one line each on stderr, not warnings' two
+        warnings.simplefilter("always", RuntimeWarning)
+        results = grade_directory(args.dir, args.book, args.timeout, jobs=args.jobs, run=not args.no_run,
+                                  check_timeout=args.check_timeout, progress=not args.quiet, chapters=args.chapters)
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
     rows = rows_of(results)
     write_csv(rows, args.out, {r.notebook: r.run_seconds for r in results})
     for result in results:

@@ -296,9 +296,10 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
     if writable:
         import warnings
 
-        warnings.warn(f"kvcourse is installed where the graded code could write ({', '.join(writable)} in "
-                      f"{_package_dir()}): grade as a user who cannot write there, or in a throwaway container. "
-                      "The grader stops if the files change.", RuntimeWarning, stacklevel=2)
+        shown = ", ".join(writable[:3]) + (f" and {len(writable) - 3} more" if len(writable) > 3 else "")
+        warnings.warn(f"kvcourse is installed where the graded code could write ({shown} in {_package_dir()}): "
+                      "grade as a user who cannot write there, or in a throwaway container; the grader stops if "
+                      "the files change", RuntimeWarning, stacklevel=2)
     tasks: list[tuple[Path, str, list[str] | None]] = []
     extra: dict[str, list[str]] = {}  # notes for a graded notebook: the copies of its chapter that were not
     untouched: list[NotebookResult] = []  # chapters nobody handed in, notebooks that are no chapter

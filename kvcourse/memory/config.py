@@ -40,6 +40,8 @@ def load_config(config: Any) -> dict:
                 raise ValueError(f"config file {str(path)!r} is not UTF-8 text, as JSON must be: {e}") from None
             except json.JSONDecodeError as e:
                 raise ValueError(f"config file {str(path)!r} is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError(f"config file {str(path)!r} nests its JSON too deeply to be a config.json") from None
             if not isinstance(cfg, dict):
                 raise ValueError(f"config file {str(path)!r} must hold a JSON object, got {type(cfg).__name__}")
     else:
@@ -53,6 +55,7 @@ def load_config(config: Any) -> dict:
 
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+MAX_LAYERS = 10_000  # the deepest published models have a few hundred; the layout holds one entry per layer
 _HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
 
@@ -167,7 +170,11 @@ def _layer_windows(cfg: Mapping, num_layers: int) -> tuple[int | None, ...]:
     if window is None:
         return (None,) * num_layers
     if model_type.startswith(("qwen2", "qwen3")):
-        first = cfg.get("max_window_layers", 0) or 0
+        first = cfg.get("max_window_layers", 0)
+        first = 0 if first is None else first
+        if not is_int(first) or not 0 <= first <= num_layers:
+            raise ValueError(f"config['max_window_layers'] (layers before the sliding ones) must be an int in "
+                             f"[0, {num_layers}], got {first!r}")
         return tuple(window if i >= first else None for i in range(num_layers))
     pattern = cfg.get("sliding_window_pattern")
     if pattern is None and model_type == "gemma2":
@@ -183,6 +190,8 @@ def kv_layout(config: Any) -> KVLayout:
     """Read the cache-relevant shape of a model from its config (dict, path or catalog name)."""
     cfg = load_config(config)
     num_layers = _positive_int(cfg, _LAYER_KEYS, "layer count")
+    if num_layers > MAX_LAYERS:
+        raise ValueError(f"config's layer count must be at most {MAX_LAYERS:,}, got {num_layers:,}")
     num_heads = _positive_int(cfg, _HEAD_KEYS, "attention head count")
     windows = _layer_windows(cfg, num_layers)
 
@@ -195,6 +204,10 @@ def kv_layout(config: Any) -> KVLayout:
         kv_heads = _positive_int(cfg, ("num_kv_heads", "n_head_kv", "num_key_value_heads"), "KV head count")
     elif _flag(cfg, "multi_query"):  # Falcon-7B, GPT-BigCode: one K and one V head for all queries
         kv_heads = 1
+        named = [k for k in ("num_key_value_heads", "num_kv_heads", "n_head_kv") if cfg.get(k) not in (None, 1)]
+        if named:
+            raise ValueError(f"config sets multi_query: true (one KV head) and {named[0]}={cfg[named[0]]!r}: "
+                             "they disagree; keep one")
     elif _has_any(cfg, ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")):
         kv_heads = _positive_int(
             cfg, ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"), "KV head count"

@@ -270,6 +270,25 @@ class BlockManager:
         self.host.free(self._swapped_table(seq_id)[0])
         del self._swapped[seq_id]
 
+    # ---- a step as a transaction ---------------------------------------------
+    def snapshot(self) -> dict:
+        """Everything the pool's calls change, copied: :meth:`restore` puts the pool back as it was.
+
+        The scheduler takes one before each step and restores it if the step fails (a user's hook
+        raised, the forward ran out of memory), so a failed step leaves no slot reserved. The copies
+        are shallow where the entries are immutable: a few list and dict copies, no block data.
+        """
+        return {"_free": self._free.copy(), "_ref_counts": list(self._ref_counts),
+                "_tables": {seq_id: list(t) for seq_id, t in self._tables.items()},
+                "_num_tokens": dict(self._num_tokens), "_swapped": dict(self._swapped),
+                "_transfers": list(self._transfers), "host": self.host.snapshot()}  # fmt: skip
+
+    def restore(self, state: dict) -> None:
+        """Put the pool back as it was when ``state`` (from :meth:`snapshot`) was taken."""
+        state = dict(state)
+        self.host.restore(state.pop("host"))
+        vars(self).update(state)
+
     def take_transfers(self) -> list[BlockTransfer]:
         """The block moves decided since the last call, in order; copy them before the next forward."""
         moves, self._transfers = self._transfers, []

@@ -93,6 +93,15 @@ class HostBlockPool:
         self.num_evictions += 1
         return block
 
+    def snapshot(self) -> dict:
+        """Everything the pool's calls change, copied, for :meth:`restore` (the entries are immutable)."""
+        return {"_free": self._free.copy(), "_cold": self._cold.copy(),
+                "_cold_by_hash": dict(self._cold_by_hash),  # buckets are replaced, never changed in place
+                "num_evictions": self.num_evictions}  # fmt: skip
+
+    def restore(self, state: dict) -> None:
+        vars(self).update(state)
+
     def free(self, blocks: Sequence[int]) -> None:
         """Give back host blocks a swapped sequence held."""
         self._free.extend(blocks)
@@ -103,7 +112,8 @@ class HostBlockPool:
             return None
         block = self.take()
         self._cold[block] = entry
-        self._cold_by_hash.setdefault(entry.block_hash, {})[block] = entry
+        bucket = self._cold_by_hash.get(entry.block_hash, {})
+        self._cold_by_hash[entry.block_hash] = {**bucket, block: entry}  # replaced, not changed: see snapshot()
         return block
 
     def find_cold(
@@ -136,9 +146,10 @@ class HostBlockPool:
         return n
 
     def _forget(self, block: int, entry: CachedBlock) -> None:
-        bucket = self._cold_by_hash[entry.block_hash]
-        del bucket[block]
-        if not bucket:
+        bucket = {b: e for b, e in self._cold_by_hash[entry.block_hash].items() if b != block}
+        if bucket:
+            self._cold_by_hash[entry.block_hash] = bucket
+        else:
             del self._cold_by_hash[entry.block_hash]
 
     def __repr__(self) -> str:

@@ -93,6 +93,11 @@ class FreeBlockQueue:
     def __contains__(self, block: object) -> bool:
         return block in self._queue
 
+    def copy(self) -> FreeBlockQueue:
+        new = FreeBlockQueue(())
+        new._queue = self._queue.copy()
+        return new
+
 
 class PrefixCachingBlockManager(BlockManager):
     """A :class:`BlockManager` whose full blocks outlive their sequences, found again by block hash.
@@ -341,6 +346,24 @@ class PrefixCachingBlockManager(BlockManager):
         del self._tables[seq_id], self._num_tokens[seq_id], self._num_cached_blocks[seq_id]
         self._last_cached.pop(seq_id, None)
 
+    def snapshot(self) -> dict:
+        """:meth:`BlockManager.snapshot`, and the cache's own maps and counters."""
+        state = super().snapshot()
+        state.update(
+            num_admissions=len(self.admissions),  # only ever appended to
+            cached_block_hash_to_block=dict(self.cached_block_hash_to_block),  # buckets are never changed in place
+            _cached=dict(self._cached), _num_cached_blocks=dict(self._num_cached_blocks),
+            _last_cached=dict(self._last_cached), _swapped_chains=dict(self._swapped_chains),
+            num_evictions=self.num_evictions, num_offloaded_blocks=self.num_offloaded_blocks,
+            num_host_hit_blocks=self.num_host_hit_blocks,
+        )  # fmt: skip
+        return state
+
+    def restore(self, state: dict) -> None:
+        state = dict(state)
+        del self.admissions[state.pop("num_admissions") :]
+        super().restore(state)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no sequence holds, the host tier's too (a benchmark's cold
         start); return how many."""
@@ -390,14 +413,17 @@ class PrefixCachingBlockManager(BlockManager):
 
     def _add_to_cache(self, block: int, entry: CachedBlock) -> None:
         self._cached[block] = entry
-        # Two requests that computed the same prefix at once both stay cached, as in vLLM.
-        self.cached_block_hash_to_block.setdefault(entry.block_hash, {})[block] = entry
+        # Two requests that computed the same prefix at once both stay cached, as in vLLM. A bucket is
+        # replaced, never changed in place, so that snapshot() copies the outer map only.
+        bucket = self.cached_block_hash_to_block.get(entry.block_hash, {})
+        self.cached_block_hash_to_block[entry.block_hash] = {**bucket, block: entry}
 
     def _evict(self, block: int) -> CachedBlock:
         entry = self._cached.pop(block)
-        bucket = self.cached_block_hash_to_block[entry.block_hash]
-        del bucket[block]
-        if not bucket:
+        bucket = {b: e for b, e in self.cached_block_hash_to_block[entry.block_hash].items() if b != block}
+        if bucket:
+            self.cached_block_hash_to_block[entry.block_hash] = bucket
+        else:
             del self.cached_block_hash_to_block[entry.block_hash]
         return entry
 

@@ -42,6 +42,7 @@ class RadixNode:
     children: dict[int, RadixNode] = field(default_factory=dict)
     lock_ref: int = 0  # running requests whose prefix goes through this node
     last_access: int = 0  # the cache's clock at the last match or insert through this node
+    locked_here: int = 0  # of those, the requests whose prefix ends here (what unlock() may take back)
 
     @property
     def is_leaf(self) -> bool:
@@ -114,7 +115,7 @@ class RadixCache:
         rest = tokens[matched:]
         if self.capacity is not None and rest:
             node.lock_ref += 1  # the path we are extending must not be evicted to make room for its own tail
-            self.evict(self.num_tokens + len(rest) - self.capacity)
+            self.evict(max(0, self.num_tokens + len(rest) - self.capacity))
             node.lock_ref -= 1
             rest = rest[: max(self.capacity - self.num_tokens, 0)]
         if rest:
@@ -126,14 +127,19 @@ class RadixCache:
     # ---- running requests -----------------------------------------------------------------------
     def lock(self, node: RadixNode) -> None:
         """A running request uses the prefix ending at ``node``: nothing on its path can be evicted."""
+        self._check_node(node)
+        node.locked_here += 1
         while node is not None:
             node.lock_ref += 1
             node = node.parent
 
     def unlock(self, node: RadixNode) -> None:
-        """The request that locked ``node`` is done with it."""
-        if node.lock_ref <= 0 or node is self.root:
-            raise ValueError("node is not locked by a request")
+        """The request that locked ``node`` is done with it. Only a node passed to :meth:`lock` can be
+        unlocked (an ancestor of one holds the lock too, but taking it back there would undercount)."""
+        self._check_node(node)
+        if node.locked_here <= 0:
+            raise ValueError("node is not locked by a request (unlock the node that lock() was given)")
+        node.locked_here -= 1
         while node is not None:
             node.lock_ref -= 1
             node = node.parent
@@ -147,6 +153,7 @@ class RadixCache:
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` tokens if that many are evictable, least recently used leaf first;
         return how many were freed."""
+        check_int("num_tokens", num_tokens, min=0)
         freed = 0
         while freed < num_tokens:
             leaves = [n for n in self._nodes() if n.is_leaf and n.lock_ref == 0 and n is not self.root]
@@ -158,6 +165,18 @@ class RadixCache:
         self.num_tokens -= freed
         self.num_evicted_tokens += freed
         return freed
+
+    def _check_node(self, node: object) -> None:
+        """``node`` is a node of this tree and still in it (not evicted). (The root, an empty match, may be locked.)"""
+        if not isinstance(node, RadixNode):
+            raise TypeError(f"node must be a RadixNode (from match_prefix), got {type(node).__name__}")
+        child = node
+        while child.parent is not None:  # every edge on the way up still leads here
+            if child.parent.children.get(child.key[0]) is not child:
+                raise ValueError("node is no longer in the tree (evicted, or from another RadixCache)")
+            child = child.parent
+        if child is not self.root:
+            raise ValueError("node belongs to another RadixCache")
 
     def format(self, decode: Callable[[tuple[int, ...]], str] = str) -> str:
         """The tree, one edge per line, indented by depth: ``decode(key)``, its token count and lock count."""

@@ -200,10 +200,17 @@ class Engine:
         if not self.scheduler.has_unfinished():
             return []
         start = self.clock()
-        out = self.scheduler.schedule()
-        if not out.scheduled:  # add_request guarantees the oldest request fits alone
-            raise RuntimeError("the scheduler found nothing to run although requests are waiting")
-        logits = self.runner.execute(out)
+        # A step is a transaction: if scheduling (a preemption policy, a prefix lookup) or the forward
+        # fails, the scheduler and the pool go back to where they were, and the error propagates.
+        state, out = self.scheduler.snapshot(), None
+        try:
+            out = self.scheduler.schedule()
+            if not out.scheduled:  # add_request guarantees the oldest request fits alone
+                raise RuntimeError("the scheduler found nothing to run although requests are waiting")
+            logits = self.runner.execute(out)
+        except BaseException:
+            self.scheduler.rollback(state, failed=out)
+            raise
         self.scheduler.advance(out)
         sampled = self._sample(out, logits)
         finished = self.scheduler.append_tokens(sampled)

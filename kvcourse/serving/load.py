@@ -59,6 +59,11 @@ class StepCost:
     per_token_s: float
     per_seq_s: float = 0.0
 
+    def __post_init__(self) -> None:
+        # A NaN cost would stall the modelled clock forever; a negative one would run it backwards.
+        for name in ("fixed_s", "per_token_s", "per_seq_s"):
+            object.__setattr__(self, name, check_float(f"StepCost.{name}", getattr(self, name), min=0))
+
     def seconds(self, num_tokens: int, num_seqs: int) -> float:
         return self.fixed_s + self.per_token_s * num_tokens + self.per_seq_s * num_seqs
 
@@ -69,9 +74,12 @@ def fit_step_cost(events: Iterable[StepEvent]) -> tuple[StepCost, float]:
     The three coefficients are kept non-negative (a term that would come out negative is dropped and
     the rest refitted): a step never gets cheaper for carrying more work.
     """
-    rows = [(1.0, e.num_tokens, len(e.scheduled), e.duration) for e in events]
+    rows = [(1.0, e.num_tokens, len(e.scheduled), check_float(f"events[{i}].duration", e.duration, min=0))
+            for i, e in enumerate(events)]  # fmt: skip
     if len(rows) < 3:
         raise ValueError(f"events must hold at least 3 steps to fit 3 coefficients, got {len(rows)}")
+    if not any(r[3] > 0 for r in rows):
+        raise ValueError("events must include a step that took time: every duration is 0, there is nothing to fit")
     data = np.array(rows)
     x, y = data[:, :3], data[:, 3]
     keep = [0, 1, 2]
@@ -97,10 +105,10 @@ class ModelledClock:
         return self.now
 
     def advance(self, seconds: float) -> None:
-        self.now += seconds
+        self.now += check_float("seconds", seconds, min=0)
 
     def advance_to(self, t: float) -> None:
-        self.now = max(self.now, t)
+        self.now = max(self.now, check_float("t", t))
 
 
 class _ChargedRunner:
@@ -128,6 +136,8 @@ def serve_open_loop(make_engine: Callable, prompts: Sequence[Sequence[int]], sam
     gaps); without one it is the wall clock, and idle gaps are slept through. Request ``i`` has id ``i``
     and its metrics carry its true arrival time, even when it arrived while a step was running.
     """
+    if cost is not None and not isinstance(cost, StepCost):
+        raise TypeError(f"cost must be a StepCost or None, got {type(cost).__name__}")
     arrivals = [check_float(f"arrivals[{i}]", t, min=0) for i, t in enumerate(arrivals)]
     if len(arrivals) != len(prompts) or any(b < a for a, b in zip(arrivals, arrivals[1:])):
         raise ValueError(f"arrivals must be {len(prompts)} non-decreasing times, one per prompt, got {len(arrivals)}")
@@ -160,6 +170,8 @@ def serve_open_loop(make_engine: Callable, prompts: Sequence[Sequence[int]], sam
 def slo_attainment(metrics: Iterable, ttft_slo: float, tpot_slo: float) -> float:
     """The fraction of finished requests with TTFT <= ``ttft_slo`` and TPOT <= ``tpot_slo`` (seconds);
     a one-token answer has no TPOT and is judged on its TTFT."""
+    ttft_slo = check_float("ttft_slo", ttft_slo, min=0, min_open=True)
+    tpot_slo = check_float("tpot_slo", tpot_slo, min=0, min_open=True)
     done = [m for m in metrics if m.finish_time is not None]
     if not done:
         raise ValueError("metrics must hold at least one finished request")
@@ -198,8 +210,14 @@ class LoadPoint:
     @classmethod
     def of(cls, rate: float, engine, ttft_slo: float, tpot_slo: float) -> LoadPoint:
         metrics = [m for m in engine.stats["requests"].values() if m.finish_time is not None]
+        if not metrics:
+            raise ValueError("engine has no finished request: serve the load to the end before summarising it")
+        ttft_slo = check_float("ttft_slo", ttft_slo, min=0, min_open=True)
+        tpot_slo = check_float("tpot_slo", tpot_slo, min=0, min_open=True)
         summary = latency_summary(metrics)
         span = max(m.finish_time for m in metrics) - min(m.arrival_time for m in metrics)
+        if span <= 0:
+            raise ValueError("the requests finished the moment they arrived (a StepCost of 0?): no rate to measure")
         return cls(rate=rate, summary=summary, attainment=slo_attainment(metrics, ttft_slo, tpot_slo),
                    achieved_rate=len(metrics) / span, mean_in_system=mean_in_system(engine.events, span),
                    mean_latency=float(np.mean([m.e2e_latency for m in metrics])))  # fmt: skip

@@ -256,6 +256,42 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    # ---- a step as a transaction ----------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """The queues, every sequence's progress and the pool's state (its ``snapshot()``), copied.
+
+        :meth:`rollback` puts them back: a step whose scheduling or forward fails leaves nothing reserved
+        and no sequence moved. (A pool without ``snapshot``, such as chapter 4's simulators', gives None.)
+        """
+        snap = getattr(self.block_manager, "snapshot", None)
+        if snap is None:
+            return None
+        seqs = {id(s): s for s in (*self.waiting, *self.swapped, *self.running, *self._seqs.values())}
+        return {"waiting": self.waiting.copy(), "swapped": self.swapped.copy(), "running": list(self.running),
+                "_seqs": dict(self._seqs), "_lost": dict(self._lost), "_cache_salts": dict(self._cache_salts),
+                "progress": [(s, s.status, s.num_computed_tokens, s.num_tokens) for s in seqs.values()],
+                "pool": snap()}  # fmt: skip
+
+    def rollback(self, state: dict | None, failed: SchedulerOutput | None = None) -> None:
+        """Undo everything since :meth:`snapshot` returned ``state``.
+
+        ``failed``: the step's output, when its forward failed after scheduling. Its victims are then
+        preempted for real (recompute): the forward may already have written into the blocks they gave up,
+        which the step had handed to others, so their K/V cannot be trusted.
+        """
+        if state is None:
+            return
+        self.block_manager.restore(state["pool"])
+        for s, status, computed, num_tokens in state["progress"]:
+            s.status, s.num_computed_tokens = status, computed
+            del s.token_ids[num_tokens:]
+        for name in ("waiting", "swapped", "running", "_seqs", "_lost", "_cache_salts"):
+            setattr(self, name, state[name])
+        for victim in [] if failed is None else reversed(failed.preempted):
+            if victim in self.running:  # swapped-out victims are back on the host, untouched
+                self.running.remove(victim)
+                self._recompute(victim)
+
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Choose the next step; reserve its slots (preempting if needed). See the module doc."""
@@ -380,12 +416,16 @@ class Scheduler:
             seq.status = SequenceStatus.SWAPPED
             self.swapped.appendleft(seq)
             return True
+        self._recompute(seq)
+        return False
+
+    def _recompute(self, seq: Sequence) -> None:
+        """Preempt by recompute: free the blocks, forget the K/V, back to the head of the waiting queue."""
         self._lost[seq.seq_id] = max(self._lost.get(seq.seq_id, 0), seq.num_computed_tokens)
         self.block_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
-        return False
 
     def _start(self, seq: Sequence, into: list[Sequence]) -> None:
         """``seq`` runs from this step on (admitted or swapped in; ``into`` says which)."""
