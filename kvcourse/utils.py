@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "approx", "check_config", "seed_everything", "default_device", "describe_device", "glue", "in_colab", "show_source",
+    "approx", "check_config", "cpu_model", "seed_everything", "default_device", "describe_device", "glue", "in_colab", "show_source",
     "synchronize",
 ]  # fmt: skip
 
@@ -43,6 +43,20 @@ def describe_device(device: torch.device | str) -> str:
     import platform
 
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, e.g. ``AMD EPYC 7B13``), else what ``platform`` knows."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def in_colab() -> bool:

@@ -105,7 +105,7 @@ _NATURAL = {
     "ch03-ex-fit": (
         "qwen = CATALOG['qwen2.5-7b']\n"
         "budget = 0.9 * gpus['80 GB (A100, H100)'] - 2 * qwen.num_parameters  # the chapter's card\n"
-        "n = int(budget // kv_cache_bytes('qwen2.5-7b', 32768, dtype='fp8'))\n"
+        "n = int(budget // (bytes_per_token(qwen.config, 1) * 32768))  # the earlier answer, in fp8\n"
         "ch03.check_max_sequences(n)\n"),
     "ch07-ex-lookup": (
         "def find_longest_cache_hit(token_ids, block_size, cache_salt, hash_fn, get_cached_block):\n"

@@ -167,7 +167,7 @@ def _vals(c):
          "not one per head vector"),
         (lambda c, s, bits, g, r: _vals(c) * ((s - min(s, r)) * (bits / 8 + 4 / g) + min(s, r) * 4), "2 bytes per value"),
         (lambda c, s, bits, g, r: kivi_bytes(c, s, bits, g, r) / 2, "factor 2"),
-        (lambda c, s, bits, g, r: kivi_bytes(c, s, bits, g, r) * 1.5, "values = 2 x layers"),
+        (lambda c, s, bits, g, r: kivi_bytes(c, s, bits, g, r) * 1.5, "two kinds of token separately"),
     ],
 )
 def test_quantized_bytes_rejects_wrong_answers_with_their_hint(wrong, hint):

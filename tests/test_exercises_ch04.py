@@ -307,20 +307,36 @@ def test_sharing_reference_matches_the_closed_form_on_a_grid():
                 assert ch04._sharing_blocks(p, n, new, 16) == right_sharing(p, n, new, 16)
 
 
-# ---- 4. pick a block size ------------------------------------------------------------------------
-def test_largest_block_size():
-    # From the sweep of make_trace(300, seed=0) in 16,384 slots: 64 keeps 92.2% live, 128 only 86.4%.
-    sweep = {r.block_size: r.live_frac for r in block_size_sweep(make_trace(300, seed=0), 16384)}
-    assert sweep[64] >= 0.9 > sweep[128]
-    assert ch04.check_largest_block_size(64)
-    with pytest.raises(ExerciseError, match="too big"):
-        ch04.check_largest_block_size(128)
-    with pytest.raises(ExerciseError, match="larger one"):
-        ch04.check_largest_block_size(32)
-    with pytest.raises(ExerciseError, match="swept"):
-        ch04.check_largest_block_size(48)
-    with pytest.raises(ExerciseError, match="int"):
-        ch04.check_largest_block_size("64")
+# ---- 4. the live fraction of a block size ------------------------------------------------------------
+def right_live_fraction(lengths, block_size):
+    return sum(lengths) / sum(-(-n // block_size) * block_size for n in lengths)
+
+
+def test_live_fraction_accepts_the_right_answer_written_two_ways():
+    assert ch04.check_live_fraction(right_live_fraction)
+    assert ch04.check_live_fraction(lambda ls, b: 1 - sum((-n) % b for n in ls) / sum(-(-n // b) * b for n in ls))
+
+
+@pytest.mark.parametrize(("wrong", "hint"), [
+    (lambda ls, b: sum(ls) / sum(max(1, n // b) * b for n in ls), "round the blocks up"),
+    (lambda ls, b: 1 - right_live_fraction(ls, b), "empty share"),
+    (lambda ls, b: sum(n / (-(-n // b) * b) for n in ls) / len(ls), "all tokens over all slots"),
+    (lambda ls, b: sum(ls) / sum(n + (b - 1) / 2 for n in ls), "count each sequence's own last block"),
+    (lambda ls, b: 0.9, "whole blocks, enough for its tokens"),
+    (lambda ls, b: "0.9", "should return a number"),
+])  # fmt: skip
+def test_live_fraction_rejects_wrong_answers_with_their_hint(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch04.check_live_fraction(wrong)
+
+
+def test_the_static_live_fraction_moves_down_for_shorter_requests():
+    # What the exercise asks the learner to find with their function (the chapter's solution asserts it too).
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    long = [r.total_len for r in make_trace(300, seed=0)]
+    short = [r.total_len for r in make_trace(300, seed=0, prompt_median=20, output_median=60)]
+    best = [max(b for b in sizes if right_live_fraction(ls, b) >= 0.9) for ls in (long, short)]
+    assert best == [64, 16]
 
 
 def test_no_reference_answers_are_public():

@@ -296,8 +296,8 @@ def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed:
         ("The recent window is fp16: 2 bytes per value.", lambda *a: _quantized(*a, mistake="window_fp32")),
         ("Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
          lambda *a: _quantized(*a, mistake="no_kv")),
-    ], "values = 2 x layers x KV heads x head_dim per token; the last min(seq_len, residual_len) tokens at 2 bytes "
-       "a value, the others at bits / 8 bytes plus 4 bytes per group of group_size values.", _same)
+    ], "Price the two kinds of token separately: which ones are not quantized yet, and what does an asymmetric "
+       "group keep beside its values?", _same)
     for cfg, seq_len, bits, group, residual in _quant_cases(case_rng("ch03.check_quantized_bytes", seed)):
         case = f"quantized_bytes({cfg}, seq_len={seq_len}, bits={bits}, group_size={group}, residual_len={residual})"
         got = _number(case, call_learner("quantized_bytes", fn, dict(cfg), seq_len, bits, group, residual), "bytes")

@@ -4,7 +4,7 @@
 2. :func:`check_block_manager` -- the bug hunt: a block allocator with fork and copy-on-write, run on
    random operations against :class:`kvcourse.paged.BlockManager`, with K/V data written through it.
 3. :func:`check_parallel_sampling_blocks` -- blocks used by ``n`` samples of one prompt, as a formula.
-4. :func:`check_largest_block_size` -- read the block-size trade-off off the simulator (a number).
+4. :func:`check_live_fraction` -- the share of a pool's slots that hold tokens, for a block size.
 
 Each check runs the learner's code on hidden random cases (seeded from the check's ``seed``
 argument) and raises :class:`~kvcourse.exercises.ExerciseError` with the case, the expected and
@@ -13,12 +13,10 @@ returned values and a hint for the typical mistake it recognises.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 from .. import batch as _batch
-from ..fragmentation import block_size_sweep, make_trace
 from ..paged import BlockManager
 from ._core import (
     call_learner,
@@ -37,7 +35,7 @@ __all__ = [
     "check_slot_mapping",
     "check_block_manager",
     "check_parallel_sampling_blocks",
-    "check_largest_block_size",
+    "check_live_fraction",
 ]
 
 
@@ -430,39 +428,56 @@ def check_parallel_sampling_blocks(blocks_with_sharing: Callable[[int, int, int,
                   "filled prompt block for every sample but its last owner.")
 
 
-# --- Exercise 4: pick a block size -----------------------------------------------------------------
+# --- Exercise 4: the live fraction of a block size --------------------------------------------------
 
-@functools.lru_cache(maxsize=1)
-def _sweep() -> tuple[tuple[int, float], ...]:
-    trace = make_trace(300, seed=0)
-    sizes = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    return tuple((r.block_size, r.live_frac) for r in block_size_sweep(trace, 16384, sizes))
+def _live(lengths: list[int], block_size: int, mistake: str = "") -> float:
+    """The right live fraction, or what a typical ``mistake`` gives."""
+    if mistake == "floor":
+        slots = sum(max(1, n // block_size) * block_size for n in lengths)
+    elif mistake == "half_block":
+        slots = sum(n + (block_size - 1) / 2 for n in lengths)
+    else:
+        slots = sum(_ceil_div(n, block_size) * block_size for n in lengths)
+    if mistake == "mean_of_fractions":
+        return sum(n / (_ceil_div(n, block_size) * block_size) for n in lengths) / len(lengths)
+    live = sum(lengths) / slots
+    return 1 - live if mistake == "empty" else live
 
 
-def _largest_block_size(threshold: float = 0.9) -> int:
-    """The largest swept block size whose live fraction is at least ``threshold``."""
-    ok = [b for b, live in _sweep() if live >= threshold]
-    if not ok:
-        raise ValueError(f"no block size reaches a live fraction of {threshold}")
-    return max(ok)
-
-
-def check_largest_block_size(answer: int) -> CheckResult:
-    """``answer``: the largest power-of-two block size (1..256) keeping the live fraction >= 0.9 for
-    ``make_trace(300, seed=0)`` in a pool of 16,384 slots."""
-    if isinstance(answer, bool) or not isinstance(answer, int):
-        raise ExerciseError(f"answer should be an int (a block size), got {type(answer).__name__}: {describe(answer)}")
-    want = _largest_block_size(0.9)
-    sweep = dict(_sweep())
-    if answer not in sweep:
-        raise ExerciseError(f"answer = {answer!r} is not one of the swept block sizes 1, 2, 4, ..., 256.")
-    live = sweep[answer]
-    if answer != want:
-        hint = (f"At block size {answer} only {live:.3f} of the pool holds live tokens: too big." if live < 0.9 else
-                f"Block size {answer} keeps {live:.3f} live, but a larger one still stays above 0.9.")
-        fail("the largest block size that keeps the pool 90% live", expected="another block size", got=answer,
-             hint=hint)
-    return passed(f"block size {want} keeps {sweep[want]:.3f} of the pool live; the next size falls below 0.9.")
+def check_live_fraction(live_fraction: Callable[[list[int], int], float], seed: int = 0) -> CheckResult:
+    """``live_fraction(lengths, block_size)``: the share of the slots held by sequences of ``lengths`` tokens
+    (each in whole blocks of ``block_size`` slots) that hold tokens. Compared on hidden traces."""
+    if not callable(live_fraction):
+        raise ExerciseError(f"pass your function live_fraction(lengths, block_size), got {type(live_fraction).__name__}")
+    rng = case_rng("ch04.check_live_fraction", seed)
+    cases = [([16, 32], 16), ([1], 16), ([17, 15, 300], 16), ([5, 5, 5], 1), ([100], 256), ([31, 33, 64], 32)]
+    for _ in range(12):
+        n = rng.randint(1, 40)
+        median = rng.choice([20, 80, 300, 1000])
+        cases.append(([max(1, int(rng.lognormvariate(0, 1) * median)) for _ in range(n)],
+                      rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256])))
+    diagnosis = Diagnosis([
+        ("A sequence's partly filled last block is still a whole block: round the blocks up, not down.",
+         lambda lengths, b: _live(lengths, b, "floor")),
+        ("That is the empty share: the question asks for the slots that hold tokens.",
+         lambda lengths, b: _live(lengths, b, "empty")),
+        ("The pool's fraction is all tokens over all slots; the mean of each sequence's fraction weighs a short "
+         "sequence as much as a long one.", lambda lengths, b: _live(lengths, b, "mean_of_fractions")),
+        ("(b - 1) / 2 empty slots per sequence is an average over lengths: count each sequence's own last block.",
+         lambda lengths, b: _live(lengths, b, "half_block")),
+    ], "Count the slots each sequence holds: whole blocks, enough for its tokens.",
+        lambda a, w: abs(a - w) <= 1e-9 * max(1.0, abs(w)))
+    for lengths, block_size in cases:
+        case = f"live_fraction({lengths}, block_size={block_size})"
+        got = call_learner("live_fraction", live_fraction, list(lengths), block_size)
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            raise ExerciseError(f"{case} should return a number (a fraction), got {type(got).__name__}", case=case)
+        want = _live(lengths, block_size)
+        if abs(float(got) - want) > 1e-9 * max(1.0, abs(want)):
+            diagnosis.record(case, (lengths, block_size), float(got), want)
+    diagnosis.raise_if_wrong()
+    return passed("tokens over whole-block slots: each sequence wastes the empty tail of its last block, "
+                  "up to block_size - 1 slots, which weighs more the shorter the sequences.")
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished
