@@ -164,9 +164,14 @@ return {
   image_count: document.images.length,
   outside: performance.getEntriesByType('resource').map(e => e.name)
                       .filter(n => !n.startsWith(origin) && !n.startsWith('data:')),
-  overflowing: [...document.querySelectorAll('div.highlight pre, div.cell_output pre, div.output pre')]
-      .filter(p => visible(p) && p.scrollWidth > p.clientWidth + 1)
+  // a code or output block wider than its column must scroll inside its own box, not spill out of it
+  unscrollable: [...document.querySelectorAll('div.highlight pre, div.cell_output pre, div.output pre')]
+      .filter(p => visible(p) && p.scrollWidth > p.clientWidth + 1
+                   && !['auto', 'scroll'].includes(getComputedStyle(p).overflowX))
       .map(p => p.innerText.split('\\n').reduce((a, b) => a.length >= b.length ? a : b).slice(0, 100)),
+  wrapped: [...document.querySelectorAll('div.highlight pre, div.cell_output pre, div.output pre')]
+      .filter(p => visible(p) && getComputedStyle(p).whiteSpace !== 'pre').length,
+  page_overflow: document.documentElement.scrollWidth - document.documentElement.clientWidth,
   math: document.querySelectorAll('span.math, div.math').length,
   math_rendered: document.querySelectorAll('mjx-container').length,
   math_errors: document.querySelectorAll('mjx-merror, .MathJax_Error').length,
@@ -193,9 +198,49 @@ def test_every_image_loads_and_nothing_comes_from_outside(opened, page):
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_no_code_or_output_line_is_cut_off(opened, page):
-    lines = opened[page]["overflowing"]
-    assert not lines, f"{page}: {len(lines)} code/output blocks overflow their column, e.g. {lines[:3]}"
+def test_code_keeps_its_shape_and_scrolls_in_its_box(opened, page):
+    # Lines are never broken mid-token (white-space: pre); a long one scrolls inside its block, and the page
+    # itself does not scroll sideways.
+    result = opened[page]
+    assert not result["unscrollable"], f"{page}: code/output blocks spill out of their column: {result['unscrollable'][:3]}"
+    assert result["wrapped"] == 0, f"{page}: {result['wrapped']} code/output blocks wrap their lines"
+    assert result["page_overflow"] <= 1, f"{page}: the page scrolls sideways by {result['page_overflow']} px"
+
+
+@pytest.mark.parametrize(("width", "height"), [(390, 844), (900, 1100)], ids=["phone", "tablet"])
+def test_the_menu_opens_on_a_narrow_screen_and_leads_to_a_chapter(browser, site, width, height):
+    # The themes bound their handlers to a hidden header button: the visible menu button did nothing.
+    browser.set_window_size(width, height)
+    try:
+        start = CHAPTER_PAGES[1]
+        _open(browser, f"{site}/{start}")
+        toggle = next(b for b in browser.find_elements(By.CSS_SELECTOR, ".primary-toggle") if b.is_displayed())
+        toggle.click()
+        WebDriverWait(browser, 10).until(
+            lambda d: d.execute_script("return document.getElementById('pst-primary-sidebar-modal').open"))
+        target = CHAPTER_PAGES[3]
+        link = next(a for a in browser.find_elements(By.CSS_SELECTOR, "#pst-primary-sidebar-modal a")
+                    if a.get_attribute("href").split("#")[0].endswith(target) and a.is_displayed())
+        link.click()
+        WebDriverWait(browser, 30).until(lambda d: d.current_url.split("#")[0].endswith(target))
+        # the page at this width does not scroll sideways either
+        WebDriverWait(browser, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")
+        overflow = browser.execute_script(
+            "return document.documentElement.scrollWidth - document.documentElement.clientWidth")
+        assert overflow <= 1, f"{target} at {width} px scrolls sideways by {overflow} px"
+    finally:
+        browser.set_window_size(1366, 900)
+
+
+def test_the_menu_button_collapses_the_sidebar_on_a_wide_screen(browser, site):
+    _open(browser, f"{site}/{CHAPTER_PAGES[0]}")
+    toggle = next(b for b in browser.find_elements(By.CSS_SELECTOR, ".primary-toggle") if b.is_displayed())
+    hidden = "return document.getElementById('pst-primary-sidebar').classList.contains('pst-sidebar-hidden')"
+    assert not browser.execute_script(hidden)
+    toggle.click()
+    WebDriverWait(browser, 10).until(lambda d: d.execute_script(hidden))
+    toggle.click()
+    WebDriverWait(browser, 10).until(lambda d: not d.execute_script(hidden))
 
 
 @pytest.mark.parametrize("page", PAGES)
