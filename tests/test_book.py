@@ -47,6 +47,20 @@ def test_plumbing_cells_are_hidden(path):
                 f"plumbing cell in {path.name} is not hidden: {lines[0][:60]}")
 
 
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_solution_code_is_labelled_and_nbval_markers_are_tags(path):
+    """A hidden solution cell's toggle says what it holds (not "Show code cell content"); nbval's markers are cell
+    tags, not comments a reader would see on the page."""
+    nb = json.loads(path.read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        tags = cell.get("metadata", {}).get("tags", [])
+        if "solution" in tags and "hide-cell" in tags:
+            assert cell["metadata"].get("mystnb", {}).get("code_prompt_show") == "Show solution code", path.name
+        assert "NBVAL_" not in "".join(cell["source"]), f"{path.name}: an nbval comment marker; use the cell tag"
+
+
 def test_sources_are_cited_by_title_not_by_file():
     for path in [*CHAPTERS, *(ROOT / "book").glob("*.md")]:
         text = path.read_text()
