@@ -46,6 +46,7 @@ __all__ = [
     "cache_grid_frames",
     "memory_bill_frames",
     "cache_grid_animation",
+    "animation_html",
 ]
 
 EMPTY, CACHED, READ, COMPUTED = 0, 1, 2, 3
@@ -267,3 +268,14 @@ def cache_grid_animation(
     anim = animation.FuncAnimation(fig, draw, frames=len(frames) + len(bill), interval=interval_ms, blit=False)
     plt.close(fig)
     return anim
+
+
+def animation_html(anim, alt: str) -> str:
+    """``anim.to_jshtml()`` with ``alt`` on the frame image, for readers who cannot see it (matplotlib's player
+    writes an ``<img>`` with no alt text). Show it with ``IPython.display.HTML``."""
+    if not isinstance(alt, str) or not alt.strip():
+        raise ValueError("alt must be a non-empty description of the animation")
+    from html import escape
+
+    html = anim.to_jshtml()
+    return html.replace("<img ", f'<img alt="{escape(alt.strip())}" ', 1)

@@ -61,6 +61,17 @@ def test_solution_code_is_labelled_and_nbval_markers_are_tags(path):
         assert "NBVAL_" not in "".join(cell["source"]), f"{path.name}: an nbval comment marker; use the cell tag"
 
 
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_every_figure_says_what_it_shows(path):
+    """A cell that draws a figure gives it alt text (myst-nb's image options), so the page does not fall back to the
+    image file's hash."""
+    nb = json.loads(path.read_text())
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] == "code" and any("image/png" in o.get("data", {}) for o in cell.get("outputs", [])):
+            alt = cell["metadata"].get("mystnb", {}).get("image", {}).get("alt", "")
+            assert len(alt) >= 40, f"{path.name} cell {i}: a figure without alt text that says what it shows"
+
+
 def test_sources_are_cited_by_title_not_by_file():
     for path in [*CHAPTERS, *(ROOT / "book").glob("*.md")]:
         text = path.read_text()

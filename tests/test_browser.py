@@ -172,6 +172,9 @@ return {
   wrapped: [...document.querySelectorAll('div.highlight pre, div.cell_output pre, div.output pre')]
       .filter(p => visible(p) && getComputedStyle(p).whiteSpace !== 'pre').length,
   page_overflow: document.documentElement.scrollWidth - document.documentElement.clientWidth,
+  // a figure's alt text says what it shows, not its file's hash
+  bad_alts: [...document.querySelectorAll('article img')]
+      .filter(i => !i.alt.trim() || /^[0-9a-f]{16,}$/.test(i.alt.trim())).map(i => i.src.split('/').pop()),
   math: document.querySelectorAll('span.math, div.math').length,
   math_rendered: document.querySelectorAll('mjx-container').length,
   math_errors: document.querySelectorAll('mjx-merror, .MathJax_Error').length,
@@ -205,6 +208,11 @@ def test_code_keeps_its_shape_and_scrolls_in_its_box(opened, page):
     assert not result["unscrollable"], f"{page}: code/output blocks spill out of their column: {result['unscrollable'][:3]}"
     assert result["wrapped"] == 0, f"{page}: {result['wrapped']} code/output blocks wrap their lines"
     assert result["page_overflow"] <= 1, f"{page}: the page scrolls sideways by {result['page_overflow']} px"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_figure_has_real_alt_text(opened, page):
+    assert not opened[page]["bad_alts"], f"{page}: figures whose alt text is empty or a hash: {opened[page]['bad_alts']}"
 
 
 @pytest.mark.parametrize(("width", "height"), [(390, 844), (900, 1100)], ids=["phone", "tablet"])

@@ -179,3 +179,18 @@ def test_the_sanitizer_hides_exactly_the_digits_approx_marks():
         line = f"perplexity {approx(value, spec)} (of 1024 tokens)"
         assert sanitize(line) == "perplexity APPROX_NUM (of 1024 tokens)", line
     assert sanitize("13.97 vs 13.99 (-0.1%)") == "13.97 vs 13.99 (-0.1%)"  # unmarked digits stay
+
+
+def test_the_animation_html_describes_its_frames():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pytest
+
+    from kvcourse.viz import animation_html, cache_grid_animation
+
+    anim = cache_grid_animation(num_layers=2, prompt_len=2, new_tokens=1, mode="naive")
+    html = animation_html(anim, "Cells light up <as> computed")
+    assert html.count("<img") == 1 and '<img alt="Cells light up &lt;as&gt; computed" ' in html
+    with pytest.raises(ValueError, match="alt"):
+        animation_html(anim, "  ")
