@@ -564,3 +564,16 @@ def test_a_bughunt_answer_that_ignores_the_chunks_fails_in_the_grader():
                "        logits = model(torch.tensor([ids[start : start + chunk_size]]), cache=cache)\n"
                "    return logits[0, -1], cache\n")
     assert _cheat("ch02-ex-bughunt", chunked).passed
+
+
+def test_a_public_equivalent_of_the_reference_passes_as_instructors_md_says():
+    # Issue 36, item 3: the promise that "the package's own answer" is refused is dropped. Only what a check names
+    # in refuse_references is refused; kvcourse's other public functions that compute the same answer pass (the
+    # course is open source). instructors.md says so, naming this very case.
+    source = ("from kvcourse.kernels.reference import position_masked_attention\n"
+              "def attention(q, k, v):\n"
+              "    t, s = q.shape[2], k.shape[2]\n"
+              "    return position_masked_attention(q, k, v, torch.arange(s - t, s), torch.arange(s))\n")
+    assert _cheat("ch01-ex-attention", source, uses=("ch01-ex-mask",)).passed
+    page = (BOOK / "instructors.md").read_text()
+    assert "position_masked_attention" in page and "no similarity check" in page
