@@ -516,16 +516,12 @@ _QWEN = {"model_type": "qwen2", "num_hidden_layers": 4, "num_attention_heads": 8
                  "num_key_value_heads": 8}), "disagree"),
 ])  # fmt: skip
 def test_cli_refuses_odd_configs_in_one_line(tmp_path, capsys, text, word):
-    import time
-
     path = tmp_path / "config.json"
     path.write_text(text)
-    start = time.perf_counter()
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(SystemExit) as e:  # refused before anything per layer is built (10^8 layers once took 1.8 GB)
         cli_main(["--config", str(path), "--seq-len", "1024"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and word in err and "Traceback" not in err, err
-    assert time.perf_counter() - start < 5  # refused, not built (10^8 layers once took 12 s and 1.8 GB)
 
 
 def test_qwen_max_window_layers_still_reads_right():
