@@ -26,6 +26,7 @@ import math
 import os
 import re
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -228,9 +229,9 @@ def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, e
     notes = _run(nb, path, timeout) if run else []
     run_seconds = time.perf_counter() - start if run else 0.0
     by_label = _first_of_each(exercises)
-    twice = [label for label in by_label if sum(e.label == label for e in exercises) > 1]
-    notes += [f"exercise {label} appears {sum(e.label == label for e in exercises)} times in the notebook: "
-              "the first one was graded" for label in twice]
+    counts = Counter(e.label for e in exercises)
+    notes += [f"exercise {label} appears {n} times in the notebook: the first one was graded"
+              for label, n in counts.items() if n > 1]
     rows = []
     for label in labels:
         if label not in by_label:
@@ -281,7 +282,8 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
     each submission gets one row per exercise of it, whatever it handed in (:mod:`.chapters`).
     """
     from .chapters import assign, reference_chapters
-    from .integrity import changed, load_checks, recorded_hashes, snapshot, unrecorded_changes, writable_installation
+    from .integrity import (changed, load_checks, package_dir, recorded_hashes, snapshot, unrecorded_changes,
+                            writable_installation)
 
     reference = reference_chapters(book, chapters)
     load_checks()
@@ -297,7 +299,7 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
         import warnings
 
         shown = ", ".join(writable[:3]) + (f" and {len(writable) - 3} more" if len(writable) > 3 else "")
-        warnings.warn(f"kvcourse is installed where the graded code could write ({shown} in {_package_dir()}): "
+        warnings.warn(f"kvcourse is installed where the graded code could write ({shown} in {package_dir()}): "
                       "grade as a user who cannot write there, or in a throwaway container; the grader stops if "
                       "the files change", RuntimeWarning, stacklevel=2)
     tasks: list[tuple[Path, str, list[str] | None]] = []
@@ -365,12 +367,6 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
         results[name].notes += notes
     ordered = [results[name] for _, name, _ in tasks] + untouched
     return sorted(ordered, key=lambda r: r.notebook)
-
-
-def _package_dir() -> Path:
-    from .integrity import package_dir
-
-    return package_dir()
 
 
 class _NoBar:
