@@ -16,11 +16,12 @@ from torch.profiler import profile
 
 import kvcourse
 from kvcourse.batch import ForwardBatch, SeqSlice
+from kvcourse.kernels.triton_runtime import kernel_device
 from kvcourse.serving import Engine, ModelRunner
 from kvcourse.serving.cuda_graphs import DecodeGraphs, bucket_for, graph_batch_sizes
 from kvcourse.serving.step_profile import SYNC_OPS
 
-from .conftest import tiny_llama
+from .conftest import real_model_on, tiny_llama
 
 def sync_ops(fn, within: str | None = None) -> collections.Counter:
     """The synchronising ops ``fn()`` runs, counted by torch's profiler (only those under a
@@ -37,6 +38,11 @@ def sync_ops(fn, within: str | None = None) -> collections.Counter:
 
     return collections.Counter(e.name for e in prof.events() if e.name in SYNC_OPS and inside(e))
 
+
+# The static forward on CPU tensors runs chapter 5's kernels there: only in Triton's interpreter. A process
+# that compiles them for a GPU (make gpu-check) skips these; its cuda cases test the capture itself.
+kernels_on_cpu = pytest.mark.skipif(kernel_device().type != "cpu",
+                                    reason="Triton kernels take cuda tensors in this process, not cpu ones")
 
 # A padding lane has no key to attend to: its row of the decode kernel divides 0 by 0 (a NaN nobody reads,
 # in a row no other row mixes with). Triton's CPU interpreter computes it with NumPy, which warns.
@@ -123,7 +129,9 @@ def _serve(model, graphs: str, **engine):
 def test_the_graph_path_gives_the_eager_tokens(seed, device):
     """fp32, token for token: on a CPU the static forward (what a graph records) run eagerly, on a GPU the
     captured graphs replayed. Both serve only decode-only steps; prefills and mixed steps stay eager."""
-    model = tiny_llama(seed, head_dim=16).to(device)  # tl.dot needs 16 or more along the head dimension
+    if device.type != kernel_device().type:
+        pytest.skip(f"Triton kernels take {kernel_device().type} tensors in this process, not {device.type} ones")
+    model = tiny_llama(seed).to(device)  # head_dim 8: the kernels pad it to tl.dot's 16 (head_tile)
     eager, _ = _serve(model, "off")
     got, eng = _serve(model, "captured" if device.type == "cuda" else "static")
     assert got == eager
@@ -133,6 +141,7 @@ def test_the_graph_path_gives_the_eager_tokens(seed, device):
         assert set(eng.runner.graphs.graphs) <= set(eng.runner.graphs.sizes) and eng.runner.graphs.graphs
 
 
+@kernels_on_cpu
 @padding_nan
 def test_the_graph_path_with_prefix_caching_gives_the_eager_tokens():
     model = tiny_llama(3)
@@ -145,6 +154,8 @@ def test_the_graph_path_with_prefix_caching_gives_the_eager_tokens():
 def test_a_forward_never_waits_for_the_device(backend):
     """Inside ``forward_batch`` nothing reads a value back (on a GPU each would be a synchronisation):
     the batch carries host copies of everything a decision needs. Mixed and decode-only steps alike."""
+    if backend == "triton" and kernel_device().type != "cpu":
+        pytest.skip("Triton kernels take cuda tensors in this process, not cpu ones")
     model = tiny_llama(2)
     runner = ModelRunner(model, 32, 4, backend=backend, cuda_graphs=False)
     forward_batch = model.forward_batch
@@ -163,6 +174,7 @@ def test_a_forward_never_waits_for_the_device(backend):
     assert sync_ops(lambda: runner.step([(0, [20])])) != {}
 
 
+@kernels_on_cpu
 def test_the_static_forward_never_waits_for_the_device():
     model = tiny_llama(2)
     runner, graphs = _graphs(model)
@@ -174,6 +186,7 @@ def test_the_static_forward_never_waits_for_the_device():
     assert sync_ops(lambda: graphs.forward(2)) == {}
 
 
+@kernels_on_cpu
 def test_the_static_forward_copies_nothing_from_the_host(monkeypatch):
     """A copy from pageable host memory is not allowed while a CUDA graph records: the forward a graph
     records must not make a tensor out of Python data (the SDPA backend's decode masks did, once)."""
@@ -205,9 +218,10 @@ def test_a_hand_made_batch_with_a_bad_token_is_still_refused_by_name():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
-def test_captured_decode_of_the_real_model_equals_eager_cuda(model_on, tok):
+def test_captured_decode_of_the_real_model_equals_eager_cuda(model, tok):
     """The real model, fp32, on the GPU: the captured engine's tokens are the eager engine's, and a
     replayed step never synchronises (torch's sync debug mode raises on any synchronising call)."""
+    model_on = real_model_on(model, torch.device("cuda"))
     prompts = [tok.encode(p) for p in ("The capital of France is", "Once upon a time", "def fibonacci(n):")]
     params = [kvcourse.SamplingParams(max_new_tokens=n, stop_token_ids=()) for n in (24, 9, 17)]
     runs = {}
@@ -226,3 +240,23 @@ def test_captured_decode_of_the_real_model_equals_eager_cuda(model_on, tok):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert logits.shape == (2, model_on.config.vocab_size) and runner.graph_steps == 2
+
+
+@kernels_on_cpu
+@padding_nan
+def test_after_a_kernel_fell_back_decode_steps_run_the_ordinary_eager_path():
+    """A kernel that falls back to torch reads the static batch's host copies, which describe the graph
+    (contexts of the whole context length), not the step: from then on, no step goes through the graphs."""
+    model = tiny_llama(4)
+    eager, _ = _serve(model, "off")
+    eng = Engine(model, num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, backend="triton",
+                 cuda_graphs=False)  # fmt: skip
+    eng.runner.graphs = DecodeGraphs(model, eng.runner.kv_store, "triton", 4, capture=False)
+    eng.runner.graphs.fell_back = True
+    one = SeqSlice([1], 0, [0])
+    assert eng.runner.graphs.can_run([one]) and not eng.runner.graphs.ready([one])
+    with pytest.raises(ValueError, match="fell back: True"):
+        eng.runner.graphs.run([one])
+    prompts = [[1, 5, 9, 13, 2, 6], [3, 7], [11] * 19, [4, 8, 12], [9, 9, 9, 9, 9, 9, 9, 9, 9]]
+    params = [kvcourse.SamplingParams(max_new_tokens=n, stop_token_ids=()) for n in (9, 4, 7, 12, 2)]
+    assert eng.generate(prompts, params) == eager and eng.runner.graph_steps == 0

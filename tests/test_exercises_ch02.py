@@ -258,9 +258,9 @@ def one_pass_ignoring_chunks(model, ids, chunk_size):  # issue 36: the same cach
 
 
 def token_at_a_time(model, ids, chunk_size):  # at most chunk_size per pass: smaller chunks are chunks too
-    cache = kvcourse.KVCache.for_model(model.config)
+    cache = kvcourse.KVCache.for_model(model.config, device=model.device)
     for t in ids:
-        logits = model(torch.tensor([[t]]), cache=cache)
+        logits = model(torch.tensor([[t]], device=model.device), cache=cache)
     return logits[0, -1], cache
 
 

@@ -300,3 +300,12 @@ def test_a_loaded_scalar_bounds_a_loop_in_the_interpreter():
     out = torch.zeros(3, dtype=torch.int32)
     count_tiles[(3,)](torch.tensor([1, 16, 33], dtype=torch.int32), out, BLOCK_N=16)
     assert out.tolist() == [1, 1, 3]
+
+
+def test_tiles_pad_the_head_dim_to_tl_dots_minimum():
+    """Triton 3.6 refuses, compiling for a GPU, a tl.dot with a dimension under 16 ("K >= 16"; found on
+    an H100 with the tests' tiny model, head_dim 8). Padded columns load as zeros and add nothing."""
+    for capability in (None, 75, 80, 90):
+        for head_dim in (8, 16, 64, 96, 128):
+            block_d = tile_config(head_dim, torch.float16, capability)["BLOCK_D"]
+            assert block_d >= max(16, head_dim) and block_d & (block_d - 1) == 0, (capability, head_dim)

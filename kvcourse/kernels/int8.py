@@ -49,7 +49,10 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if not bool(torch.isfinite(x).all()):  # an inf makes the scale inf: all D values would decode to NaN
         raise ValueError(f"x has {int((~torch.isfinite(x)).sum())} non-finite values (inf or NaN): a vector's scale "
                          "would be inf or NaN and all D of its values would decode to NaN")  # fmt: skip
-    scale = x.abs().amax(dim=-1) / QMAX
+    amax = x.abs().amax(dim=-1)
+    # Divided by a tensor, not the number 127: CUDA torch turns division by a number into a multiply by
+    # its reciprocal, one rounding off IEEE division (what the CPU and the Triton kernel's div_rn do).
+    scale = amax / torch.full_like(amax, QMAX)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero vectors: 0 / 1 = 0
     q = torch.floor(x / safe[..., None] + 0.5).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, scale

@@ -57,7 +57,7 @@ def tile_config(
       sm_90) and spilled 136-248 bytes with fp32 queries. 8 warps halve the tile per thread (76-108
       registers); fp32 queries also drop to one stage (about 50-65).
     """
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = head_tile(head_dim)
     if capability is None:  # the interpreter: fewer, wider iterations
         return dict(BLOCK_N=128, BLOCK_D=block_d, num_warps=4, num_stages=1)
     elem = torch.finfo(dtype).bits // 8
@@ -70,6 +70,12 @@ def tile_config(
         if dtype == torch.float32:
             stages = 1
     return dict(BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)  # powers of two, all
+
+
+def head_tile(head_dim: int) -> int:
+    """``BLOCK_D``: ``head_dim`` padded to a power of two and to tl.dot's minimum of 16 (the padded
+    columns load as zeros, so they add nothing to a dot; a tiny test model has ``head_dim = 8``)."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def group_rows(group: int) -> int:

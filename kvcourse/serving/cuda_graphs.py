@@ -91,19 +91,30 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.memory_pool = None  # shared by every bucket's graph (captured largest first)
         self.replays = 0  # decode steps served from this object
+        self.fell_back = False  # a kernel could not compile: every step runs the ordinary eager path
 
     # ---- one step ---------------------------------------------------------------------------------
     def can_run(self, seqs: Sequence[SeqSlice]) -> bool:
         """Whether the step is a decode-only step that fits the largest bucket."""
         return len(seqs) <= self.sizes[-1] and all(len(s.token_ids) == 1 for s in seqs)
 
-    def run(self, seqs: Sequence[SeqSlice]) -> torch.Tensor:
-        """Logits ``[B, vocab]`` of a decode-only step (its slots reserved, as for ``ModelRunner.forward``)."""
-        if not self.can_run(seqs):
-            raise ValueError(f"a graph runs decode-only steps of at most {self.sizes[-1]} sequences")
+    def ready(self, seqs: Sequence[SeqSlice]) -> bool:
+        """Whether :meth:`run` serves this step: :meth:`can_run`, and its bucket's graph exists (captured
+        now if need be). ``False`` for good once a kernel has fallen back to torch: the static forward's
+        host copies describe the graph, not the step, and only the compiled kernels ignore them."""
+        if self.fell_back or not self.can_run(seqs):
+            return False
         size = bucket_for(len(seqs), self.sizes)
         if self.capture and size not in self.graphs:
-            self.capture_graph(size)  # may turn capture off (a kernel that falls back to torch cannot be recorded)
+            self.capture_graph(size)
+        return not self.fell_back
+
+    def run(self, seqs: Sequence[SeqSlice]) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of a decode-only step (its slots reserved, as for ``ModelRunner.forward``)."""
+        if not self.ready(seqs):
+            raise ValueError(f"a graph runs decode-only steps of at most {self.sizes[-1]} sequences, "
+                             f"and only while every kernel compiles (fell back: {self.fell_back})")  # fmt: skip
+        size = bucket_for(len(seqs), self.sizes)
         self.load_inputs(seqs, size)
         if self.capture:
             self.graphs[size].replay()
@@ -174,10 +185,10 @@ class DecodeGraphs:
             self.forward(size)  # warm-up: Triton compiles, the allocator sizes its blocks
         torch.cuda.current_stream(self.kv_store.device).wait_stream(stream)
         fell_back = sorted({kernel for kernel, how in runs if how == "fallback"})
-        if fell_back:  # the torch stand-in builds tensors from host data: it cannot be recorded
-            warnings.warn(f"{', '.join(fell_back)} could not compile here: decode steps run the same static forward "
-                          f"without CUDA graphs", KernelFallbackWarning, stacklevel=3)  # fmt: skip
-            self.capture = False
+        if fell_back:  # the torch stand-in reads the host copies (which describe the graph): eager steps only
+            warnings.warn(f"{', '.join(fell_back)} could not compile here: decode steps run eagerly, without "
+                          f"CUDA graphs", KernelFallbackWarning, stacklevel=3)  # fmt: skip
+            self.fell_back = True
             return
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.memory_pool):
@@ -193,5 +204,5 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         """Capture every bucket now, largest first (they share one memory pool), as engines do at start-up."""
         for size in sorted(self.sizes, reverse=True):
-            if self.capture and size not in self.graphs:
+            if self.capture and not self.fell_back and size not in self.graphs:
                 self.capture_graph(size)

@@ -178,7 +178,7 @@ class ModelRunner:
     def forward(self, seqs: Sequence[SeqSlice], all_logits: bool = False) -> torch.Tensor:
         """Pack ``seqs`` (slots reserved, K/V of earlier tokens in the pool) into one batch and run it:
         from a CUDA graph when every sequence decodes one token, else eagerly."""
-        if self.graphs is not None and not all_logits and self.graphs.can_run(seqs):
+        if self.graphs is not None and not all_logits and self.graphs.ready(seqs):
             with torch.profiler.record_function(FORWARD_SCOPE):  # a label for profile_step (a no-op otherwise)
                 return self.graphs.run(seqs)
         batch = ForwardBatch.build(seqs, self.block_size, self.kv_store.device)
