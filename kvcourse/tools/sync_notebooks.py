@@ -37,6 +37,7 @@ from kvcourse.tools.book_config import ROOT, BookConfig, Chapter, chapter_notebo
 
 HEADER_TAG = "chapter-header"
 SETUP_MARKER = "COLAB_RELEASE_TAG"
+SETUP_TAG = "remove-cell"  # the setup cell is not on the rendered page
 GPU_CHECK_DIRS = ("kvcourse/results", "benchmarks/results")  # one folder under two names; both are read
 GPU_CHECK_GLOB = "gpu-check-*.json"
 
@@ -45,7 +46,7 @@ def setup_source(cfg: BookConfig, chapter: Chapter, ref: str) -> str:
     extras = f"[{','.join(chapter.extras)}]" if chapter.extras else ""
     return (
         f"# On Colab: install kvcourse (at {ref}) with what this chapter needs, and the SmolLM2 weights.\n"
-        "# Elsewhere (a laptop, CI, Binder) this cell does nothing. Written by kvcourse.tools.sync_notebooks.\n"
+        "# Elsewhere (a laptop, CI, Binder) this cell does nothing.\n"
         "import os, sys\n"
         f'if "{SETUP_MARKER}" in os.environ or "google.colab" in sys.modules:\n'
         f'    !pip install -q "kvcourse{extras} @ {cfg.git_url()}@{ref}"\n'
@@ -138,7 +139,8 @@ def header_source(cfg: BookConfig, chapter: Chapter, nb: dict) -> str:
     lines += [
         "",
         f"**Time to run** (top to bottom): {format_duration(seconds)} on {cfg.executed_on}, measured from this "
-        f"notebook's last execution; on a GPU: {gpu}. On Colab the setup cell's installs come on top.",
+        f"notebook's last execution; on a GPU: {gpu}. On Colab the setup cell's installs come on top. "
+        f"[How the numbers in this book were measured]({cfg.pages_url}book/measurements.html).",
         "",
         f"**Run it yourself:** [this chapter on Colab]({cfg.colab_url(f'book/{name}')})"
         + (" (asks for a GPU)" if chapter.gpu else " (a CPU runtime is enough)")
@@ -162,6 +164,10 @@ def sync(nb: dict, cfg: BookConfig, chapter: Chapter, ref: str) -> dict:
     if not code or SETUP_MARKER not in _cell_source(code[0]):
         raise ValueError(f"{chapter.path.name}: the first code cell must be the Colab setup cell (it tests {SETUP_MARKER})")
     code[0]["source"] = setup_source(cfg, chapter, ref)
+    # The book's page leaves it out (it does nothing there); Colab and the student copies run it.
+    tags = code[0].setdefault("metadata", {}).setdefault("tags", [])
+    if SETUP_TAG not in tags:
+        tags.append(SETUP_TAG)
 
     headers = [i for i, c in enumerate(cells) if HEADER_TAG in c.get("metadata", {}).get("tags", [])]
     for i in reversed(headers):
