@@ -173,7 +173,10 @@ OUTWEIGH = ("import math\n\ndef tokens_to_outweigh(config, batch_size):\n"
             "    per_token = 2 * config['num_hidden_layers'] * config['num_key_value_heads'] * config['head_dim']\n"
             "    return math.ceil(config['num_parameters'] / (per_token * batch_size))\n\n"
             "ch02.check_tokens_to_outweigh(tokens_to_outweigh)")
-FROZEN = "frozen = {'past_k', 'past_v', 'past_q', 'past_attn_out'}\nch01.check_frozen_tensors(frozen)"
+FROZEN = ("def frozen_positions(step_a, step_b, past):\n"
+          "    return {n for n, a in step_a.items() if torch.allclose(a[:past].float(), step_b[n][:past].float(), "
+          "rtol=1e-2, atol=1e-3)}\n\n"
+          "ch01.check_frozen_positions(frozen_positions)")
 LABELS = ["ch01-ex-mask", "ch02-ex-outweigh", "ch01-ex-frozen"]
 
 
@@ -223,11 +226,13 @@ def test_grading_reference_untouched_wrong_broken_and_missing_notebooks(tmp_path
     student = nbformat.from_dict(student_copy(ref))
     nbformat.write(student, subs / "untouched" / "99_synthetic.ipynb")
     wrong = nbformat.from_dict(student_copy(ref))
-    # a mask that lets each token see one key of its future; the frozen answer left out Q
+    # a mask that lets each token see one key of its future; the frozen answer compares exactly
     wrong.cells[3].source = ("def causal_mask(num_queries, num_keys):\n"
                              "    return torch.ones(num_queries, num_keys, dtype=torch.bool).tril(num_keys - num_queries + 1)\n"
                              "ch01.check_causal_mask(causal_mask)")
-    wrong.cells[7].source = "frozen = {'past_k', 'past_v', 'past_attn_out'}\nch01.check_frozen_tensors(frozen)"
+    wrong.cells[7].source = ("def frozen_positions(step_a, step_b, past):\n"
+                             "    return {n for n, a in step_a.items() if torch.equal(a[:past], step_b[n][:past])}\n"
+                             "ch01.check_frozen_positions(frozen_positions)")
     nbformat.write(wrong, subs / "wrong" / "99_synthetic.ipynb")
     (subs / "broken" / "99_synthetic.ipynb").write_text('{"cells": [')  # not JSON
 
@@ -246,7 +251,7 @@ def test_grading_reference_untouched_wrong_broken_and_missing_notebooks(tmp_path
     assert rows[("wrong/99_synthetic.ipynb", "ch01-ex-mask")][0] == "0"
     assert "one key from its future" in rows[("wrong/99_synthetic.ipynb", "ch01-ex-mask")][1]
     assert "expected:" in rows[("wrong/99_synthetic.ipynb", "ch01-ex-mask")][1]
-    assert "test each choice with torch.equal" in rows[("wrong/99_synthetic.ipynb", "ch01-ex-frozen")][1]
+    assert "exact equality" in rows[("wrong/99_synthetic.ipynb", "ch01-ex-frozen")][1]
     assert rows[("wrong/99_synthetic.ipynb", "ch02-ex-outweigh")][0] == "0"  # still the stub
     assert "ref/99_synthetic.ipynb: 3 of 3 exercises passed" in capsys.readouterr().out
     # the feedback: a page per student with the check's expected / got / hint, a class summary and plot
@@ -402,9 +407,10 @@ def _cheat(label: str, source: str, uses: tuple[str, ...] = ()):
 
 
 _ATTENTION_CHEATS = {
-    "another exercise's check": "ch01.check_frozen_tensors({'past_k', 'past_v', 'past_q', 'past_attn_out'})\n"
-                                "def attention(q, k, v):\n    return q\n",
-    "only another exercise's check": "ch01.check_frozen_tensors({'past_k', 'past_v', 'past_q', 'past_attn_out'})\n",
+    "another exercise's check": "ch01.check_naive_attention_pairs(lambda p, n: sum((p + i) * (p + i + 1) // 2 "
+                                "for i in range(n)))\ndef attention(q, k, v):\n    return q\n",
+    "only another exercise's check": "ch01.check_naive_attention_pairs(lambda p, n: sum((p + i) * (p + i + 1) // 2 "
+                                     "for i in range(n)))\n",
     "patching what the check compares with": (
         "import kvcourse.kernels.reference as reference\n"
         "kvcourse.causal_attention = reference.causal_attention = lambda q, k, v: q * 0\n"

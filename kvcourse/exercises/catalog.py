@@ -67,7 +67,8 @@ _CH03_GPUS = 'gpus = {"24 GB (RTX 4090, L4)": 24 * GB, "80 GB (A100, H100)": 80 
 
 _SPECS = [
     # chapter 1
-    ExerciseSpec("ch01-ex-frozen", "ch01.check_frozen_tensors", ("frozen",), given=("model", "tok"), setup=_CH01_PROMPT),
+    ExerciseSpec("ch01-ex-frozen", "ch01.check_frozen_positions", ("frozen_positions",), given=("model", "tok"),
+                 setup=_CH01_PROMPT),  # the solution goes on to run the function on the real model
     ExerciseSpec("ch01-ex-mask", "ch01.check_causal_mask", ("causal_mask",)),
     ExerciseSpec("ch01-ex-attention", "ch01.check_attention", ("attention",), uses=("ch01-ex-mask",)),
     ExerciseSpec("ch01-ex-pairs", "ch01.check_naive_attention_pairs", ("naive_attention_pairs",),

@@ -3,7 +3,7 @@
 1. :func:`check_causal_mask` -- the causal mask for queries that are the last of the keys.
 2. :func:`check_attention` -- causal attention with grouped-query heads, in plain torch.
 3. :func:`check_naive_attention_pairs` -- (query, key) pairs the naive loop scores in total.
-4. :func:`check_frozen_tensors` -- which tensors stay the same from one naive step to the next.
+4. :func:`check_frozen_positions` -- which recorded tensors a naive step leaves unchanged at past positions.
 
 Each check runs the learner's code on hidden random cases (seeded from the check's
 ``seed`` argument), prints a confirmation when every case is right, and raises
@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 
 import kvcourse
+import kvcourse.probe
 
 from ._core import (
     call_learner,
@@ -39,11 +40,10 @@ from ._core import (
 )
 
 __all__ = [
-    "FROZEN_CHOICES",
     "check_causal_mask",
     "check_attention",
     "check_naive_attention_pairs",
-    "check_frozen_tensors",
+    "check_frozen_positions",
 ]
 
 
@@ -221,37 +221,118 @@ def check_naive_attention_pairs(fn: Callable[[int, int], int], seed: int = 0) ->
                   "a cache needs about n^2/2.")
 
 
-# --- Exercise 4: which tensors stay identical across naive steps ---------------------------------
+# --- Exercise 4: what a naive step leaves unchanged ----------------------------------------------
 
-FROZEN_CHOICES = {
-    "past_k": "K of positions 0..P-1",
-    "past_v": "V of positions 0..P-1",
-    "past_q": "Q of positions 0..P-1",
-    "past_attn_out": "attention output of positions 0..P-1",
-    "last_q": "Q of the last position (the one that predicts the next token)",
-    "last_logits": "logits of the last position",
-    "tokens_fed": "the number of tokens fed to the model",
-}
-_FROZEN = {"past_k", "past_v", "past_q", "past_attn_out"}
-
-_FROZEN_HINT = ("A tensor is frozen when everything it is computed from is: which positions does each choice "
-                "belong to, and what can those positions attend to? Then test each choice with torch.equal across "
-                "two naive steps.")
+def _same_past(a: torch.Tensor, b: torch.Tensor, past: int) -> bool:
+    """Positions ``0 .. past-1`` (dim 0) of ``a`` and ``b`` agree up to float rounding: assert_close's tolerance
+    for their dtype, which absorbs the last bits a matrix product over more rows may change."""
+    x, y = a[:past], b[:past]
+    if x.shape != y.shape:
+        return False
+    try:
+        torch.testing.assert_close(x, y)
+    except AssertionError:
+        return False
+    return True
 
 
-def check_frozen_tensors(answer: set[str] | list[str] | tuple[str, ...]) -> CheckResult:
-    """``answer``: the keys of :data:`FROZEN_CHOICES` that are identical at every naive step (up to rounding)."""
-    if isinstance(answer, str) or not isinstance(answer, (set, list, tuple, frozenset)):
-        raise ExerciseError(f"answer should be a set of keys from FROZEN_CHOICES, got {type(answer).__name__}")
-    answer = set(answer)
-    unknown = answer - FROZEN_CHOICES.keys()
-    if unknown:
-        raise ExerciseError(f"unknown choices {sorted(unknown)}; pick from {sorted(FROZEN_CHOICES)}")
-    if answer != _FROZEN:
-        # One hint for every wrong set: naming a wrong choice, or saying whether one is missing or extra, would let
-        # a loop over the check find the answer without the reasoning (the per-choice reasons are the solution's).
-        raise ExerciseError(f"Not quite.\nHint: {_FROZEN_HINT}", got=describe(sorted(answer)), hint=_FROZEN_HINT)
-    return passed("every past position's Q, K, V and attention output is frozen; only K and V are ever read again.")
+def _frozen_names(step_a: dict, step_b: dict, past: int, same=_same_past) -> set[str]:
+    return {name for name in step_a if same(step_a[name], step_b[name], past)}
+
+
+def _exactly(a, b, past):  # the typical mistakes, as the learner's code would compute them
+    return torch.equal(a[:past], b[:past])
+
+
+_FROZEN_MISTAKES = [
+    ("Two steps that recompute the same number can differ in its last bits (a matrix product over more rows is "
+     "summed in a different order), so exact equality (torch.equal, ==) calls frozen tensors changed. Compare "
+     "with a tolerance for the dtype: torch.testing.assert_close's defaults, or torch.allclose.",
+     lambda a, b, p: _frozen_names(a, b, p, _exactly)),
+    ("Compare positions 0 .. past-1 only. The positions from `past` on may differ, even those step_a already has "
+     "(step_a can hold more than `past` tokens).",
+     lambda a, b, p: _frozen_names(a, b, p, lambda x, y, q: _same_past(x, y, len(x)))),
+    ("Off by one: positions 0 .. past-1 are `past` positions, x[:past]; x[:past - 1] leaves the last one out.",
+     lambda a, b, p: _frozen_names(a, b, p, lambda x, y, q: _same_past(x, y, q - 1))),
+    ("Positions run along dim 0 from the start of the sequence: the past is x[:past], not the last rows x[-past:].",
+     lambda a, b, p: _frozen_names(a, b, p, lambda x, y, q: _same_past(x[-q:], y[-q:], q))),
+]
+
+
+def _model_steps(gen: torch.Generator, rng) -> tuple[dict, dict, int]:
+    """A small random Llama's tensors at two naive steps: the prompt alone, then with 1-3 more tokens."""
+    config = kvcourse.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+                                  max_position_embeddings=64)  # fmt: skip
+    model = kvcourse.LlamaModel(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    past, extra = rng.randint(3, 20), rng.randint(1, 3)
+    ids = torch.randint(0, config.vocab_size, (past + extra,), generator=gen).tolist()
+    steps = []
+    for n in (past, past + extra):
+        r = kvcourse.probe.record_forward(model, ids[:n])
+        q, k = r.q[1][0].transpose(0, 1), r.k[1][0].transpose(0, 1)  # layer 1, positions first: [T, H, D]
+        # The newest token's attention weights over the keys (head 0): a softmax over more keys each step.
+        scores = (q[-1, 0] @ k[:, 0].T) / math.sqrt(config.head_dim)
+        steps.append({"q": q, "k": k, "v": r.v[1][0].transpose(0, 1), "hidden": r.hidden[0],
+                      "newest_weights": torch.softmax(scores, dim=-1)})  # fmt: skip
+    return steps[0], steps[1], past
+
+
+def _synthetic_steps(gen: torch.Generator, rng) -> tuple[dict, dict, int]:
+    """Random tensors, each changed between the steps in one of the ways that do or do not unfreeze the past."""
+    dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+    past = rng.randint(2, 12)
+    t_a = past + rng.randint(0, 3)  # step_a may already hold positions past `past`
+    t_b = t_a + rng.randint(1, 3)
+    kinds = ["same", "rounded", "past_changed", "last_past_changed", "first_changed", "after_past_changed"]
+    step_a, step_b = {}, {}
+    for i, kind in enumerate(rng.sample(kinds, len(kinds))):
+        shape = (t_b, *rng.choice([(), (3,), (2, 4)]))
+        full = torch.randn(shape, generator=gen).to(dtype) + 2.0  # away from 0: a relative rounding is one
+        b = full.clone()
+        if kind == "rounded":  # one ulp apart: what a recomputation does to the last bit
+            b = torch.nextafter(full, full + 1)
+        elif kind in ("past_changed", "last_past_changed", "first_changed"):
+            row = {"past_changed": rng.randrange(past), "last_past_changed": past - 1, "first_changed": 0}[kind]
+            b[row] += 2.0  # far beyond any rounding
+        elif kind == "after_past_changed" and t_a > past:
+            b[past:t_a] += 2.0  # positions step_a has but the question is not about
+        step_a[f"x{i}"], step_b[f"x{i}"] = full[:t_a], b
+    return step_a, step_b, past
+
+
+def check_frozen_positions(fn: Callable[[dict, dict, int], set], seed: int = 0) -> CheckResult:
+    """``fn(step_a, step_b, past)`` -> the names whose positions ``0 .. past-1`` are the same at both steps.
+
+    ``step_a`` and ``step_b`` map names to tensors recorded at two steps of the naive loop, positions on dim 0
+    (``[T_a, ...]`` and ``[T_b, ...]``, ``T_b > T_a >= past``). "The same" means up to float rounding.
+    """
+    if not callable(fn):
+        raise ExerciseError(f"pass your function fn(step_a, step_b, past), got {type(fn).__name__}")
+    gen, rng = case_generator("ch01.check_frozen_positions", seed), case_rng("ch01.check_frozen_positions", seed)
+    cases = [_model_steps(gen, rng) for _ in range(2)] + [_synthetic_steps(gen, rng) for _ in range(8)]
+    wants = [_frozen_names(a, b, p) for a, b, p in cases]  # computed before the learner's code runs
+    device = learner_device()
+    diagnosis = Diagnosis(_FROZEN_MISTAKES, "For each name, compare the first `past` positions of the two steps "
+                          "up to float rounding.", lambda got, wrong: set(got) == set(wrong))  # fmt: skip
+    for (a, b, past), want in zip(cases, wants):
+        shapes = ", ".join(f"{n} {list(a[n].shape)}->{list(b[n].shape)}" for n in a)
+        case = f"frozen_positions(step_a, step_b, past={past}) with {shapes}"
+        got = call_learner("frozen_positions", fn, {n: handed(x, device) for n, x in a.items()},
+                           {n: handed(x, device) for n, x in b.items()}, past)  # fmt: skip
+        if isinstance(got, str) or not isinstance(got, (set, frozenset, list, tuple)):
+            raise ExerciseError(f"{case} should return a set of names, got {type(got).__name__}", case=case)
+        got = set(got)
+        if got - a.keys():
+            raise ExerciseError(f"{case} returned names that are not in step_a: {sorted(got - a.keys())}", case=case)
+        if got != want:
+            diagnosis.record(case, (a, b, past), sorted(got), sorted(want))
+    diagnosis.raise_if_wrong()
+    return passed("a naive step recomputes every past position's Q, K, V and hidden state, and gets the same numbers "
+                  "up to rounding; what belongs to the newest token (its weights over the keys) changes.")
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished
