@@ -103,10 +103,14 @@ _NATURAL = {
         "    return per_head * max(1, kv_heads // tp_size) * seq_len\n\n"
         "ch03.check_bytes_per_rank(bytes_per_rank)\n"),
     "ch03-ex-fit": (
+        "def max_sequences(config, num_parameters, seq_len, gpu_bytes, weight_bytes_per_value, kv_bytes_per_value,\n"
+        "                  utilization=0.9):\n"
+        "    budget = utilization * gpu_bytes - weight_bytes_per_value * num_parameters\n"
+        "    per_seq = bytes_per_token(config, kv_bytes_per_value) * seq_len  # the earlier answer\n"
+        "    return max(0, int(budget // per_seq))\n\n"
+        "ch03.check_max_sequences(max_sequences)\n"
         "qwen = CATALOG['qwen2.5-7b']\n"
-        "budget = 0.9 * gpus['80 GB (A100, H100)'] - 2 * qwen.num_parameters  # the chapter's card\n"
-        "n = int(budget // (bytes_per_token(qwen.config, 1) * 32768))  # the earlier answer, in fp8\n"
-        "ch03.check_max_sequences(n)\n"),
+        "print(max_sequences(qwen.config, qwen.num_parameters, 32768, gpus['80 GB (A100, H100)'], 2, 1))  # the card\n"),
     "ch07-ex-lookup": (
         "def find_longest_cache_hit(token_ids, block_size, cache_salt, hash_fn, get_cached_block):\n"
         "    hits = []\n"

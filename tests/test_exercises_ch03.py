@@ -176,26 +176,67 @@ def test_quantized_bytes_rejects_wrong_answers_with_their_hint(wrong, hint):
 
 
 # ---- 4. sequences on one GPU --------------------------------------------------------------------
-def test_max_sequences():
+def max_sequences(c, num_parameters, seq_len, gpu_bytes, weight_bytes_per_value, kv_bytes_per_value, utilization=0.9):
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_seq = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * seq_len * kv_bytes_per_value
+    budget = utilization * gpu_bytes - num_parameters * weight_bytes_per_value
+    return max(0, math.floor(budget / per_seq))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 5])
+def test_max_sequences_accepts_the_right_function(seed):
+    assert ch03.check_max_sequences(max_sequences, seed=seed)
+
+
+def test_max_sequences_answers_the_chapters_question():
     # Written out: Qwen2.5-7B caches 2 x 28 layers x 4 KV heads x 128 values per token, 1 byte each in fp8.
     per_seq = 2 * 28 * 4 * 128 * 32768
-    weights = 2 * 7_615_616_512
-    n = math.floor((0.9 * 80e9 - weights) / per_seq)
-    assert n == 60
-    assert ch03.check_max_sequences(n)
-    for wrong, hint in [
-        (math.floor((0.9 * 80e9 - weights / 2) / per_seq), "weights stay in bf16"),
-        (math.floor((0.9 * 80e9 - weights) / (2 * per_seq)), "one byte per value"),
-        (math.floor((0.9 * 80 * 2**30 - weights) / per_seq), "10\\^9"),
-        (math.floor(0.9 * (80e9 - weights) / per_seq), "come out of that"),
-        (math.ceil((0.9 * 80e9 - weights) / per_seq), "Round down"),
-        (n + 5, "Budget ="),
-    ]:
-        with pytest.raises(ExerciseError, match=hint):
-            ch03.check_max_sequences(wrong)
-    for wrong in ("60", 60.0, None, True):
-        with pytest.raises(ExerciseError, match="should be an int"):
-            ch03.check_max_sequences(wrong)
+    assert math.floor((0.9 * 80e9 - 2 * 7_615_616_512) / per_seq) == 60
+    qwen = CATALOG["qwen2.5-7b"]
+    assert max_sequences(dict(qwen.config), qwen.num_parameters, 32768, 80e9, 2, 1) == 60
+    assert "60 sequences" in str(ch03.check_max_sequences(max_sequences))
+
+
+def _variant(**mistake):
+    def fn(c, num_parameters, seq_len, gpu_bytes, w, k, u):
+        w = k if mistake.get("weights_at_kv") else w
+        k = w if mistake.get("kv_at_weights") else k
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        per_seq = mistake.get("kv", 2) * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * seq_len * k
+        weights = num_parameters * w
+        budget = u * (gpu_bytes - weights) if mistake.get("left") else u * gpu_bytes - weights
+        n = (math.ceil if mistake.get("ceil") else math.floor)(budget / per_seq)
+        return n if mistake.get("negative") else max(0, n)
+    return fn
+
+
+@pytest.mark.parametrize(
+    ("fn", "hint"),
+    [
+        (_variant(weights_at_kv=True), "their own dtypes"),
+        (_variant(kv_at_weights=True), "fp8: 1"),
+        (_variant(left=True), "come out of that share"),
+        (_variant(ceil=True), "Round down"),
+        (_variant(kv=1), "factor 2"),
+        (_variant(negative=True), "not a negative count"),
+        (lambda *a: 60, "Budget ="),
+        (lambda *a: "60", "should return an int"),
+        (lambda *a: None, "should return an int"),
+        (60, "pass your function"),
+    ],
+)
+def test_max_sequences_rejects_typical_mistakes_with_their_hint(fn, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch03.check_max_sequences(fn)
+
+
+def test_max_sequences_refuses_the_packages_calculator():
+    def wrapped(c, num_parameters, seq_len, gpu_bytes, w, k, u):
+        name = next(n for n, e in CATALOG.items() if dict(e.config) == c)
+        return int((u * gpu_bytes - num_parameters * w) // (kv_cache_bytes(name, seq_len, dtype="fp8") * k))
+
+    with pytest.raises(ExerciseError, match="count the bytes yourself"):
+        ch03.check_max_sequences(wrapped)
 
 
 def test_no_reference_answers_are_public():

@@ -84,7 +84,8 @@ _SPECS = [
     ExerciseSpec("ch03-ex-per-token", "ch03.check_bytes_per_token", ("bytes_per_token",)),
     ExerciseSpec("ch03-ex-per-rank", "ch03.check_bytes_per_rank", ("bytes_per_rank",), uses=("ch03-ex-per-token",)),
     ExerciseSpec("ch03-ex-kivi", "ch03.check_quantized_bytes", ("quantized_bytes",)),
-    ExerciseSpec("ch03-ex-fit", "ch03.check_max_sequences", ("n",), uses=("ch03-ex-per-token",), setup=_CH03_GPUS),
+    ExerciseSpec("ch03-ex-fit", "ch03.check_max_sequences", ("max_sequences",), uses=("ch03-ex-per-token",),
+                 setup=_CH03_GPUS),
     # chapter 4
     ExerciseSpec("ch04-ex-slot-mapping", "ch04.check_slot_mapping", ("step_slot_mapping",)),
     ExerciseSpec("ch04-ex-bughunt", "ch04.check_block_manager", ("FixedBlockManager",), references_in_cells=True),

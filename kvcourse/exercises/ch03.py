@@ -314,40 +314,92 @@ def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed:
 
 # --- Exercise 4: sequences on one GPU -----------------------------------------------------------
 
-_FIT = dict(model="qwen2.5-7b", gpu_bytes=80 * GB, seq_len=32768, utilization=0.9)
+# Dense-attention models of the catalog (no sliding window, no MLA): one K and one V per KV head, layer and token.
+_FIT_MODELS = ("smollm2-135m", "llama-2-7b", "llama-2-70b", "llama-3-8b", "llama-3-70b", "llama-3.1-70b", "qwen2.5-7b")
+_FIT_CHAPTER = ("qwen2.5-7b", 32768, 80 * GB, 2, 1, 0.9)  # the chapter's question: bf16 weights, fp8 cache, 80 GB
 
 
-def _fit(weight_bytes_per_value: float = 2, kv_bytes_per_value: float = 1, gpu_bytes: float = 80 * GB,
-         utilization_on_cache: bool = False, rounding=math.floor) -> int:
-    params = CATALOG[_FIT["model"]].num_parameters
-    weights = params * weight_bytes_per_value
-    per_seq = kv_cache_bytes(_FIT["model"], _FIT["seq_len"], dtype="bf16") * kv_bytes_per_value / 2
-    budget = (_FIT["utilization"] * (gpu_bytes - weights) if utilization_on_cache
-              else _FIT["utilization"] * gpu_bytes - weights)
-    return int(rounding(budget / per_seq))
+def _fit_ratio(c: dict, num_parameters: int, seq_len: int, gpu_bytes: float, weight_bytes: float, kv_bytes: float,
+               utilization: float, *, kv: int = 2, on_what_is_left: bool = False) -> float:
+    """The budget over one sequence's cache (keywords: the typical mistakes)."""
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_seq = kv * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * seq_len * kv_bytes
+    weights = num_parameters * weight_bytes
+    budget = utilization * (gpu_bytes - weights) if on_what_is_left else utilization * gpu_bytes - weights
+    return budget / per_seq
 
 
-def check_max_sequences(n: int) -> CheckResult:
-    """Qwen2.5-7B, weights in bf16, KV cache in fp8, sequences of 32,768 tokens, one 80 GB GPU (80 x 10^9
-    bytes) of which the engine may use 90% (vLLM's ``gpu_memory_utilization=0.9``)."""
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise ExerciseError(f"n should be an int (a number of sequences), got {type(n).__name__}: {describe(n)}")
-    want = _fit()
-    mistakes = [
-        (_fit(weight_bytes_per_value=1), "The weights stay in bf16 (2 bytes each); only the cache is fp8."),
-        (_fit(kv_bytes_per_value=2), "The cache is fp8: one byte per value, half the bf16 figure."),
-        (_fit(gpu_bytes=80 * 2**30), "80 GB is 80 x 10^9 bytes here, not 80 x 2^30."),
-        (_fit(utilization_on_cache=True), "The engine may use 90% of the whole GPU; the weights come out of that "
-                                          "90%: budget = 0.9 x 80e9 - weight bytes."),
-        (_fit(rounding=math.ceil), "Round down: a sequence that does not fit whole does not run."),
-    ]
-    if n != want:
-        hint = next((h for value, h in mistakes if value == n),
-                    "Budget = 0.9 x 80e9 - weight bytes; divide by one sequence's fp8 cache and round down.")
-        fail("the number of 32,768-token Qwen2.5-7B sequences on one 80 GB GPU", expected="another number", got=n,
-             hint=hint)
-    per_seq = kv_cache_bytes(_FIT["model"], _FIT["seq_len"], dtype="fp8")
-    return passed(f"{want} sequences of 32k tokens fit; each holds {per_seq / 2**30:.3f} GiB of fp8 K/V.")
+def _fit(*args, rounding=math.floor, clamp: bool = True, **mistake) -> int:
+    """How many sequences fit: the ratio rounded down, and 0 when even the weights do not fit."""
+    n = int(rounding(_fit_ratio(*args, **mistake)))
+    return max(n, 0) if clamp else n
+
+
+_FIT_MISTAKES = [
+    ("The weights and the cache have their own dtypes: weight_bytes_per_value for the parameters, kv_bytes_per_value "
+     "for K and V.", lambda c, p, s, g, w, k, u: _fit(c, p, s, g, k, k, u)),
+    ("The cache's values take kv_bytes_per_value bytes each (fp8: 1), not the weights' weight_bytes_per_value.",
+     lambda c, p, s, g, w, k, u: _fit(c, p, s, g, w, w, u)),
+    ("The engine may use `utilization` of the whole GPU, and the weights come out of that share: budget = "
+     "utilization x gpu_bytes - weight bytes.", lambda *a: _fit(*a, on_what_is_left=True)),
+    ("Round down: a sequence that does not fit whole does not run.", lambda *a: _fit(*a, rounding=math.ceil)),
+    ("Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
+     lambda *a: _fit(*a, kv=1)),
+    ("When the weights alone take more than the budget, no sequence fits: 0, not a negative count.",
+     lambda *a: _fit(*a, clamp=False)),
+]
+
+
+def _fit_cases(rng) -> list[tuple]:
+    cases = [_FIT_CHAPTER, ("llama-3-70b", 8192, 24 * GB, 2, 2, 0.9)]  # the chapter's, and one where nothing fits
+    while len(cases) < 14:
+        name = rng.choice(_FIT_MODELS)
+        longest = CATALOG[name].config["max_position_embeddings"]
+        seq_len = rng.choice([s for s in (1024, 4096, 8192, 32768, 131072) if s <= longest])
+        case = (name, seq_len, rng.choice([24, 40, 80, 141]) * GB, rng.choice([2, 1]), rng.choice([2, 1]),
+                rng.choice([0.8, 0.9, 0.95]))  # fmt: skip
+        ratio = _fit_ratio(*_fit_args(*case))
+        if 1 <= ratio < 10**6 and abs(ratio - round(ratio)) > 1e-6:  # some fit, none sits on a rounding boundary
+            cases.append(case)
+    return cases
+
+
+def _fit_args(name: str, *rest) -> tuple:
+    """A case's arguments as the learner's function takes them: the catalog entry's config (a dict) and size first."""
+    return (dict(CATALOG[name].config), CATALOG[name].num_parameters, *rest)
+
+
+def check_max_sequences(fn: Callable[..., int], seed: int = 0) -> CheckResult:
+    """``fn(config, num_parameters, seq_len, gpu_bytes, weight_bytes_per_value, kv_bytes_per_value, utilization)``
+    -> how many ``seq_len``-token sequences fit at once on a GPU of ``gpu_bytes`` bytes, of which the engine may
+    use the fraction ``utilization`` (vLLM's ``gpu_memory_utilization``) for the weights and the cache together.
+    ``config`` and ``num_parameters`` are a :data:`~kvcourse.memory.CATALOG` entry's."""
+    if not callable(fn):
+        raise ExerciseError("pass your function fn(config, num_parameters, seq_len, gpu_bytes, weight_bytes_per_value, "
+                            f"kv_bytes_per_value, utilization), got {type(fn).__name__}")  # fmt: skip
+    refuse_references(fn, _REFERENCES, "count the bytes yourself (your bytes_per_token may help).")
+    cases = _fit_cases(case_rng("ch03.check_max_sequences", seed))
+    wants = [_fit(*_fit_args(*case)) for case in cases]  # computed before the learner's code runs
+    diagnosis = Diagnosis(_FIT_MISTAKES, "Budget = utilization x gpu_bytes - weight bytes; divide by one sequence's "
+                          "cache and round down.", lambda got, wrong: got == wrong)  # fmt: skip
+    for (name, *rest), want in zip(cases, wants):
+        seq_len, gpu_bytes, w, k, u = rest
+        case = (f"max_sequences(CATALOG[{name!r}].config, {CATALOG[name].num_parameters:_}, seq_len={seq_len}, "
+                f"gpu_bytes={gpu_bytes / GB:g}e9, weight_bytes_per_value={w}, kv_bytes_per_value={k}, utilization={u})")
+        args = _fit_args(name, *rest)
+        got = call_learner("max_sequences", fn, *args)
+        if isinstance(got, float) and got.is_integer():
+            got = int(got)
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise ExerciseError(f"{case} should return an int (a number of sequences), got {type(got).__name__}: "
+                                f"{describe(got)}", case=case)  # fmt: skip
+        if got != want:
+            diagnosis.record(case, args, got, want)
+    diagnosis.raise_if_wrong()
+    n = _fit(*_fit_args(*_FIT_CHAPTER))
+    per_seq = kv_cache_bytes(_FIT_CHAPTER[0], _FIT_CHAPTER[1], dtype="fp8")
+    return passed(f"the chapter's question: {n} sequences of 32k tokens fit on 80 GB, each holding "
+                  f"{per_seq / 2**30:.3f} GiB of fp8 K/V.")
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished
