@@ -214,3 +214,32 @@ def test_per_token_quantization_does_not_depend_on_the_chunks(model):
     assert_logits_close(chunked, one)
     full = model(ids, cache=kvcourse.KVCache.for_model(model.config))
     assert (one - full).abs().max() > 1e-3 * full.abs().max()  # int4 does change them
+
+
+@pytest.mark.parametrize("scheme", ["per-token", "kivi"])
+def test_an_unquantized_prefill_reads_its_own_kv_unrounded_and_stores_the_same_codes(scheme):
+    # KIVI's reference code and Hugging Face's QuantizedCache prefill on full-precision K/V; later steps read the
+    # quantized history. Layer 0's K/V come from the embeddings alone, so its stored codes are the same either way.
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama(3, num_hidden_layers=2)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 100, (1, 40), generator=g)
+    caches = {q: QuantizedKVCache.for_model(model.config, bits=4, scheme=scheme, residual_length=0 if scheme ==
+                                            "per-token" else 4, group_size=8, quantize_prefill=q) for q in (True, False)}  # fmt: skip
+    with torch.no_grad():
+        full = model(ids)[0, -1]
+        prefill = {q: model(ids, cache=c)[0, -1] for q, c in caches.items()}
+        torch.testing.assert_close(prefill[False], full, rtol=0, atol=0)  # nothing rounded in the prompt's forward
+        assert not torch.allclose(prefill[True], full)  # the default: the prompt already reads its rounded K/V
+        torch.testing.assert_close(caches[False].keys(0), caches[True].keys(0), rtol=0, atol=0)
+        reference = kvcourse.KVCache.for_model(model.config)
+        model(ids, cache=reference)
+        nxt = torch.tensor([[int(full.argmax())]])
+        want, got = model(nxt, cache=reference)[0, -1], model(nxt, cache=caches[False])[0, -1]
+    assert not torch.allclose(got, want)  # the decode step reads the quantized history
+
+
+def test_quantize_prefill_must_be_a_bool():
+    with pytest.raises(TypeError, match="quantize_prefill"):
+        QuantizedKVCache(2, 1, 2, 8, bits=4, quantize_prefill="no")

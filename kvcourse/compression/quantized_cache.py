@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import CacheOverflowError, check_update
-from ..checks import check_int
+from ..checks import check_bool, check_int
 from ..utils import check_config
 from .quantize import QuantizedTensor, dequantize, quantize
 
@@ -86,6 +86,10 @@ class QuantizedKVCache:
         group_size: tokens per key group under ``"kivi"`` (KIVI's G).
         residual_length: newest tokens kept in fp16 (KIVI's R); ``None``: 128 for kivi, else 0.
         max_seq_len: the most tokens the cache may hold; ``None`` for no limit.
+        quantize_prefill: ``True`` (default): the prompt's own forward already reads its K/V quantized, as
+            every later token does (what a perplexity over one prefill measures). ``False``: it reads them
+            unrounded and only later steps read the quantized history, as KIVI's reference code and Hugging
+            Face's ``QuantizedCache`` do.
     """
 
     def __init__(
@@ -99,7 +103,9 @@ class QuantizedKVCache:
         group_size: int = 32,
         residual_length: int | None = None,
         max_seq_len: int | None = None,
+        quantize_prefill: bool = True,
     ) -> None:
+        check_bool("quantize_prefill", quantize_prefill)
         for name, value in (("num_layers", num_layers), ("batch_size", batch_size),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("group_size", group_size)):  # fmt: skip
             check_int(name, value, min=1)
@@ -117,6 +123,7 @@ class QuantizedKVCache:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.bits, self.scheme, self.group_size = bits, scheme, group_size
         self.residual_length, self.max_seq_len = residual_length, max_seq_len
+        self.quantize_prefill = quantize_prefill
         self.fmt = {"per-token": f"int{bits}", "kivi": f"int{bits}"}.get(scheme, scheme)
         # Tokens leave the window a whole key group at a time under KIVI, one at a time otherwise.
         self.flush_unit = group_size if scheme == "kivi" else 1
@@ -132,18 +139,21 @@ class QuantizedKVCache:
         group_size: int = 32,
         residual_length: int | None = None,
         max_seq_len: int | None = None,
+        quantize_prefill: bool = True,
     ) -> QuantizedKVCache:
         """A cache shaped for ``config`` (``model.config``); ``max_seq_len`` defaults to its context length."""
         check_config(config)
         return cls(config.num_hidden_layers, batch_size, config.num_key_value_heads, config.head_dim, bits, scheme,
                    group_size, residual_length,
-                   config.max_position_embeddings if max_seq_len is None else max_seq_len)  # fmt: skip
+                   config.max_position_embeddings if max_seq_len is None else max_seq_len,
+                   quantize_prefill)  # fmt: skip
 
     # ---- what the model calls -------------------------------------------------
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k, v [B, H_kv, T, D]``; return the layer's whole history, dequantized, in ``k``'s dtype."""
         check_update(self, layer_idx, k, v)
         layer = self._layers[layer_idx]
+        first = layer.length == 0  # this forward is the prefill
         if self.max_seq_len is not None and layer.length + k.shape[2] > self.max_seq_len:
             raise CacheOverflowError(
                 f"KV cache overflow: layer {layer_idx} holds {layer.length} tokens and {k.shape[2]} more would "
@@ -159,6 +169,8 @@ class QuantizedKVCache:
             res_k, res_v = res_k[:, :, n_flush:], res_v[:, :, n_flush:]
         layer.res_k, layer.res_v = res_k, res_v
         layer.length += k.shape[2]
+        if first and not self.quantize_prefill:  # the prompt attends to its own K/V unrounded; later steps do not
+            return k, v
         return self._read(layer, k.dtype)
 
     def _store(self, layer: _Layer, k: torch.Tensor, v: torch.Tensor) -> None:
