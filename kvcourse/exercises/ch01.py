@@ -264,12 +264,13 @@ def _model_steps(gen: torch.Generator, rng) -> tuple[dict, dict, int]:
     config = kvcourse.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
                                   max_position_embeddings=64)  # fmt: skip
-    model = kvcourse.LlamaModel(config).eval()
+    with torch.device("cpu"):  # host-side on purpose: the hidden cases are made before the learner's code runs
+        model = kvcourse.LlamaModel(config).eval()
     with torch.no_grad():
         for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+            param.copy_(torch.randn(param.shape, generator=gen, device="cpu") * 0.3)
     past, extra = rng.randint(3, 20), rng.randint(1, 3)
-    ids = torch.randint(0, config.vocab_size, (past + extra,), generator=gen).tolist()
+    ids = torch.randint(0, config.vocab_size, (past + extra,), generator=gen, device="cpu").tolist()
     steps = []
     for n in (past, past + extra):
         r = kvcourse.probe.record_forward(model, ids[:n])
@@ -291,7 +292,7 @@ def _synthetic_steps(gen: torch.Generator, rng) -> tuple[dict, dict, int]:
     step_a, step_b = {}, {}
     for i, kind in enumerate(rng.sample(kinds, len(kinds))):
         shape = (t_b, *rng.choice([(), (3,), (2, 4)]))
-        full = torch.randn(shape, generator=gen).to(dtype) + 2.0  # away from 0: a relative rounding is one
+        full = torch.randn(shape, generator=gen, device="cpu").to(dtype) + 2.0  # away from 0: a relative rounding is one
         b = full.clone()
         if kind == "rounded":  # one ulp apart: what a recomputation does to the last bit
             b = torch.nextafter(full, full + 1)

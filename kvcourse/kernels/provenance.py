@@ -83,7 +83,7 @@ def plot_kernel_measurements(ax=None) -> tuple[object, str]:
             else f"This page ran on {torch.cuda.get_device_name()}")  # fmt: skip
     status = (f"{here}, and no GPU measurement of these kernels has been committed yet: the speed figures above "
               "are vendor peak figures, and the kernel tests (tests/test_kernels*.py) have run in Triton's "
-              f"interpreter only. The speed targets of the chapter's issue ({_TARGETS}) stay unverified until "
+              f"interpreter only. The chapter's speed targets ({_TARGETS}) stay unverified until "
               "python -m kvcourse.bench kernels runs on such a GPU.")  # fmt: skip
     print(status)
     ax.set_xlabel("cached tokens read per step (batch x context), Llama-3-8B layer shape, fp16")
