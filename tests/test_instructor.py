@@ -324,9 +324,11 @@ def test_a_slow_notebook_is_stopped_and_its_exercises_are_still_graded(tmp_path)
     # the time of each: the notebook's run (stopped at 10 s) on every row of it, and each check's own
     with out.open() as f:
         timed = {r["exercise"]: (float(r["notebook_s"]), float(r["check_s"])) for r in csv.DictReader(f)}
-    # (lower bounds only: the run was stopped at its 10 s limit and the slow check at its 20 s one; how much longer
-    # each took depends on the machine's load)
-    assert len({run for run, _ in timed.values()}) == 1 and all(run >= 10 for run, _ in timed.values())
+    # The check's time is a lower bound (killed at its 20 s limit, on the clock that times it). The notebook's is
+    # the same on every row; the stop message above says where it was stopped. Its value is not bounded below: the
+    # stop comes from the kernel's cell timeout, on another clock than the one timing the notebook (9.8 s was seen
+    # on a loaded machine).
+    assert len({run for run, _ in timed.values()}) == 1 and all(run > 0 for run, _ in timed.values())
     assert timed["ch02-ex-outweigh"][1] >= 20 and timed["ch01-ex-mask"][1] > 0
     assert "| Notebooks run (s) | Checks (s) |" in (reports / "summary.md").read_text()
 
