@@ -81,6 +81,17 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
+@pytest.fixture
+def kernels_on(device) -> torch.device:
+    """``device``, when this process's Triton kernels take tensors there: on CPU only in Triton's interpreter,
+    so a process that compiles the kernels for a GPU (``make gpu-check``) skips the cpu case."""
+    from kvcourse.kernels.triton_runtime import kernel_device
+
+    if device.type != kernel_device().type:
+        pytest.skip(f"kernels take {kernel_device().type} tensors in this process, not {device.type} ones")
+    return device
+
+
 _COPIES: dict[tuple[int, str], tuple[torch.nn.Module, torch.nn.Module]] = {}
 
 

@@ -126,11 +126,10 @@ def _serve(model, graphs: str, **engine):
 
 @padding_nan
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_graph_path_gives_the_eager_tokens(seed, device):
+def test_the_graph_path_gives_the_eager_tokens(seed, kernels_on):
     """fp32, token for token: on a CPU the static forward (what a graph records) run eagerly, on a GPU the
     captured graphs replayed. Both serve only decode-only steps; prefills and mixed steps stay eager."""
-    if device.type != kernel_device().type:
-        pytest.skip(f"Triton kernels take {kernel_device().type} tensors in this process, not {device.type} ones")
+    device = kernels_on
     model = tiny_llama(seed).to(device)  # head_dim 8: the kernels pad it to tl.dot's 16 (head_tile)
     eager, _ = _serve(model, "off")
     got, eng = _serve(model, "captured" if device.type == "cuda" else "static")

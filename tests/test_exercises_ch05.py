@@ -12,15 +12,7 @@ import torch
 
 from kvcourse.exercises import ExerciseError, ch05
 from kvcourse.exercises._core import Unfinished
-from kvcourse.kernels.triton_runtime import kernel_device, tl, triton
-
-
-@pytest.fixture
-def kernels_on(device) -> torch.device:
-    """``device``, when this process's kernels take tensors there (the check then runs its kernels on it)."""
-    if device.type != kernel_device().type:
-        pytest.skip(f"kernels take {kernel_device().type} tensors in this process, not {device.type} ones")
-    return device
+from kvcourse.kernels.triton_runtime import tl, triton
 
 
 class Spy:
