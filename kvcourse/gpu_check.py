@@ -116,12 +116,12 @@ def kernel_test_files(root: Path) -> list[str]:
 
 
 def device_test_files(root: Path) -> list[str]:
-    """The test files with a test that takes the ``device`` fixture (or ``model_on``, the model on it).
+    """The test files with a test that takes the ``device`` fixture (or ``model_on`` or ``kernels_on``, built on it).
 
     Named one by one rather than collecting ``tests/``: the browser and publishing tests import what a
     GPU machine need not have, and a collection error would fail the job for nothing on the GPU.
     """
-    uses = re.compile(r"def test_\w+\([^)]*\b(device|model_on)\b", re.S)
+    uses = re.compile(r"def test_\w+\([^)]*\b(device|model_on|kernels_on)\b", re.S)
     return [f"tests/{p.name}" for p in sorted((root / "tests").glob("test_*.py")) if uses.search(p.read_text())]
 
 
