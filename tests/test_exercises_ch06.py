@@ -8,18 +8,10 @@ import random
 import pytest
 
 from kvcourse.exercises import ExerciseError, ch06
-from kvcourse.serving import Scheduler, preempt_newest
+from kvcourse.serving import preempt_newest
 
 
 # ---- the references -----------------------------------------------------------------------------
-def test_admit_reference_by_hand():
-    assert ch06._admit([30, 10], 32, 100, 16) == [30, 2]
-    assert ch06._admit([10, 200, 5], 64, 100, 16) == [10, 54]
-    assert ch06._admit([40, 5], 64, 2, 16) == []  # 40 tokens need 3 blocks; 5 may not overtake
-    assert ch06._admit([17], 64, 1, 16) == []
-    assert ch06._admit([17], 64, 2, 16) == [17]
-
-
 def test_victims_reference_is_the_schedulers_default_and_the_cases_preempt():
     """The reference policy is the package's default (the newest); every hidden workload preempts, and the first
     case tells the newest, the one asking and the least work apart."""
@@ -50,19 +42,6 @@ def test_chunk_size_reference():
 
 
 # ---- right answers pass --------------------------------------------------------------------------
-def right_admit(prompt_lens, budget, free, bs):
-    out = []
-    for n in prompt_lens:
-        take = min(n, budget)
-        need = -(-take // bs)
-        if take == 0 or need > free:
-            break
-        out.append(take)
-        budget -= take
-        free -= need
-    return out
-
-
 def right_pick(candidates):
     return candidates[len(candidates) - 1]
 
@@ -81,91 +60,7 @@ def least_work(candidates):
 
 @pytest.mark.parametrize("seed", [0, 1, 7])
 def test_right_answers_pass(seed):
-    assert ch06.check_admit(right_admit, seed=seed)
     assert ch06.check_chunk_size(lambda f, p, d, t: max(0, math.floor((t - f) / p) - d), seed=seed)
-
-
-def test_handing_in_the_scheduler_is_refused():
-    def admit(prompt_lens, budget, free, bs):
-        from kvcourse.serving import Scheduler  # noqa: F401
-        return Scheduler  # whatever it does with it
-
-    with pytest.raises(ExerciseError, match="Scheduler"):
-        ch06.check_admit(admit)
-
-
-# ---- wrong answers get their hint ----------------------------------------------------------------
-def overtaking_admit(prompt_lens, budget, free, bs):
-    out = []
-    for n in prompt_lens:
-        take = min(n, budget)
-        need = -(-take // bs)
-        if take == 0 or need > free:
-            continue
-        out.append(take)
-        budget -= take
-        free -= need
-    return out
-
-
-def round_down_admit(prompt_lens, budget, free, bs):
-    out = []
-    for n in prompt_lens:
-        take = min(n, budget)
-        need = take // bs
-        if take == 0 or need > free:
-            break
-        out.append(take)
-        budget -= take
-        free -= need
-    return out
-
-
-def no_chunk_admit(prompt_lens, budget, free, bs):
-    out = []
-    for n in prompt_lens:
-        need = -(-n // bs)
-        if n > budget or need > free:
-            break
-        out.append(n)
-        budget -= n
-        free -= need
-    return out
-
-
-@pytest.mark.parametrize(
-    "wrong, hint",
-    [
-        (overtaking_admit, "must not overtake"),
-        (no_chunk_admit, "chunk of"),
-        (lambda p, b, f, bs: right_admit(p, b, f * bs, 1), "Count blocks, not token slots"),
-        (round_down_admit, "Blocks are whole"),
-        (lambda p, b, f, bs: [min(p[0], b)], "Walk the queue"),
-        (lambda p, b, f, bs: "30", "list of ints"),
-        (lambda p, b, f, bs: 1 / 0, "ZeroDivisionError"),
-    ],
-)
-def test_admit_rejects_wrong_answers(wrong, hint):
-    with pytest.raises(ExerciseError, match=hint):
-        ch06.check_admit(wrong)
-
-
-def whole_prompt_blocks(prompt_lens, budget, free, bs):
-    out = []
-    for n in prompt_lens:
-        take = min(n, budget)
-        need = -(-n // bs)  # blocks for the whole prompt, not the chunk
-        if take == 0 or need > free:
-            break
-        out.append(take)
-        budget -= take
-        free -= need
-    return out
-
-
-def test_admit_hint_for_blocks_of_the_whole_prompt():
-    with pytest.raises(ExerciseError, match="needs blocks for its own tokens only"):
-        ch06.check_admit(whole_prompt_blocks)
 
 
 @pytest.mark.parametrize("seed", [0, 3])
@@ -173,6 +68,7 @@ def test_the_newest_first_policy_passes_in_the_engine_on_the_real_model(model_on
     assert ch06.check_victims(right_pick, model_on, seed=seed)
 
 
+# ---- wrong answers get their hint ----------------------------------------------------------------
 def shortest_prompt(candidates):
     return sorted(candidates, key=lambda s: s["num_tokens"])[0]
 

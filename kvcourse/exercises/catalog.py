@@ -99,7 +99,8 @@ _SPECS = [
     ExerciseSpec("ch05-ex-tiled", "ch05.check_tiled_decode", ("tiled_decode_kernel",)),
     ExerciseSpec("ch05-ex-bytes", "ch05.check_kv_bytes", ("kv_bytes",)),
     # chapter 6
-    ExerciseSpec("ch06-ex-admit", "ch06.check_admit", ("admit",)),
+    ExerciseSpec("ch06-ex-running", "ch06.check_schedule_running", ("schedule_running",)),
+    ExerciseSpec("ch06-ex-admission", "ch06.check_schedule_waiting", ("schedule_waiting",)),
     ExerciseSpec("ch06-ex-victims", "ch06.check_victims", ("pick_victim", MODEL)),
     ExerciseSpec("ch06-ex-chunk", "ch06.check_chunk_size", ("chunk_size",)),
     # chapter 7

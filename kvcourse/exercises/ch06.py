@@ -1,13 +1,15 @@
-"""Checks for chapter 6, *Serving a crowd*: the learner writes three pieces of the scheduler.
+"""Checks for chapter 6, *Serving a crowd*: the learner writes four pieces of the scheduler.
 
-1. :func:`check_admit` -- admission under a token budget, with chunked prefill and free blocks.
-2. :func:`check_victims` -- the preemption policy, plugged into :class:`~kvcourse.serving.Engine`: which
+1. :func:`check_schedule_running` -- phase 1 of a step: the running sequences' tokens and slots, preempting the
+   newest while the pool is short (in :mod:`.ch06_phases`).
+2. :func:`check_schedule_waiting` -- phase 2: admission under the token budget, with chunks (in :mod:`.ch06_phases`).
+3. :func:`check_victims` -- the preemption policy, plugged into :class:`~kvcourse.serving.Engine`: which
    running request gives way when the pool runs out.
-3. :func:`check_chunk_size` -- the largest prefill chunk that keeps decodes under a TPOT target.
+4. :func:`check_chunk_size` -- the largest prefill chunk that keeps decodes under a TPOT target.
 
 Each check runs the learner's function on hidden cases seeded from the check's ``seed`` argument
-and compares it with the package: admission with :class:`kvcourse.serving.Scheduler` itself; the
-victim policy in the scheduler on workloads without a model, then in the engine on the real model
+and compares it with the package: the two phases step by step against :class:`kvcourse.serving.Scheduler`
+itself; the victim policy in the scheduler on workloads without a model, then in the engine on the real model
 (outputs equal to solo runs, preemptions equal to vLLM's policy); the chunk size with a private
 reference that ``tests/test_exercises_ch06.py`` tests. Wrong answers are compared with the typical mistakes
 (:class:`~kvcourse.exercises._core.Diagnosis`) to say which one they look like.
@@ -32,95 +34,16 @@ from ._core import (
     refuse_references,
     wrap_checks,
 )
+from .ch06_phases import check_schedule_running, check_schedule_waiting
 
-__all__ = ["check_admit", "check_chunk_size", "check_victims"]
+__all__ = ["check_chunk_size", "check_schedule_running", "check_schedule_waiting", "check_victims"]
 
 
 def _same(a, b) -> bool:
     return a == b
 
 
-# --- Exercise 1: admission under a budget --------------------------------------------------------
-def _admit(prompt_lens: list[int], token_budget: int, free_blocks: int, block_size: int) -> list[int]:
-    """The tokens each waiting request (first come, first served) gets this step, as the scheduler
-    decides it for an idle engine with ``free_blocks`` free blocks and no watermark."""
-    bm = BlockManager(free_blocks + 1, block_size)
-    bm.allocate("someone else", block_size)  # one block in use: a pool with exactly free_blocks free
-    sched = Scheduler(bm, max_num_batched_tokens=token_budget, watermark=0)
-    for i, n in enumerate(prompt_lens):
-        sched.waiting.append(Sequence(i, [1] * n, SamplingParams()))  # queued as add() would, unchecked
-    return [s.num_new_tokens for s in sched.schedule().scheduled]
-
-
-def _admit_wrong(prompt_lens, budget, free, block_size, *, chunked=True, overtake=False, round_down=False,
-                 slots=False) -> list[int]:
-    """What a typical wrong admission returns."""
-    out, left, room = [], budget, free * block_size if slots else free
-    for n in prompt_lens:
-        if left == 0:
-            break
-        take = min(n, left) if chunked else n
-        need = take if slots else take // block_size if round_down else -(-take // block_size)
-        if take > left or need > room:
-            if overtake:
-                continue
-            break
-        room -= need
-        left -= take
-        out.append(take)
-    return out
-
-
-_ADMIT_MISTAKES = [
-    ("First come, first served: when the request at the head does not fit, admission stops; later, smaller requests "
-     "must not overtake it.", lambda *case: _admit_wrong(*case, overtake=True)),
-    # Asking blocks for the whole prompt instead of the chunk fails exactly where skipping the chunk does.
-    ("With chunked prefill a prompt longer than the budget left is admitted with a chunk of min(its tokens, budget "
-     "left), and the chunk needs blocks for its own tokens only: the rest of the prompt gets blocks when its later "
-     "chunks run.", lambda *case: _admit_wrong(*case, chunked=False)),
-    ("Blocks are whole: a chunk of t tokens needs ceil(t / block_size) of them.",
-     lambda *case: _admit_wrong(*case, round_down=True)),
-    ("Count blocks, not token slots: requests never share a block, so each chunk takes ceil(t / block_size) whole "
-     "blocks, its last one partly empty.", lambda *case: _admit_wrong(*case, slots=True)),
-]
-
-
-def _admit_cases(rng) -> list[tuple[list[int], int, int, int]]:
-    cases = [
-        ([30, 10], 32, 100, 16),  # the second gets a chunk
-        ([10, 200, 5], 64, 100, 16),  # the long one takes the rest of the budget; 5 waits
-        ([40, 5], 64, 2, 16),  # blocks stop the 40; the 5 must not overtake
-        ([17], 64, 1, 16),  # 17 tokens need 2 blocks
-        ([10, 10, 10], 64, 2, 16),  # 30 tokens fit 32 slots, but not 2 blocks
-        ([10, 10, 10, 10], 64, 2, 16),
-        ([20], 64, 1, 16),  # 20 tokens are 2 blocks, not 1
-    ]
-    for _ in range(30):
-        cases.append(([rng.randint(1, 300) for _ in range(rng.randint(1, 6))], rng.choice([16, 64, 256, 512]),
-                      rng.randint(0, 40), rng.choice([1, 4, 16])))  # fmt: skip
-    return cases
-
-
-def check_admit(admit: Callable[[list[int], int, int, int], list[int]], seed: int = 0) -> CheckResult:
-    """``admit(prompt_lens, token_budget, free_blocks, block_size)`` -> tokens per admitted request, in order."""
-    refuse_references(admit, {"Scheduler": Scheduler}, "walk the queue yourself.")
-    diagnosis = Diagnosis(_ADMIT_MISTAKES, same=_same, default=(
-        "Walk the queue in order: each request gets min(its tokens, budget left) if its blocks are free; stop at the "
-        "first that does not fit."))  # fmt: skip
-    for case in _admit_cases(case_rng("check_admit", seed)):
-        label = f"admit{case}"
-        got = call_learner("admit", admit, list(case[0]), *case[1:])
-        if not isinstance(got, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in got):
-            raise ExerciseError(f"{label} should return a list of ints (tokens per admitted request), got "
-                                f"{describe(got)}", case=label)  # fmt: skip
-        want = _admit(*case)
-        if got != want:
-            diagnosis.record(label, case, got, want)
-    diagnosis.raise_if_wrong()
-    return passed("admission takes requests in order, each min(tokens, budget left), while blocks last.")
-
-
-# --- Exercise 2: the victim policy, in the real engine ----------------------------------------------
+# --- Exercise 3: the victim policy, in the real engine ----------------------------------------------
 # A case is a workload: (prompt_lens, max_new_tokens, num_blocks, block_size, max_num_batched_tokens).
 Workload = tuple[tuple[int, ...], int, int, int, int]
 _MAX_STEPS = 2000  # the workloads finish in under 100 steps under any sane policy
@@ -288,7 +211,7 @@ def check_victims(pick_victim: Callable[[list[Sequence]], Sequence], model=None,
                   f"{want[1]} tokens recomputed, every output equal to its solo run.")
 
 
-# --- Exercise 3: a chunk size --------------------------------------------------------------------
+# --- Exercise 4: a chunk size --------------------------------------------------------------------
 def _chunk_size(fixed_ms: float, per_token_ms: float, num_decodes: int, tpot_ms: float) -> int:
     """The largest prefill chunk such that a step of ``num_decodes`` decode tokens plus the chunk takes at most
     ``tpot_ms``, when a step of ``t`` tokens takes ``fixed_ms + per_token_ms * t``; 0 if the decodes alone miss."""
