@@ -225,6 +225,12 @@ def test_render_leaves_roles_inside_code_spans_alone():
     assert _render("quote ``{glue:text}`x` `` as code", {}) == "quote ``{glue:text}`x` `` as code"
 
 
+def test_render_term_and_doc_roles_as_their_text():
+    md = ("the {term}`KV cache`, {term}`block tables <Block table>` and "
+          "{term}`Q, K and V <Q, K, V (query, key, value)>`; see {doc}`chapter 4 <04_paged_kv_cache>`'s pool")
+    assert _render(md) == "the KV cache, block tables and Q, K and V; see chapter 4's pool"
+
+
 def test_render_exercise_solution_and_admonitions():
     md = (
         "```{exercise} Count it\n:label: ex-a\n\nWrite `f`.\n```\n\n"
