@@ -115,3 +115,49 @@ def test_a_policy_that_never_lets_the_workload_finish_is_stopped(monkeypatch):
 def test_chunk_size_rejects_wrong_answers(wrong, hint):
     with pytest.raises(ExerciseError, match=hint):
         ch06.check_chunk_size(wrong)
+
+
+# ---- predict first: a long prompt's first token ---------------------------------------------------
+def right_predict(prompt_len, num_decodes, budget, fixed_ms, per_token_ms):
+    chunk = budget - num_decodes
+    steps = math.ceil(prompt_len / chunk)
+    return steps, steps * fixed_ms + per_token_ms * (prompt_len + steps * num_decodes)
+
+
+def test_predicted_ttft_reference_by_hand():
+    # The chapter's run: 1,024 tokens beside 4 decodes, budget 128: chunks of 124, nine steps, 1,060 tokens fed.
+    assert ch06._predicted_ttft(1024, 4, 128, 56.0, 1.45) == (9, 9 * 56.0 + 1.45 * 1060)
+    assert ch06._predicted_ttft(1024, 4, 2048, 56.0, 1.45) == (1, 56.0 + 1.45 * 1028)  # the whole prompt at once
+    for case in ch06._predict_cases(random.Random(5)):  # the scheduler's count is the closed form's
+        steps, ms = ch06._predicted_ttft(*case)
+        assert steps == right_predict(*case)[0] and math.isclose(ms, right_predict(*case)[1])
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_a_right_prediction_passes(seed):
+    assert ch06.check_predicted_ttft(right_predict, seed=seed)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda p, d, b, f, t: (math.ceil(p / b), math.ceil(p / b) * (f + t * d) + t * p), "The decodes go first"),
+    (lambda p, d, b, f, t: (right_predict(p, d, b, f, t)[0], right_predict(p, d, b, f, t)[0] * f + t * p),
+     "The decodes share every step"),
+    (lambda p, d, b, f, t: (right_predict(p, d, b, f, t)[0], f + t * (p + right_predict(p, d, b, f, t)[0] * d)),
+     "Every step pays the fixed cost"),
+    (lambda p, d, b, f, t: (max(1, p // (b - d)), max(1, p // (b - d)) * (f + t * d) + t * p), "A partial chunk"),
+    (lambda p, d, b, f, t: (right_predict(p, d, b, f, t)[0], right_predict(p, d, b, f, t)[0] * (f + t * b)),
+     "The last chunk is usually smaller"),
+    (lambda p, d, b, f, t: 2.0, "should return \\(steps, milliseconds\\)"),
+])
+def test_wrong_predictions_get_their_hint(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch06.check_predicted_ttft(wrong)
+
+
+def test_running_a_scheduler_is_not_a_prediction():
+    def predict_ttft(p, d, b, f, t):
+        from kvcourse.serving import Scheduler
+        return Scheduler, 0.0
+
+    with pytest.raises(ExerciseError, match="Scheduler"):
+        ch06.check_predicted_ttft(predict_ttft)

@@ -103,6 +103,7 @@ _SPECS = [
     ExerciseSpec("ch06-ex-admission", "ch06.check_schedule_waiting", ("schedule_waiting",)),
     ExerciseSpec("ch06-ex-victims", "ch06.check_victims", ("pick_victim", MODEL)),
     ExerciseSpec("ch06-ex-chunk", "ch06.check_chunk_size", ("chunk_size",)),
+    ExerciseSpec("ch06-ex-predict", "ch06.check_predicted_ttft", ("predict_ttft",)),
     # chapter 7
     ExerciseSpec("ch07-ex-hash-chain", "ch07.check_block_hashes", ("block_hashes",)),
     ExerciseSpec("ch07-ex-lru", "ch07.check_lru_takes", ("lru_takes",)),

@@ -6,6 +6,8 @@
 3. :func:`check_victims` -- the preemption policy, plugged into :class:`~kvcourse.serving.Engine`: which
    running request gives way when the pool runs out.
 4. :func:`check_chunk_size` -- the largest prefill chunk that keeps decodes under a TPOT target.
+5. :func:`check_predicted_ttft` -- predict first: a long prompt's steps and time to first token beside decoding
+   requests, from the scheduler's rules and the step-cost model, checked against the Scheduler itself.
 
 Each check runs the learner's function on hidden cases seeded from the check's ``seed`` argument
 and compares it with the package: the two phases step by step against :class:`kvcourse.serving.Scheduler`
@@ -36,7 +38,7 @@ from ._core import (
 )
 from .ch06_phases import check_schedule_running, check_schedule_waiting
 
-__all__ = ["check_chunk_size", "check_schedule_running", "check_schedule_waiting", "check_victims"]
+__all__ = ["check_chunk_size", "check_predicted_ttft", "check_schedule_running", "check_schedule_waiting", "check_victims"]
 
 
 def _same(a, b) -> bool:
@@ -256,6 +258,102 @@ def check_chunk_size(chunk_size: Callable[[float, float, int, float], int], seed
     diagnosis.raise_if_wrong()
     return passed(f"with 40 ms per step plus 0.25 ms per token and 8 decodes, a 100 ms target leaves room for a "
                   f"chunk of {_chunk_size(40.0, 0.25, 8, 100.0)} tokens.")  # fmt: skip
+
+
+# --- Exercise 5: predict a long prompt's first token ---------------------------------------------
+# A case: (prompt_len, num_decodes, budget, fixed_ms, per_token_ms).
+PredictCase = tuple[int, int, int, float, float]
+
+
+def _predicted_ttft(prompt_len: int, num_decodes: int, budget: int, fixed_ms: float,
+                    per_token_ms: float) -> tuple[int, float]:
+    """The steps from a prompt's arrival to the step that computes its last prompt token, and their cost in ms,
+    as the package's Scheduler schedules them beside ``num_decodes`` older requests that keep decoding."""
+    sched = Scheduler(BlockManager(num_decodes * (prompt_len // 16 + 2) + prompt_len // 16 + 2, 16),
+                      max_num_batched_tokens=budget, watermark=0)
+    params = SamplingParams(max_new_tokens=prompt_len + 4, stop_token_ids=())  # decoding until the prompt is in
+    for i in range(num_decodes):  # one-token prompts: decoding from their second step on
+        sched.add(Sequence(f"decode {i}", [1], params))
+    for _ in range(2):
+        out = sched.schedule()
+        sched.advance(out)
+        sched.append_tokens({s.seq.seq_id: 0 for s in out.scheduled if s.samples})
+    sched.add(Sequence("long", [1] * prompt_len, SamplingParams(max_new_tokens=1, stop_token_ids=())))
+    steps, tokens = 0, 0
+    while True:
+        out = sched.schedule()
+        steps, tokens = steps + 1, tokens + sum(s.num_new_tokens for s in out.scheduled)
+        if any(s.seq.seq_id == "long" and s.samples for s in out.scheduled):
+            return steps, steps * fixed_ms + per_token_ms * tokens
+        sched.advance(out)
+        sched.append_tokens({s.seq.seq_id: 0 for s in out.scheduled if s.samples})
+
+
+def _predict_wrong(case: PredictCase, *, chunk_full=False, no_decodes=False, one_fixed=False, floor=False,
+                   full_steps=False) -> tuple[int, float]:
+    p, d, b, f, t = case
+    chunk = b if chunk_full else b - d
+    steps = max(1, p // chunk) if floor else -(-p // chunk)
+    tokens = steps * b if full_steps else p + (0 if no_decodes else steps * d)
+    return steps, (f if one_fixed else steps * f) + t * tokens
+
+
+def _same_prediction(got, want) -> bool:
+    return got[0] == want[0] and math.isclose(got[1], want[1], rel_tol=1e-9, abs_tol=1e-9)
+
+
+_PREDICT_MISTAKES = [
+    ("The decodes go first: each step, the older requests' decode tokens come out of the budget, and the prompt's "
+     "chunk gets what is left, budget - num_decodes.", lambda c: _predict_wrong(c, chunk_full=True)),
+    ("The decodes share every step with the chunk: the steps feed the prompt's tokens and num_decodes decode tokens "
+     "each, and the per-token cost counts them all.", lambda c: _predict_wrong(c, no_decodes=True)),
+    ("Every step pays the fixed cost: steps * fixed_ms, not fixed_ms once.", lambda c: _predict_wrong(c, one_fixed=True)),
+    ("A partial chunk is a step too: ceil(prompt_len / chunk) steps, not floor.", lambda c: _predict_wrong(c, floor=True)),
+    ("The last chunk is usually smaller than the others: count the tokens fed (the prompt, plus the decodes of every "
+     "step), not steps * budget.", lambda c: _predict_wrong(c, full_steps=True)),
+]
+
+
+def _predict_cases(rng) -> list[PredictCase]:
+    cases: list[PredictCase] = [
+        (1024, 4, 128, 56.0, 1.45),  # the chapter's run: nine chunks
+        (1024, 4, 2048, 56.0, 1.45),  # the budget holds the whole prompt: one step
+        (100, 0, 32, 10.0, 0.5),  # nobody decoding
+        (124, 4, 128, 30.0, 1.0),  # exactly one full chunk
+    ]
+    while len(cases) < 24:
+        d = rng.randint(0, 16)
+        cases.append((rng.randint(1, 3000), d, rng.randint(d + 1, 1024), round(rng.uniform(5, 100), 1),
+                      round(rng.uniform(0.05, 3), 2)))  # fmt: skip
+    return cases
+
+
+def check_predicted_ttft(predict_ttft: Callable[[int, int, int, float, float], tuple[int, float]],
+                         seed: int = 0) -> CheckResult:
+    """``predict_ttft(prompt_len, num_decodes, budget, fixed_ms, per_token_ms) -> (steps, ms)``: from a prompt's
+    arrival to the step that computes its last prompt token, beside ``num_decodes`` older requests that keep
+    decoding, with chunked prefill under ``budget`` tokens a step, each step costing ``fixed_ms + per_token_ms *
+    tokens``. Compared with the package's Scheduler driven without a model."""
+    if not callable(predict_ttft):
+        raise ExerciseError(f"pass your function predict_ttft, got {type(predict_ttft).__name__}")
+    refuse_references(predict_ttft, {"Scheduler": Scheduler}, "predict from the rules, without running a scheduler.")
+    diagnosis = Diagnosis(_PREDICT_MISTAKES, same=_same_prediction, default=(
+        "Each step feeds num_decodes decode tokens and a chunk of budget - num_decodes prompt tokens (the last one "
+        "smaller); count the steps, the tokens fed, and charge fixed_ms per step plus per_token_ms per token."))
+    for case in _predict_cases(case_rng("check_predicted_ttft", seed)):
+        label = f"predict_ttft{case}"
+        got = call_learner("predict_ttft", predict_ttft, *case)
+        if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], int)
+                and not isinstance(got[0], bool) and isinstance(got[1], (int, float))):
+            raise ExerciseError(f"{label} should return (steps, milliseconds): an int and a number, got "
+                                f"{describe(got)}", case=label)  # fmt: skip
+        want = _predicted_ttft(*case)
+        if not _same_prediction(got, want):
+            diagnosis.record(label, (case,), tuple(got), want)
+    diagnosis.raise_if_wrong()
+    steps, ms = _predicted_ttft(1024, 4, 128, 56.0, 1.45)
+    return passed(f"a 1,024-token prompt beside 4 decodes with a budget of 128 takes {steps} steps: "
+                  f"{ms / 1e3:.2f} s at 56 ms + 1.45 ms per token.")
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished
