@@ -277,5 +277,29 @@ def animation_html(anim, alt: str) -> str:
         raise ValueError("alt must be a non-empty description of the animation")
     from html import escape
 
-    html = anim.to_jshtml()
+    html = shrink_frames(anim.to_jshtml())
     return html.replace("<img ", f'<img alt="{escape(alt.strip())}" ', 1)
+
+
+def shrink_frames(html: str, colors: int = 48) -> str:
+    """``html`` (matplotlib's ``to_jshtml``) with every embedded PNG frame reduced to a ``colors``-colour palette.
+
+    The frames are flat colour fields and text: a palette keeps them looking the same at about a third of the
+    bytes, which is most of the weight of the page that shows them (chapter 2's cache grid)."""
+    import base64
+    import io
+    import re
+
+    from PIL import Image
+
+    if not isinstance(colors, int) or not 2 <= colors <= 256:
+        raise ValueError(f"colors must be an int from 2 to 256, got {colors!r}")
+
+    def shrink(match: re.Match) -> str:
+        raw = base64.b64decode(re.sub(r"\\\n|\s", "", match.group(1)))  # to_jshtml wraps lines with a backslash
+        image = Image.open(io.BytesIO(raw)).convert("RGB").quantize(colors=colors, method=Image.Quantize.MEDIANCUT)
+        out = io.BytesIO()
+        image.save(out, "PNG", optimize=True)
+        return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode("ascii") + '"'
+
+    return re.sub(r'data:image/png;base64,(.*?)"', shrink, html, flags=re.S)

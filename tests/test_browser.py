@@ -175,6 +175,11 @@ return {
   // a figure's alt text says what it shows, not its file's hash
   bad_alts: [...document.querySelectorAll('article img')]
       .filter(i => !i.alt.trim() || /^[0-9a-f]{16,}$/.test(i.alt.trim())).map(i => i.src.split('/').pop()),
+  // a figure drawn at under two thirds of its natural width has text too small to read
+  shrunk: [...document.querySelectorAll('article .cell_output img')]
+      .filter(i => !i.closest('.animation') && i.naturalWidth > 0
+                   && i.getBoundingClientRect().width < (2 / 3) * i.naturalWidth)
+      .map(i => `${i.alt.slice(0, 50)}: ${i.naturalWidth} px drawn at ${Math.round(i.getBoundingClientRect().width)}`),
   math: document.querySelectorAll('span.math, div.math').length,
   math_rendered: document.querySelectorAll('mjx-container').length,
   math_errors: document.querySelectorAll('mjx-merror, .MathJax_Error').length,
@@ -215,6 +220,18 @@ def test_every_figure_has_real_alt_text(opened, page):
     assert not opened[page]["bad_alts"], f"{page}: figures whose alt text is empty or a hash: {opened[page]['bad_alts']}"
 
 
+def test_no_page_weighs_more_than_800_kb():
+    # Chapter 2's animation once embedded 1.35 MB of frames in its page; a phone on a slow link waited for them.
+    heavy = {p.name: p.stat().st_size for p in (Path(HTML) / "book").glob("*.html") if p.stat().st_size > 800_000}
+    assert not heavy, f"pages over 800 kB of HTML: {heavy}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_figure_is_shrunk_below_two_thirds(opened, page):
+    # The browser window is 1366 px wide: a figure much wider than the column is scaled until its text is unreadable.
+    assert not opened[page]["shrunk"], f"{page}: figures drawn at under 2/3 of their width: {opened[page]['shrunk']}"
+
+
 @pytest.mark.parametrize(("width", "height"), [(390, 844), (900, 1100)], ids=["phone", "tablet"])
 def test_the_menu_opens_on_a_narrow_screen_and_leads_to_a_chapter(browser, site, width, height):
     # The themes bound their handlers to a hidden header button: the visible menu button did nothing.
@@ -236,6 +253,22 @@ def test_the_menu_opens_on_a_narrow_screen_and_leads_to_a_chapter(browser, site,
         overflow = browser.execute_script(
             "return document.documentElement.scrollWidth - document.documentElement.clientWidth")
         assert overflow <= 1, f"{target} at {width} px scrolls sideways by {overflow} px"
+    finally:
+        browser.set_window_size(1366, 900)
+
+
+def test_no_page_scrolls_sideways_on_a_phone(browser, site):
+    # Long inline paths and wide tables once made whole pages wider than a 390 px screen.
+    browser.set_window_size(390, 844)
+    try:
+        wide = {}
+        for page in PAGES:
+            _open(browser, f"{site}/{page}")
+            overflow = browser.execute_script(
+                "return document.documentElement.scrollWidth - document.documentElement.clientWidth")
+            if overflow > 1:
+                wide[page] = overflow
+        assert not wide, f"pages wider than a 390 px phone (px too wide): {wide}"
     finally:
         browser.set_window_size(1366, 900)
 

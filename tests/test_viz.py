@@ -194,3 +194,35 @@ def test_the_animation_html_describes_its_frames():
     assert html.count("<img") == 1 and '<img alt="Cells light up &lt;as&gt; computed" ' in html
     with pytest.raises(ValueError, match="alt"):
         animation_html(anim, "  ")
+
+
+def test_shrunk_frames_keep_the_picture_at_a_fraction_of_the_bytes():
+    import base64
+    import io
+    import re
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import numpy as np
+    import pytest
+    from PIL import Image
+
+    from kvcourse.viz import cache_grid_animation, shrink_frames
+
+    html = cache_grid_animation(num_layers=4, prompt_len=3, new_tokens=3, mode="cached").to_jshtml()
+    out = shrink_frames(html)
+    pattern = r'data:image/png;base64,(.*?)"'
+
+    def frames(text):
+        return [Image.open(io.BytesIO(base64.b64decode(re.sub(r"\\\n|\s", "", f)))) for f in re.findall(pattern, text, re.S)]
+
+    before, after = frames(html), frames(out)
+    assert len(after) == len(before) >= 3 and len(out) < 0.6 * len(html)
+    for a, b in zip(before, after):
+        assert b.mode == "P" and b.size == a.size
+        diff = np.abs(np.asarray(a.convert("RGB"), dtype=int) - np.asarray(b.convert("RGB"), dtype=int))
+        assert np.mean(diff.max(axis=2) > 24) < 0.01  # under 1% of pixels visibly changed
+    assert out.count("<img") == html.count("<img")  # the player is untouched
+    with pytest.raises(ValueError, match="colors"):
+        shrink_frames(html, colors=1)
