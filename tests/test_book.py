@@ -65,12 +65,14 @@ def test_solution_code_is_labelled_and_nbval_markers_are_tags(path):
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_every_figure_says_what_it_shows(path):
     """A cell that draws a figure gives it alt text (myst-nb's image options), so the page does not fall back to the
-    image file's hash."""
+    image file's hash, and a caption under it that says what it compares and where its numbers come from."""
     nb = json.loads(path.read_text())
     for i, cell in enumerate(nb["cells"]):
         if cell["cell_type"] == "code" and any("image/png" in o.get("data", {}) for o in cell.get("outputs", [])):
             alt = cell["metadata"].get("mystnb", {}).get("image", {}).get("alt", "")
             assert len(alt) >= 40, f"{path.name} cell {i}: a figure without alt text that says what it shows"
+            caption = cell["metadata"].get("mystnb", {}).get("figure", {}).get("caption", "")
+            assert len(caption) >= 40 and caption != alt, f"{path.name} cell {i}: a figure without its own caption"
 
 
 def test_sources_are_cited_by_title_not_by_file():
