@@ -280,6 +280,11 @@ def test_the_menu_button_collapses_the_sidebar_on_a_wide_screen(browser, site):
     assert not browser.execute_script(hidden)
     toggle.click()
     WebDriverWait(browser, 10).until(lambda d: d.execute_script(hidden))
+    # The button's tooltip, shown while the pointer rests on it, can sit over the button itself: the pointer leaves,
+    # and the second real click waits until the tooltip has gone.
+    browser.execute_script("arguments[0].dispatchEvent(new MouseEvent('mouseleave'))", toggle)
+    WebDriverWait(browser, 10).until(lambda d: not [t for t in d.find_elements(By.CSS_SELECTOR, ".tooltip")
+                                                    if t.is_displayed()])
     toggle.click()
     WebDriverWait(browser, 10).until(lambda d: not d.execute_script(hidden))
 
