@@ -480,8 +480,7 @@ def simulate(
         if step == snapshot_step:
             snapshot = _snapshot(pool, scheduler.running, final_len)
         # The step runs: each scheduled request produces a (placeholder) token; finished ones free memory.
-        scheduler.advance(out)
-        for seq in scheduler.append_tokens({s.seq.seq_id: 0 for s in out.scheduled if s.samples}):
+        for seq in scheduler.advance_without_model(out):
             finish_step[seq.seq_id] = step
         step += 1
         if step > 10_000_000:  # a bug, not a workload

@@ -332,3 +332,20 @@ def test_fuzz_every_request_ends_exactly_once_within_budget_and_cap(
         if s.status is SequenceStatus.FINISHED:
             out = s.output_token_ids
             assert len(out) == s.params.max_new_tokens or out[-1] == 0
+
+
+def test_a_step_without_a_model_advances_and_appends_a_placeholder_token():
+    # What simulations and exercise checks do instead of a forward pass: the same as advance + append_tokens with 0.
+    ours, theirs = (Scheduler(BlockManager(20, 4), max_num_batched_tokens=8, watermark=0) for _ in range(2))
+    for sched in (ours, theirs):
+        for s in (seq("A", 3, max_new=2), seq("B", 9, max_new=2)):
+            sched.add(s)
+    while theirs.has_unfinished():
+        out_ours, out_theirs = ours.schedule(), theirs.schedule()
+        assert plan(out_ours) == plan(out_theirs)
+        finished = ours.advance_without_model(out_ours)
+        theirs.advance(out_theirs)
+        expected = theirs.append_tokens({s.seq.seq_id: 0 for s in out_theirs.scheduled if s.samples})
+        assert [s.seq_id for s in finished] == [s.seq_id for s in expected]
+        assert [s.token_ids for s in ours.running] == [s.token_ids for s in theirs.running]
+    assert not ours.has_unfinished()

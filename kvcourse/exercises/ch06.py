@@ -69,8 +69,7 @@ def _preemptions(case: Workload, policy: Callable | None) -> tuple[list[tuple[in
         out = sched.schedule()
         log += [(step, seq.seq_id) for seq in out.preempted]
         recomputed += sum(s.num_recomputed_tokens for s in out.scheduled)
-        sched.advance(out)
-        sched.append_tokens({s.seq.seq_id: 0 for s in out.scheduled if s.samples})
+        sched.advance_without_model(out)
         step += 1
     return log, recomputed
 
@@ -275,9 +274,7 @@ def _predicted_ttft(prompt_len: int, num_decodes: int, budget: int, fixed_ms: fl
     for i in range(num_decodes):  # one-token prompts: decoding from their second step on
         sched.add(Sequence(f"decode {i}", [1], params))
     for _ in range(2):
-        out = sched.schedule()
-        sched.advance(out)
-        sched.append_tokens({s.seq.seq_id: 0 for s in out.scheduled if s.samples})
+        sched.advance_without_model(sched.schedule())
     sched.add(Sequence("long", [1] * prompt_len, SamplingParams(max_new_tokens=1, stop_token_ids=())))
     steps, tokens = 0, 0
     while True:
@@ -285,8 +282,7 @@ def _predicted_ttft(prompt_len: int, num_decodes: int, budget: int, fixed_ms: fl
         steps, tokens = steps + 1, tokens + sum(s.num_new_tokens for s in out.scheduled)
         if any(s.seq.seq_id == "long" and s.samples for s in out.scheduled):
             return steps, steps * fixed_ms + per_token_ms * tokens
-        sched.advance(out)
-        sched.append_tokens({s.seq.seq_id: 0 for s in out.scheduled if s.samples})
+        sched.advance_without_model(out)
 
 
 def _predict_wrong(case: PredictCase, *, chunk_full=False, no_decodes=False, one_fixed=False, floor=False,

@@ -39,12 +39,16 @@ def _ceil(a: int, b: int) -> int:
 
 
 # --- the learner's phase inside a Scheduler --------------------------------------------------------
-class _Running(Scheduler):
-    """A Scheduler whose phase 1 is ``decide(running, budget, free_blocks, block_size) -> (scheduled, preempted)``."""
+class _LearnerPhase(Scheduler):
+    """A Scheduler that asks ``decide`` (the learner's function) for one phase of each step."""
 
     def __init__(self, decide: Callable, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.decide = decide
+
+
+class _Running(_LearnerPhase):
+    """Phase 1 is ``decide(running, budget, free_blocks, block_size) -> (scheduled, preempted)``."""
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
@@ -86,12 +90,8 @@ class _Running(Scheduler):
         return budget - sum(n for _, n in pairs)
 
 
-class _Waiting(Scheduler):
-    """A Scheduler whose admission phase is ``decide(waiting, budget, free_blocks, block_size, seats) -> admitted``."""
-
-    def __init__(self, decide: Callable, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.decide = decide
+class _Waiting(_LearnerPhase):
+    """Admission is ``decide(waiting, budget, free_blocks, block_size, seats) -> admitted``."""
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
@@ -158,8 +158,7 @@ def _log(trace: Trace, cls: type | None = None, decide: Callable | None = None) 
                     sched.block_manager.num_free_blocks))
         if not out.scheduled and not out.preempted:  # nothing moves: every later step would be the same
             break
-        sched.advance(out)
-        sched.append_tokens({s.seq.seq_id: 0 for s in out.scheduled if s.samples})
+        sched.advance_without_model(out)
     return log
 
 

@@ -374,6 +374,13 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def advance_without_model(self, out: SchedulerOutput) -> list[Sequence]:
+        """Finish step ``out`` without a model, as the simulations and the exercise checks do: its K/V count as
+        computed (:meth:`advance`) and each sequence that samples gets a placeholder token, 0. The decisions do not
+        depend on the tokens. Returns the sequences that finished."""
+        self.advance(out)
+        return self.append_tokens({s.seq.seq_id: 0 for s in out.scheduled if s.samples})
+
     # ---- internals ------------------------------------------------------------------------------
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Reserve the slots of ``seq``'s next ``n`` tokens, preempting the policy's victims while the
