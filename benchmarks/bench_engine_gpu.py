@@ -80,6 +80,7 @@ import kvcourse
 from kvcourse import SamplingParams
 from kvcourse.serving import Engine, ModelRunner
 from kvcourse.serving.cuda_graphs import DecodeGraphs
+from kvcourse.serving.mixed_graphs import MixedGraphs
 
 try:  # issue 29's profiler of one step; a checkout without it still measures everything else
     from kvcourse.serving.step_profile import profile_step
@@ -287,10 +288,12 @@ def make_engine(model, shape: Shape, num_blocks: int, backend: str, graphs: bool
     if not graphs:
         return eng, "off"
     if on_cuda:
-        eng.runner.graphs.capture_all()  # every bucket now, as engines do at start-up: no capture in a timed run
+        eng.runner.capture_graphs()  # every bucket now, as engines do at start-up: no capture in a timed run
         return eng, "captured"
     # The engine caps its graphs at 512 sequences; the same cap here.
-    eng.runner.graphs = DecodeGraphs(model, eng.runner.kv_store, backend, min(shape.max_num_seqs, 512), capture=False)
+    runner, lanes = eng.runner, min(shape.max_num_seqs, 512)
+    runner.graphs = DecodeGraphs(model, runner.kv_store, backend, lanes, capture=False)
+    runner.mixed_graphs = MixedGraphs(model, runner.kv_store, lanes, shape.max_num_batched_tokens, capture=False)
     return eng, "eager twin"
 
 
@@ -305,6 +308,7 @@ def run_engine(model, prompts, lens, shape: Shape, backend: str, graphs: bool, p
     pilot_params = [SamplingParams(max_new_tokens=n, stop_token_ids=()) for n in pilot_lens]
     eng.generate(pilot_prompts, pilot_params, use_tqdm=False)
     replays, steps = eng.runner.graph_steps, len(eng.events)
+    mixed = eng.runner.mixed_graphs.replays if eng.runner.mixed_graphs is not None else 0
     sync(model.device)
     setup_s = time.perf_counter() - t0
     start = time.perf_counter()
@@ -319,7 +323,8 @@ def run_engine(model, prompts, lens, shape: Shape, backend: str, graphs: bool, p
     seconds = time.perf_counter() - start
     out = timed_result([eng.output(i) for i in ids], lens, seconds, setup_s, timed_out)
     out.update(backend=backend, graphs=mode, steps=len(eng.events) - steps,
-               graph_steps=eng.runner.graph_steps - replays)  # decode-only steps served from the graphs
+               graph_steps=eng.runner.graph_steps - replays,  # steps served from a graph, of either kind
+               mixed_graph_steps=(eng.runner.mixed_graphs.replays - mixed) if eng.runner.mixed_graphs else 0)
     return out
 
 

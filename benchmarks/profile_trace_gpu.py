@@ -19,10 +19,12 @@ after an untimed pilot (kernels compiled, graphs captured), and records for ever
   which waits for the GPU to finish the step), ``other`` (the rest of ``Engine.step``);
 * its device time from CUDA events around the forward (``forward_gpu_ms``).
 
-Variants (``--variants``), each a fresh engine: ``graphs`` (the benchmark's configuration),
-``graphs-again`` (a second pass of the trace on the same engine: what a first pass pays once, such as
-kernels compiled or attention plans built for new shapes, it no longer pays), ``no-cudnn`` (SDPA's
-cuDNN backend off: prefill attention takes torch's next choice), ``profiled`` (the ``graphs`` run under
+Variants (``--variants``), each a fresh engine: ``graphs`` (the benchmark's configuration: every step
+from a graph, decode-only and mixed), ``decode-graphs`` (only decode-only steps from graphs, mixed steps
+eager: the engine before :mod:`kvcourse.serving.mixed_graphs`), ``graphs-again`` (a second pass of the
+trace on the same engine: what a first pass pays once, such as kernels compiled or attention plans
+built for new shapes, it no longer pays), ``no-cudnn`` (``decode-graphs`` with SDPA's cuDNN backend
+off: prefill attention takes torch's next choice), ``profiled`` (the ``graphs`` run under
 torch's profiler: the ops with the most host time and the kernels with the most device time, device-busy
 time in all) and ``eager`` (no graphs). A last section times SDPA with the prefill's mask on shapes it
 has not seen, first call against second, cuDNN on and off.
@@ -52,7 +54,7 @@ from kvcourse.batch import ForwardBatch  # noqa: E402
 from kvcourse.serving import Engine  # noqa: E402
 
 PARTS = ("schedule", "batch", "forward", "sample", "other")
-VARIANTS = ("graphs", "graphs-again", "no-cudnn", "profiled", "eager")
+VARIANTS = ("graphs", "decode-graphs", "graphs-again", "no-cudnn", "profiled", "eager")
 
 
 class StepClock:
@@ -66,8 +68,9 @@ class StepClock:
         self._wrap(sched, "snapshot", "schedule")
         self._wrap(runner, "execute", None, around=True)
         self._wrap(eng, "_sample", "sample")
-        if runner.graphs is not None:
-            self._wrap(runner.graphs, "load_inputs", "batch")
+        for graphs in (runner.graphs, runner.mixed_graphs):
+            if graphs is not None:
+                self._wrap(graphs, "load_inputs", "batch")
         build = ForwardBatch.build
 
         def timed_build(*args, **kwargs):
@@ -161,15 +164,19 @@ def summarize(steps: list[dict]) -> dict:
     return out
 
 
-def serve(model, prompts, lens, shape: Shape, *, graphs: bool, passes: int, profiler=None) -> list[dict]:
-    """A fresh engine, piloted untimed, then ``passes`` timed passes of the trace, every step clocked."""
+def serve(model, prompts, lens, shape: Shape, *, graphs: bool, passes: int, profiler=None,
+          mixed: bool = True) -> list[dict]:  # fmt: skip
+    """A fresh engine, piloted untimed, then ``passes`` timed passes of the trace, every step clocked.
+    ``mixed=False``: only decode-only steps replay graphs (the engine before mixed-step graphs)."""
     cuda = model.device.type == "cuda"
     num_blocks = pool_blocks(prompts, lens, shape.block_size)
     eng = Engine(model, num_blocks=num_blocks, block_size=shape.block_size, max_num_seqs=shape.max_num_seqs,
                  max_num_batched_tokens=shape.max_num_batched_tokens, enable_chunked_prefill=True,
                  backend="triton", cuda_graphs=graphs and cuda)  # fmt: skip
+    if not mixed:
+        eng.runner.mixed_graphs = None
     if graphs and cuda:
-        eng.runner.graphs.capture_all()
+        eng.runner.capture_graphs()
     pp, pl = pilot_workload(prompts, 8)
     eng.generate(pp, [SamplingParams(max_new_tokens=n, stop_token_ids=()) for n in pl], use_tqdm=False)
     sync(model.device)
@@ -282,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if v == "graphs":
                 res["runs"][v] = serve(model, prompts, lens, shape, graphs=True, passes=1)[0]
+            elif v == "decode-graphs":
+                res["runs"][v] = serve(model, prompts, lens, shape, graphs=True, passes=1, mixed=False)[0]
             elif v == "graphs-again":
                 first, again = serve(model, prompts, lens, shape, graphs=True, passes=2)
                 res["runs"][v] = again | {"first_pass_tok_s": first["tok_s"]}
@@ -289,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 if cuda:
                     torch.backends.cuda.enable_cudnn_sdp(False)
                 try:
-                    res["runs"][v] = serve(model, prompts, lens, shape, graphs=True, passes=1)[0]
+                    res["runs"][v] = serve(model, prompts, lens, shape, graphs=True, passes=1, mixed=False)[0]
                 finally:
                     if cuda:
                         torch.backends.cuda.enable_cudnn_sdp(True)

@@ -61,7 +61,9 @@ def test_the_cpu_smoke_run_writes_every_section(tmp_path):
         assert run["tok_s"] > 0 and not run["timed_out"], name
         assert run["finished"] == run["requests"] == nano["requests"], name
     graphs = nano["runs"]["engine_triton_graphs"]
-    assert graphs["graphs"] == "eager twin" and 0 < graphs["graph_steps"] < graphs["steps"]  # prefills run eagerly
+    # Every step from a graph's eager twin: the decodes from decode graphs, prompts from mixed-step graphs.
+    assert graphs["graphs"] == "eager twin" and graphs["graph_steps"] == graphs["steps"]
+    assert 0 < graphs["mixed_graph_steps"] < graphs["steps"]
     assert nano["runs"]["engine_triton_eager"]["graph_steps"] == 0
     assert nano["runs"]["hf_cb"]["config"]["resolved"]["use_cuda_graph"] == "(False, False)"  # no graphs on a CPU
     assert all(v is not None for v in nano["ratios"].values())

@@ -135,7 +135,7 @@ def test_the_graph_path_gives_the_eager_tokens(seed, kernels_on):
     got, eng = _serve(model, "captured" if device.type == "cuda" else "static")
     assert got == eager
     steps = len(eng.events)
-    assert 0 < eng.runner.graph_steps < steps  # some steps replayed, the prefills did not
+    assert 0 < eng.runner.graphs.replays < steps  # some steps replayed a decode graph, the others not
     if device.type == "cuda":
         assert set(eng.runner.graphs.graphs) <= set(eng.runner.graphs.sizes) and eng.runner.graphs.graphs
 
@@ -238,7 +238,7 @@ def test_captured_decode_of_the_real_model_equals_eager_cuda(model, tok):
         logits = runner.step([(0, [7]), (1, [8])])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert logits.shape == (2, model_on.config.vocab_size) and runner.graph_steps == 2
+    assert logits.shape == (2, model_on.config.vocab_size) and runner.graphs.replays == 2
 
 
 @kernels_on_cpu

@@ -75,14 +75,14 @@ OTHER_HEADS = ((8, 8), (64, 8))
 NAMED_LAYERS = {"SmolLM2-135M": (576, 1536, 9, 3, 64)}
 FUSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
 FUSED_TOKENS = (1, 64, 2048)  # a decode step, a batch of decodes, a prefill chunk (only the grid depends on it)
-_ATTENTION_KERNELS = ("_decode_kernel", "_paged_decode_kernel", "_merge_splits_kernel")  # the ones with tl.dot
+_ATTENTION_KERNELS = ("_decode_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_ragged_paged_kernel")  # the ones with tl.dot
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One launch of one wrapper: what it runs on (the tensors are made small; the kernel sees the same)."""
 
-    op: str  # "decode" | "paged" | "cache", or one of FUSED_OPS
+    op: str  # "decode" | "paged" | "ragged" | "cache", or one of FUSED_OPS
     dtype: torch.dtype  # the query's (or the new K/V's) dtype
     heads: tuple[int, int]  # (q heads, kv heads); the cache write sees only kv heads
     head_dim: int
@@ -157,10 +157,12 @@ def _kernels() -> tuple:
     from .triton_cache import _reshape_and_cache_kernel
     from .triton_decode import _decode_kernel
     from .triton_paged import _merge_splits_kernel, _paged_decode_kernel
+    from .triton_ragged import _ragged_paged_kernel
 
     fused = (triton_fused._rms_norm_kernel, triton_fused._fused_add_rms_norm_kernel,
              triton_fused._rotary_embedding_kernel, triton_fused._silu_and_mul_kernel)  # fmt: skip
-    return _decode_kernel, _paged_decode_kernel, _merge_splits_kernel, _reshape_and_cache_kernel, *fused
+    return (_decode_kernel, _paged_decode_kernel, _merge_splits_kernel, _ragged_paged_kernel, _reshape_and_cache_kernel,
+            *fused)  # fmt: skip
 
 
 @contextmanager
@@ -210,6 +212,7 @@ def launches_for(config: Config, target: Target | None) -> list[Launch]:
     from .triton_cache import _launch as cache_launch
     from .triton_decode import decode
     from .triton_paged import paged_decode
+    from .triton_ragged import ragged_paged
 
     hq, hkv = config.heads
     d, dtype, cap = config.head_dim, config.dtype, target.capability if target else None
@@ -226,6 +229,11 @@ def launches_for(config: Config, target: Target | None) -> list[Launch]:
             tables = torch.zeros(2, 2, dtype=torch.int32)
             paged_decode(q, pool, pool.clone(), tables, torch.ones(2, dtype=torch.int32), d**-0.5, config.num_splits,
                          *scales, capability=cap)  # fmt: skip
+        elif config.op == "ragged":  # two sequences of 3 and 1 new tokens; the grid alone depends on the counts
+            q = torch.empty(4, hq, d, dtype=dtype)
+            pool = torch.empty(4, config.block_size, hkv, d, dtype=dtype)
+            ragged_paged(q, pool, pool.clone(), torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32),
+                         torch.tensor([0, 3, 4], dtype=torch.int32), d**-0.5, capability=cap)  # fmt: skip
         elif config.op == "cache":
             new = torch.empty(config.tokens, hkv, d, dtype=dtype)
             pool = torch.empty(max(4, config.tokens), config.block_size, hkv, d, dtype=cache_dtype)
@@ -234,7 +242,7 @@ def launches_for(config: Config, target: Target | None) -> list[Launch]:
         elif config.op in FUSED_OPS:
             _launch_fused(config)
         else:
-            raise ValueError(f"config.op must be 'decode', 'paged', 'cache' or one of {FUSED_OPS}, got {config.op!r}")
+            raise ValueError(f"config.op must be 'decode', 'paged', 'ragged', 'cache' or one of {FUSED_OPS}, got {config.op!r}")
     return launches
 
 
@@ -380,12 +388,15 @@ def configurations(target: Target, quick: bool = False) -> list[Config]:
                 blocks, splits, tokens = ((1, 16, 32) if is_named else (16,)), sorted({1, 2, most}), (1, 5, 37)
             for block_size, s in itertools.product(blocks, splits):
                 out.append(Config("paged", dtype, (hq, hkv), d, kv_int8, block_size, s))
+            if not kv_int8:  # the ragged kernel (a mixed step's attention in a CUDA graph) reads float pools only
+                out += [Config("ragged", dtype, (hq, hkv), d, False, block_size) for block_size in blocks]
             for block_size, n in itertools.product(blocks, tokens):  # BLOCK_T follows the count; 1 is specialised
                 out.append(Config("cache", dtype, (hq, hkv), d, kv_int8, block_size, tokens=n))
     # The tests' tiny model (tests/conftest.py): head_dim 8 is under tl.dot's 16, so BLOCK_D pads it.
     # gpu-check runs those tests on the GPU; this compiles them here.
     tiny = (6, 2)
-    out += [Config("decode", torch.float32, tiny, 8), Config("paged", torch.float32, tiny, 8, False, 4, 1)]
+    out += [Config("decode", torch.float32, tiny, 8), Config("paged", torch.float32, tiny, 8, False, 4, 1),
+            Config("ragged", torch.float32, tiny, 8, False, 4)]
     return out + fused_configurations(target)
 
 

@@ -97,7 +97,8 @@ class Engine:
         check_int("max_num_seqs", max_num_seqs, min=1, none_ok=True)
         graph_seqs = 512 if max_num_seqs is None else min(max_num_seqs, 512)
         self.runner = ModelRunner(model, num_blocks, block_size, backend, enable_prefix_caching, num_cpu_blocks,
-                                  cuda_graphs=cuda_graphs, max_num_seqs=graph_seqs)  # fmt: skip
+                                  cuda_graphs=cuda_graphs, max_num_seqs=graph_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens or 2048)  # fmt: skip
         self.scheduler = Scheduler(
             self.runner.block_manager,
             max_num_seqs=max_num_seqs,

@@ -17,9 +17,10 @@ nothing) and runs steps 2-3.
 The backend names the pool it needs (:mod:`kvcourse.backends`): ``backend="paged-int8-torch"`` gets
 an int8 pool.
 
-On a CUDA GPU with the ``"triton"`` backend, decode-only steps replay CUDA graphs
-(:mod:`kvcourse.serving.cuda_graphs`); prefills and mixed steps run eagerly. ``graph_steps`` counts
-the steps served from a graph.
+On a CUDA GPU with the ``"triton"`` backend every step replays a CUDA graph: decode-only steps one
+recorded per batch size (:mod:`kvcourse.serving.cuda_graphs`), steps that feed prompts one recorded per
+token count (:mod:`kvcourse.serving.mixed_graphs`). A step larger than the largest graph, or one that
+asks for every token's logits, runs eagerly. ``graph_steps`` counts the steps served from a graph.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from ..backends import backend_class
 from .cuda_graphs import DecodeGraphs
+from .mixed_graphs import MixedGraphs
 from .step_profile import FORWARD_SCOPE
 from ..batch import ForwardBatch, SeqSlice
 from ..checks import check_bool, check_hashable, check_int, check_token_ids
@@ -52,10 +54,12 @@ class ModelRunner:
         enable_prefix_caching: the pool is a :class:`~kvcourse.paged.PrefixCachingBlockManager` (chapter 7).
         num_cpu_blocks: a second pool of blocks in host memory, for swapped sequences and (with prefix
             caching) evicted cached blocks (chapter 7). 0: none.
-        cuda_graphs: replay decode steps from CUDA graphs. ``None`` (default): on when the model is on a
+        cuda_graphs: replay steps from CUDA graphs. ``None`` (default): on when the model is on a
             CUDA device and the backend can be captured (``"triton"``); ``True``: required (an error
             otherwise); ``False``: every step eager.
-        max_num_seqs: the largest decode step a graph must hold (the engine passes its own limit).
+        max_num_seqs: the most sequences a step recorded in a graph holds (the engine passes its own limit).
+        max_num_batched_tokens: the most tokens a step recorded in a graph feeds (the engine passes its
+            own limit; default 2,048). Larger steps run eagerly.
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class ModelRunner:
         num_cpu_blocks: int = 0,
         cuda_graphs: bool | None = None,
         max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
     ) -> None:
         if not hasattr(model, "forward_batch") or not hasattr(model, "config"):
             raise TypeError(f"model must be a kvcourse.LlamaModel, got {type(model).__name__}")
@@ -77,6 +82,7 @@ class ModelRunner:
         if cuda_graphs is not None:
             check_bool("cuda_graphs", cuda_graphs)
         check_int("max_num_seqs", max_num_seqs, min=1)
+        check_int("max_num_batched_tokens", max_num_batched_tokens, min=1)
         on_cuda = model.device.type == "cuda"
         capturable = getattr(backend_cls, "capturable", False)
         if cuda_graphs and not (on_cuda and capturable):
@@ -100,6 +106,8 @@ class ModelRunner:
         # Graphs last: the pool they read and write exists, and nothing after this can fail.
         use_graphs = cuda_graphs if cuda_graphs is not None else on_cuda and capturable
         self.graphs = DecodeGraphs(model, self.kv_store, backend, max_num_seqs) if use_graphs else None
+        self.mixed_graphs = (MixedGraphs(model, self.kv_store, max_num_seqs, max_num_batched_tokens)
+                             if use_graphs else None)  # fmt: skip
         self.num_transferred_blocks = {"to_host": 0, "to_device": 0}
         self.transfer_seconds = 0.0  # time spent copying blocks between the pools
 
@@ -172,15 +180,24 @@ class ModelRunner:
 
     @property
     def graph_steps(self) -> int:
-        """Steps served from a CUDA graph (or, with ``graphs.capture=False``, its eager twin)."""
-        return 0 if self.graphs is None else self.graphs.replays
+        """Steps served from a CUDA graph (or, with ``capture=False``, its eager twin): decode-only and mixed."""
+        return sum(g.replays for g in (self.graphs, self.mixed_graphs) if g is not None)
+
+    def capture_graphs(self) -> None:
+        """Record every graph now, as engines do at start-up (otherwise each is recorded on first use)."""
+        for graphs in (self.graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.capture_all()
 
     def forward(self, seqs: Sequence[SeqSlice], all_logits: bool = False) -> torch.Tensor:
         """Pack ``seqs`` (slots reserved, K/V of earlier tokens in the pool) into one batch and run it:
-        from a CUDA graph when every sequence decodes one token, else eagerly."""
-        if self.graphs is not None and not all_logits and self.graphs.ready(seqs):
-            with torch.profiler.record_function(FORWARD_SCOPE):  # a label for profile_step (a no-op otherwise)
-                return self.graphs.run(seqs)
+        from a decode graph when every sequence decodes one token, else from a mixed-step graph if the
+        step fits one, else eagerly."""
+        if not all_logits:
+            for graphs in (self.graphs, self.mixed_graphs):
+                if graphs is not None and graphs.ready(seqs):
+                    with torch.profiler.record_function(FORWARD_SCOPE):  # a label for profile_step (else a no-op)
+                        return graphs.run(seqs)
         batch = ForwardBatch.build(seqs, self.block_size, self.kv_store.device)
         with torch.profiler.record_function(FORWARD_SCOPE):
             return self.model.forward_batch(batch, self.kv_store, self.backend, all_logits=all_logits)
