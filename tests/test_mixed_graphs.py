@@ -137,12 +137,12 @@ def test_captured_mixed_steps_of_the_real_model_equal_eager_cuda(model, tok):
     assert runs[True][1] == runs[True][2] and runs[False][1] == 0
     runner = ModelRunner(model_on, 16, 16, backend="triton", cuda_graphs=True, max_num_seqs=4,
                          max_num_batched_tokens=64)  # fmt: skip
-    runner.step([(0, prompts[0])])
-    runner.step([(0, [5]), (1, prompts[1])])  # records the bucket of 64
+    runner.step([(0, prompts[0])])  # records the bucket of 64 (a prompt alone is a step of this kind too)
+    runner.step([(0, [5]), (1, prompts[1])])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         logits = runner.step([(0, [7]), (2, prompts[2][:20])])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert logits.shape == (2, model_on.config.vocab_size) and runner.mixed_graphs.replays == 2
+    assert logits.shape == (2, model_on.config.vocab_size) and runner.mixed_graphs.replays == 3
