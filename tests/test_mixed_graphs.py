@@ -146,3 +146,13 @@ def test_captured_mixed_steps_of_the_real_model_equal_eager_cuda(model, tok):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert logits.shape == (2, model_on.config.vocab_size) and runner.mixed_graphs.replays == 3
+
+
+def test_after_a_kernel_fell_back_mixed_steps_run_eagerly():
+    """A kernel that falls back to torch reads the static batch's host copies, which describe the graph, not the step."""
+    _, graphs = _mixed(tiny_llama(1))
+    graphs.fell_back = True
+    step = [SeqSlice([1, 2], 0, [0])]
+    assert graphs.can_run(step) and not graphs.ready(step)
+    with pytest.raises(ValueError, match="fell back: True"):
+        graphs.run(step)

@@ -36,7 +36,7 @@ from ..backends import backend_class
 from ..batch import ForwardBatch, SeqSlice
 from ..checks import check_int
 
-__all__ = ["DecodeGraphs", "bucket_for", "graph_batch_sizes"]
+__all__ = ["DecodeGraphs", "GraphBuckets", "bucket_for", "graph_batch_sizes"]
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -51,7 +51,51 @@ def bucket_for(num_seqs: int, sizes: Sequence[int]) -> int | None:
     return next((s for s in sizes if s >= num_seqs), None)
 
 
-class DecodeGraphs:
+class GraphBuckets:
+    """What decode-step and mixed-step graphs share: recording one bucket after a warm-up run, and all of them.
+
+    A subclass has ``sizes`` (its buckets), ``graphs`` (bucket -> graph), ``memory_pool``, ``fell_back``,
+    ``capture``, ``kv_store``, and the two methods a recording needs: ``load_padding(size)`` (every lane
+    padding) and ``forward(size)`` (the static forward). ``kind`` names its steps in a warning.
+    """
+
+    kind = "steps"
+
+    def capture_graph(self, size: int) -> None:
+        """Record bucket ``size``'s forward (after one eager run, which compiles the kernels).
+
+        Before the first step the static buffers hold padding only (slot -1, length 0): the warm-up
+        run writes no K/V and reads none.
+        """
+        from ..kernels.triton_runtime import KernelFallbackWarning, counting_runs  # Triton: only where graphs run
+
+        self.load_padding(size)
+        stream = torch.cuda.Stream(self.kv_store.device)
+        stream.wait_stream(torch.cuda.current_stream(self.kv_store.device))
+        runs: Counter = Counter()
+        with torch.cuda.stream(stream), counting_runs(runs):
+            self.forward(size)  # warm-up: Triton compiles, the allocator sizes its blocks
+        torch.cuda.current_stream(self.kv_store.device).wait_stream(stream)
+        fell_back = sorted({kernel for kernel, how in runs if how == "fallback"})
+        if fell_back:  # the torch stand-in reads the host copies (which describe the graph): eager steps only
+            warnings.warn(f"{', '.join(fell_back)} could not compile here: {self.kind} run eagerly, without "
+                          f"CUDA graphs", KernelFallbackWarning, stacklevel=3)  # fmt: skip
+            self.fell_back = True
+            return
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory_pool):
+            self.forward(size)
+        self.memory_pool = graph.pool()
+        self.graphs[size] = graph
+
+    def capture_all(self) -> None:
+        """Capture every bucket now, largest first (they share one memory pool), as engines do at start-up."""
+        for size in sorted(self.sizes, reverse=True):
+            if self.capture and not self.fell_back and size not in self.graphs:
+                self.capture_graph(size)
+
+
+class DecodeGraphs(GraphBuckets):
     """One captured decode forward per bucket, over static buffers, for a model and its paged pool.
 
     Args:
@@ -61,6 +105,8 @@ class DecodeGraphs:
         max_num_seqs: the largest decode batch; the last bucket is the first multiple of 16 holding it.
         capture: record CUDA graphs (a CUDA device is needed), or run the same static forward eagerly.
     """
+
+    kind = "decode steps"
 
     def __init__(self, model, kv_store, backend: str, max_num_seqs: int, capture: bool = True) -> None:
         self.backend_cls = backend_class(backend)
@@ -169,40 +215,7 @@ class DecodeGraphs:
         hidden = self.model.step_hidden_states(batch, self.backend_cls(self.kv_store, batch))
         self.hidden[:size].copy_(hidden)
 
-    def capture_graph(self, size: int) -> None:
-        """Record bucket ``size``'s forward (after one eager run, which compiles the kernels).
-
-        Before the first step the static buffers hold padding only (slot -1, length 0): the warm-up
-        run writes no K/V and reads none.
-        """
-        from ..kernels.triton_runtime import KernelFallbackWarning, counting_runs  # Triton: only where graphs run
-
-        self.load_padding(size)
-        stream = torch.cuda.Stream(self.kv_store.device)
-        stream.wait_stream(torch.cuda.current_stream(self.kv_store.device))
-        runs: Counter = Counter()
-        with torch.cuda.stream(stream), counting_runs(runs):
-            self.forward(size)  # warm-up: Triton compiles, the allocator sizes its blocks
-        torch.cuda.current_stream(self.kv_store.device).wait_stream(stream)
-        fell_back = sorted({kernel for kernel, how in runs if how == "fallback"})
-        if fell_back:  # the torch stand-in reads the host copies (which describe the graph): eager steps only
-            warnings.warn(f"{', '.join(fell_back)} could not compile here: decode steps run eagerly, without "
-                          f"CUDA graphs", KernelFallbackWarning, stacklevel=3)  # fmt: skip
-            self.fell_back = True
-            return
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
-            self.forward(size)
-        self.memory_pool = graph.pool()
-        self.graphs[size] = graph
-
     def load_padding(self, size: int) -> None:
         """Every lane a padding lane: nothing is written, nothing is read."""
         self.slot_mapping[:size].fill_(-1)
         self.seq_lens[:size].zero_()
-
-    def capture_all(self) -> None:
-        """Capture every bucket now, largest first (they share one memory pool), as engines do at start-up."""
-        for size in sorted(self.sizes, reverse=True):
-            if self.capture and not self.fell_back and size not in self.graphs:
-                self.capture_graph(size)

@@ -27,15 +27,13 @@ Triton's interpreter (``tests/test_mixed_graphs.py``); ``make gpu-check`` tests 
 from __future__ import annotations
 
 import math
-import warnings
-from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
 from ..batch import ForwardBatch, SeqSlice
 from ..checks import check_int
-from .cuda_graphs import bucket_for
+from .cuda_graphs import GraphBuckets, bucket_for
 
 __all__ = ["MixedGraphs", "RaggedAttention", "token_buckets"]
 
@@ -59,28 +57,26 @@ class RaggedAttention:
     def __init__(self, kv_pool, batch: ForwardBatch) -> None:
         self.pool, self.batch = kv_pool, batch
         self.scale = 1.0 / math.sqrt(kv_pool.head_dim)
-        self.runs: Counter = Counter()
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         from ..kernels.triton_cache import reshape_and_cache
         from ..kernels.triton_ragged import ragged_paged, ragged_paged_attention_ref
-        from ..kernels.triton_runtime import counting_runs, launch_or_fallback
+        from ..kernels.triton_runtime import launch_or_fallback
 
         k_cache, v_cache, batch = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx], self.batch
-        with counting_runs(self.runs):
-            reshape_and_cache(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, batch.slot_mapping,
-                              check=False)  # fmt: skip
-            config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.shape[1])
-            return launch_or_fallback(
-                "ragged_paged_attention", q.device, config,
-                lambda: ragged_paged(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                                     self.scale),
-                lambda: ragged_paged_attention_ref(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                                                   batch.query_start_loc, self.scale),
-            )  # fmt: skip
+        reshape_and_cache(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, batch.slot_mapping,
+                          check=False)  # fmt: skip
+        config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.shape[1])
+        return launch_or_fallback(  # counted, so a recording sees a kernel that fell back (GraphBuckets)
+            "ragged_paged_attention", q.device, config,
+            lambda: ragged_paged(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                 self.scale),
+            lambda: ragged_paged_attention_ref(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                               batch.query_start_loc, self.scale),
+        )  # fmt: skip
 
 
-class MixedGraphs:
+class MixedGraphs(GraphBuckets):
     """One recorded forward per token bucket, over static buffers, for a model and its paged pool.
 
     Args:
@@ -90,6 +86,8 @@ class MixedGraphs:
         max_num_batched_tokens: the most tokens a step feeds; the last bucket holds it.
         capture: record CUDA graphs (a CUDA device is needed), or run the same static forward eagerly.
     """
+
+    kind = "mixed steps"
 
     def __init__(self, model, kv_store, max_num_seqs: int, max_num_batched_tokens: int, capture: bool = True) -> None:
         check_int("max_num_seqs", max_num_seqs, min=1)
@@ -194,38 +192,8 @@ class MixedGraphs:
         attn = RaggedAttention(self.kv_store, batch)
         hidden = self.model.step_hidden_states(batch, attn)
         self.hidden[:size].copy_(hidden)
-        self.last_runs = attn.runs
-
-    def capture_graph(self, size: int) -> None:
-        """Record bucket ``size`` (after one eager run on padding only, which compiles the kernels)."""
-        self.load_padding(size)
-        device = self.kv_store.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            self.forward(size)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        fell_back = sorted({kernel for kernel, how in self.last_runs if how == "fallback"})
-        if fell_back:
-            from ..kernels.triton_runtime import KernelFallbackWarning
-
-            warnings.warn(f"{', '.join(fell_back)} could not compile here: mixed steps run eagerly, without CUDA "
-                          f"graphs", KernelFallbackWarning, stacklevel=3)  # fmt: skip
-            self.fell_back = True
-            return
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.memory_pool):
-            self.forward(size)
-        self.memory_pool = graph.pool()
-        self.graphs[size] = graph
 
     def load_padding(self, size: int) -> None:
         """Every row and lane padding: nothing is written, nothing is read."""
         self.slot_mapping[:size].fill_(-1)
         self.lanes.zero_()
-
-    def capture_all(self) -> None:
-        """Record every bucket now, largest first (they share one memory pool)."""
-        for size in sorted(self.sizes, reverse=True):
-            if self.capture and not self.fell_back and size not in self.graphs:
-                self.capture_graph(size)

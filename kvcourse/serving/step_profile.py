@@ -72,7 +72,10 @@ def profile_step(step: Callable[[], object], device: torch.device | str = "cpu",
         "forward_sync_ops": sum(e.name in SYNC_OPS and _under(e, FORWARD_SCOPE, exact=True) for e in events) / repeats,
     }
     if cuda:
-        kernels = [e for e in events if e.device_type.name == "CUDA"]
+        # Device-side events are kernels and memory copies, and also the GPU spans of record_function labels
+        # (FORWARD_SCOPE); those spans overlap the kernels inside them and are not counted.
+        kernels = [e for e in events if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
+                   and e.name != FORWARD_SCOPE]  # fmt: skip
         result["kernel_launches"] = len(kernels) / repeats
         result["device_busy_ms"] = sum(e.device_time for e in kernels) / 1e3 / repeats  # device_time: microseconds
         result["host_bound"] = result["wall_ms"] > 2 * result["device_busy_ms"]
