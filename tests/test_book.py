@@ -62,6 +62,46 @@ def test_solution_code_is_labelled_and_nbval_markers_are_tags(path):
         assert "NBVAL_" not in "".join(cell["source"]), f"{path.name}: an nbval comment marker; use the cell tag"
 
 
+CODE_WIDTH = 88  # columns a code line may take on the page before it scrolls (issue 35)
+
+
+@pytest.mark.parametrize("path", [*CHAPTERS, ROOT / "book" / "measurements.ipynb"], ids=lambda p: p.name)
+def test_code_on_the_page_stays_within_88_columns(path):
+    """Every code line a reader sees (code cells not removed from the page, fenced code in the text) fits 88
+    columns: a wider one scrolls sideways on a laptop and breaks the reading on a phone."""
+    nb = json.loads(path.read_text())
+    long = []
+    for i, cell in enumerate(nb["cells"]):
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and "remove-cell" not in cell.get("metadata", {}).get("tags", []):
+            long += [(i, line) for line in source.splitlines() if len(line) > CODE_WIDTH]
+        elif cell["cell_type"] == "markdown":
+            long += [(i, line) for line in _fenced_code(source) if len(line) > CODE_WIDTH]
+    assert not long, f"{path.name}: {len(long)} code lines over {CODE_WIDTH} columns, first {long[:3]}"
+
+
+def _fenced_code(text: str) -> list[str]:
+    """Lines inside ``` fences that hold code (```python, ```bash, ```), not MyST directives (```{note})."""
+    lines, open_fences = [], []  # the kinds of the fences we are inside, innermost last
+    for line in text.splitlines():
+        fence = line.strip()
+        if fence.startswith("```"):
+            if fence.strip("`") == "" and open_fences:
+                open_fences.pop()
+            else:
+                open_fences.append("directive" if fence.lstrip("`").startswith("{") else "code")
+            continue
+        if open_fences and open_fences[-1] == "code":
+            lines.append(line)
+    return lines
+
+
+def test_code_blocks_in_the_pages_stay_within_88_columns():
+    long = [(p.name, line) for p in sorted((ROOT / "book").glob("*.md")) for line in _fenced_code(p.read_text())
+            if len(line) > CODE_WIDTH]  # fmt: skip
+    assert not long, long[:3]
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_every_figure_says_what_it_shows(path):
     """A cell that draws a figure gives it alt text (myst-nb's image options), so the page does not fall back to the
@@ -113,14 +153,35 @@ def test_chapter_runs_on_the_learners_device(path):
     code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
     setup = code[1]
     assert "DEVICE = default_device()" in setup, f"{path.name}: the second code cell must set DEVICE = default_device()"
-    load = next(line for line in setup.splitlines() if "load_pretrained(" in line)
-    assert "device=DEVICE" in load and "fp32" in load, f"{path.name}: load on DEVICE and say the dtype: {load}"
+    lines = setup.splitlines()
+    at = next(i for i, line in enumerate(lines) if "load_pretrained(" in line)
+    comments = []  # the comment lines right above the load, which may say the dtype instead of a trailing one
+    for line in reversed(lines[:at]):
+        if not line.lstrip().startswith("#"):
+            break
+        comments.append(line)
+    load = lines[at]
+    assert "device=DEVICE" in load and "fp32" in load + "".join(comments), (
+        f"{path.name}: load on DEVICE and say the dtype: {load}")
     assert 'print(f"running on {DEVICE}' in setup or "kernels run as" in setup
     for src in code[2:]:
         assert "load_pretrained(" not in src or "device=" in src, f"{path.name}: a model loaded off the device"
-        for line in src.splitlines():
-            if _DEVICE_BOUND.search(line) and not line.lstrip().startswith("#"):
-                assert "device=" in line or "model.device" in line, f"{path.name}: a cache off the device: {line}"
+        code_only = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith("#"))
+        for match in _DEVICE_BOUND.finditer(code_only):
+            call = _call_text(code_only, match.end())  # the whole call, over as many lines as it takes
+            assert "device=" in call or "model.device" in call, f"{path.name}: a cache off the device: {call}"
+
+
+def _call_text(code: str, start: int) -> str:
+    """From ``start`` (just after the name) to the parenthesis that closes the call's arguments."""
+    start -= code[start - 1] == "("  # a pattern that ends at the opening parenthesis
+    depth, i = 0, start
+    while i < len(code):
+        depth += {"(": 1, ")": -1}.get(code[i], 0)
+        i += 1
+        if depth == 0 and code[i - 1] == ")":
+            break
+    return code[start:i]
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
