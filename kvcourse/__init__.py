@@ -3,14 +3,31 @@
 Every chapter of the book imports from here; every function here is tested.
 """
 
-from .batch import ForwardBatch, SeqSlice
-from .cache import CacheOverflowError, KVCache
-from .compression import QuantizedKVCache
-from .generate import GenerationResult, generate, generate_paged, stream_generate, timed_generate
-from .kernels.reference import causal_attention, decode_attention_ref
-from .loader import gguf_path, load_pretrained
-from .model import LlamaConfig, LlamaModel
-from .sequence import SamplingParams, Sequence, SequenceStatus
+from .lazy import lazy_exports
+
+_EXPORTS = {  # name -> the submodule that defines it, imported when the name is first read
+    "ForwardBatch": ".batch",
+    "SeqSlice": ".batch",
+    "CacheOverflowError": ".cache",
+    "KVCache": ".cache",
+    "QuantizedKVCache": ".compression",
+    "GenerationResult": ".generate",
+    "generate": ".generate",
+    "generate_paged": ".generate",
+    "stream_generate": ".generate",
+    "timed_generate": ".generate",
+    "causal_attention": ".kernels.reference",
+    "decode_attention_ref": ".kernels.reference",
+    "gguf_path": ".loader",
+    "load_pretrained": ".loader",
+    "LlamaConfig": ".model",
+    "LlamaModel": ".model",
+    "SamplingParams": ".sequence",
+    "Sequence": ".sequence",
+    "SequenceStatus": ".sequence",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+
 from . import results  # the committed benchmark results, shipped as package data
 
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@
 * a :class:`~kvcourse.paged.PagedKVCache` -- chapter 4: the same, on blocks of a shared pool; before
   each step the cache allocates slots for the new tokens, then ``model.forward_batch`` runs it.
 
-All three pick tokens with the same :class:`~kvcourse.sequence.Sampler` (greedy, or seeded sampling
+All three pick tokens with the same :class:`~kvcourse.sampling.Sampler` (greedy, or seeded sampling
 with temperature, top-k and top-p), so for the same inputs they produce the same tokens.
 :func:`stream_generate` yields tokens as they come; :func:`timed_generate` also measures time to
 first token (TTFT) and time per output token (TPOT).
@@ -24,7 +24,8 @@ import torch
 from .cache import KVCache
 from .checks import check_bool, check_token_ids
 from .paged.cache import PagedKVCache
-from .sequence import Sampler, SamplingParams
+from .sampling import Sampler
+from .sequence import SamplingParams
 from .sequence import Sequence as Seq
 
 __all__ = ["GenerationResult", "generate", "generate_paged", "stream_generate", "timed_generate"]

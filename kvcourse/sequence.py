@@ -1,5 +1,8 @@
 """One request's state (:class:`Sequence`) and how its next tokens are picked (:class:`SamplingParams`).
 
+Bookkeeping only: this module imports no torch (see :mod:`kvcourse.control`). The sampler, which
+draws tokens from logits with torch, is :class:`kvcourse.sampling.Sampler`.
+
 A sequence is its token ids (prompt, then the tokens generated so far), how many of them already have
 K/V in the cache (``num_computed_tokens``), and where it is in its life (``status``). Its block table
 is not stored here: the :class:`~kvcourse.paged.BlockManager` owns it, keyed by ``seq_id``, so there
@@ -12,11 +15,9 @@ import enum
 from collections.abc import Hashable, Iterable, Sequence as SequenceABC
 from dataclasses import dataclass
 
-import torch
-
 from .checks import check_float, check_int, is_int
 
-__all__ = ["SamplingParams", "Sampler", "Sequence", "SequenceStatus"]
+__all__ = ["SamplingParams", "Sequence", "SequenceStatus"]
 
 
 SEED_MAX = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
@@ -69,40 +70,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-class Sampler:
-    """Picks one request's tokens from its logits, with its own seeded random generator.
-
-    ``index`` is the sample's number among the ``params.n`` samples of one prompt: it draws with
-    seed ``params.seed + index`` (``params.seed`` ``None`` counts as 0).
-    """
-
-    def __init__(self, params: SamplingParams, index: int = 0) -> None:
-        check_int("index", index, min=0, max=params.n - 1)
-        self.params = params
-        self.generator = None
-        if not params.greedy:
-            seed = (0 if params.seed is None else params.seed) + index
-            self.generator = torch.Generator(device="cpu").manual_seed(seed)
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        """The next token from one position's logits ``[vocab]``."""
-        p = self.params
-        if p.greedy:
-            return int(torch.argmax(logits))
-        logits = logits.detach().float().cpu() / p.temperature
-        if p.top_k and p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above
-            drop = order[before >= p.top_p]  # the most likely token always has before = 0: kept
-            logits = logits.index_fill(0, drop, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
 class SequenceStatus(enum.Enum):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcourse.sequence import Sampler, SamplingParams, Sequence, SequenceStatus
+from kvcourse.sampling import Sampler
+from kvcourse.sequence import SamplingParams, Sequence, SequenceStatus
 
 
 def test_sequence_tracks_prompt_output_and_finishes_at_a_stop_token():

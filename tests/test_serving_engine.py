@@ -205,7 +205,8 @@ def test_a_preemption_policy_changes_the_victims_not_the_outputs(tiny, device):
 
 
 def test_a_request_samples_its_tokens_and_forks_its_samples_at_the_first_one():
-    from kvcourse.sequence import Sampler, Sequence
+    from kvcourse.sampling import Sampler
+    from kvcourse.sequence import Sequence
     from kvcourse.serving import Request, RequestMetrics
 
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0))

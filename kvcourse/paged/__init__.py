@@ -21,16 +21,32 @@ The slot-mapping formula is :func:`kvcourse.batch.slot_mapping`; paged attention
 :mod:`kvcourse.kernels`; the real model runs a paged step with ``model.forward_batch``.
 """
 
-from ..batch import slot_mapping
-from .block_manager import BlockManager, CopyOnWrite, NoFreeBlocksError
-from .cache import PagedKVCache, allocate_slots
-from .kv_store import PagedKVStore
-from .offload import BlockTransfer, HostBlockPool, OffloadedBlock, apply_transfers
-from .block_hash import CachedBlock, hash_block_tokens
-from .pool import Admission, KVPool, PagedKVPool, PrefixCachingPool
-from .prefix_cache import FreeBlockQueue, PrefixCachingBlockManager
-from .radix import RadixCache, longest_prefix_first
+from ..lazy import lazy_exports
 
+_EXPORTS = {  # name -> the submodule that defines it, imported when the name is first read
+    "slot_mapping": "..batch",
+    "BlockManager": ".block_manager",
+    "CopyOnWrite": ".block_manager",
+    "NoFreeBlocksError": ".block_manager",
+    "PagedKVCache": ".cache",
+    "allocate_slots": ".cache",
+    "PagedKVStore": ".kv_store",
+    "BlockTransfer": ".offload",
+    "HostBlockPool": ".offload",
+    "OffloadedBlock": ".offload",
+    "apply_transfers": ".offload",
+    "CachedBlock": ".block_hash",
+    "hash_block_tokens": ".block_hash",
+    "Admission": ".pool",
+    "KVPool": ".pool",
+    "PagedKVPool": ".pool",
+    "PrefixCachingPool": ".pool",
+    "FreeBlockQueue": ".prefix_cache",
+    "PrefixCachingBlockManager": ".prefix_cache",
+    "RadixCache": ".radix",
+    "longest_prefix_first": ".radix",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 __all__ = [
     "Admission",
     "BlockManager",

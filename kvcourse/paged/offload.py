@@ -24,8 +24,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
 from ..checks import check_int
 from .block_hash import CachedBlock
 
@@ -163,6 +161,8 @@ def apply_transfers(device_store: PagedKVStore, host_store: PagedKVStore, transf
     ``swap_blocks``): many small copies cost far more than one large one over PCIe. A batch stops
     where a block would be written twice, so the order of the moves is kept.
     """
+    import torch  # the one data-plane function here: the bookkeeping above imports no torch
+
     i = 0
     while i < len(transfers):
         direction, written, j = transfers[i].direction, set(), i

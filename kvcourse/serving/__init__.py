@@ -15,12 +15,23 @@
 * :mod:`.plots` -- the timeline of an event log.
 """
 
-from .engine import Engine
-from .model_runner import ModelRunner
-from .request import Request, RequestMetrics, TokenOutput
-from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput, preempt_newest
-from .stats import StepEvent, StepRecorder, latency_summary
+from ..lazy import lazy_exports
 
+_EXPORTS = {  # name -> the submodule that defines it, imported when the name is first read
+    "Engine": ".engine",
+    "ModelRunner": ".model_runner",
+    "Request": ".request",
+    "RequestMetrics": ".request",
+    "TokenOutput": ".request",
+    "ScheduledSeq": ".scheduler",
+    "Scheduler": ".scheduler",
+    "SchedulerOutput": ".scheduler",
+    "preempt_newest": ".scheduler",
+    "StepEvent": ".stats",
+    "StepRecorder": ".stats",
+    "latency_summary": ".stats",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 __all__ = [
     "Engine",
     "ModelRunner",

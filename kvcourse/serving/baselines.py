@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence as SequenceABC
 from dataclasses import dataclass
 
 from ..checks import check_int
-from ..sequence import Sampler, SamplingParams, Sequence
+from ..sampling import Sampler
+from ..sequence import SamplingParams, Sequence
 from .model_runner import ModelRunner
 from .request import RequestMetrics
 from .stats import StepEvent

@@ -13,7 +13,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..sequence import Sampler, SamplingParams, Sequence, SequenceStatus
+from ..sampling import Sampler
+from ..sequence import SamplingParams, Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,134 @@
+"""The control plane (issue 32): the scheduler, the block managers, the radix tree and a request's state
+import and run without torch or Triton, and decide exactly as they do beside them.
+
+A subprocess installs an import hook that refuses ``torch`` and ``triton``, imports :mod:`kvcourse.control`
+and drives the real :class:`~kvcourse.serving.Scheduler` through a trace with chunked prefill, preemption,
+copy-on-write forks and prefix-cache hits, printing every decision. The same driver in a process where torch
+imports must print the same decisions.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kvcourse"
+
+BLOCK_TORCH = """
+import sys
+class _Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "triton"):
+            raise ImportError(f"{name} is not installed here (blocked by the test)")
+sys.meta_path.insert(0, _Refuse())
+"""
+
+DRIVER = """
+import json, random, sys
+from kvcourse.control import (PrefixCachingBlockManager, RadixCache, SamplingParams, Scheduler, Sequence,
+                              hash_block_tokens)
+
+rng = random.Random(0)
+shared = [rng.randrange(1000) for _ in range(12)]  # a system prompt: prefix-cache hits from the second request
+prompts = [shared + [rng.randrange(1000) for _ in range(rng.randint(1, 20))] for _ in range(10)]
+bm = PrefixCachingBlockManager(14, 4)
+sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16, enable_chunked_prefill=True, watermark=0)
+for i, p in enumerate(prompts):
+    sched.add(Sequence((i, 0), p, SamplingParams(max_new_tokens=rng.randint(4, 20), stop_token_ids=())))
+steps = []
+while sched.has_unfinished():
+    out = sched.schedule()
+    steps.append({
+        "run": [[s.seq.seq_id[0], s.num_computed_tokens, s.num_new_tokens, s.kind] for s in out.scheduled],
+        "admitted": [s.seq_id[0] for s in out.admitted], "preempted": [s.seq_id[0] for s in out.preempted],
+        "hits": out.num_prefix_cache_hit_tokens, "copies": len(out.copies), "free": bm.num_free_blocks,
+    })
+    sched.advance_without_model(out)
+    if len(steps) > 500:
+        raise SystemExit("the trace did not finish")
+tree = RadixCache()
+tree.insert(prompts[0])
+match = tree.match_prefix(prompts[1])[0]
+print(json.dumps({"steps": steps, "radix_match": match, "hash": str(hash_block_tokens(None, shared[:4])),
+                  "torch_loaded": "torch" in sys.modules}))
+"""
+
+
+def _run(blocked: bool) -> dict:
+    code = (BLOCK_TORCH if blocked else "") + DRIVER
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_the_control_plane_runs_without_torch_and_decides_as_with_it():
+    without, beside = _run(blocked=True), _run(blocked=False)
+    assert without["torch_loaded"] is False
+    assert without == {**beside, "torch_loaded": False}
+    steps = without["steps"]
+    # The trace is not trivial: prompts chunked, requests preempted, prefix-cache hits, the pool drained.
+    assert any(kind == "prefill" and n < 16 for s in steps for _, _, n, kind in s["run"])
+    assert sum(len(s["preempted"]) for s in steps) > 0
+    assert sum(s["hits"] for s in steps) > 0
+    assert without["radix_match"] >= 12
+
+
+def test_the_guard_is_not_blind():
+    """The hook does refuse torch: a data-plane import fails under it."""
+    code = BLOCK_TORCH + "import kvcourse.paged.kv_store"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode != 0 and "blocked by the test" in proc.stderr
+
+
+CONTROL_MODULES = ["kvcourse/control/__init__.py", "kvcourse/sequence.py", "kvcourse/checks.py",
+                   "kvcourse/lazy.py", "kvcourse/paged/block_manager.py", "kvcourse/paged/block_hash.py",
+                   "kvcourse/paged/prefix_cache.py", "kvcourse/paged/radix.py", "kvcourse/paged/offload.py",
+                   "kvcourse/paged/pool.py", "kvcourse/serving/scheduler.py"]  # fmt: skip
+DATA_PLANE = ("torch", "triton", "kvcourse.model", "kvcourse.batch", "kvcourse.backends", "kvcourse.kernels",
+              "kvcourse.paged.kv_store", "kvcourse.paged.cache", "kvcourse.serving.engine",
+              "kvcourse.serving.model_runner", "kvcourse.sampling", "kvcourse.generate")  # fmt: skip
+
+
+@pytest.mark.parametrize("path", CONTROL_MODULES)
+def test_control_plane_modules_import_nothing_of_the_data_plane_at_module_level(path):
+    """The import-direction rule for the control plane: at module level (a function may import torch
+    for the one data-plane job it has, as ``apply_transfers`` does), no torch, no Triton, no model."""
+    tree = ast.parse((ROOT / path).read_text())
+    module = path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+    package = module if path.endswith("__init__.py") else module.rsplit(".", 1)[0]
+    found = []
+    for node in tree.body:  # module level only
+        if isinstance(node, ast.If):  # ``if TYPE_CHECKING:`` imports are for annotations only
+            continue
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = parts[: len(parts) - node.level + 1] if node.level else []
+            name = ".".join(base + ([node.module] if node.module else []))
+            found += [name] if node.module else [f"{name}.{a.name}" for a in node.names]
+    bad = [m for m in found if m.startswith(DATA_PLANE)]
+    assert not bad, f"{path} imports the data plane at module level: {bad}"
+
+
+def test_lazy_packages_import_names_on_first_use_and_keep_exports_over_submodules():
+    """``import kvcourse`` imports no torch until a name that needs it is read; ``kvcourse.generate`` stays the
+    function even after its submodule ``kvcourse/generate.py`` is imported (the import system sets the
+    package attribute to the module, as an eager ``__init__`` used to undo)."""
+    code = BLOCK_TORCH + """
+import kvcourse, kvcourse.paged, kvcourse.serving
+print(set(kvcourse.paged.__all__) <= set(dir(kvcourse.paged)))
+print(kvcourse.paged.BlockManager.__name__, kvcourse.serving.Scheduler.__name__)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True", "BlockManager", "Scheduler"]
+    code = "import kvcourse.generate, kvcourse, inspect; print(inspect.isfunction(kvcourse.generate))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.stdout.strip() == "True", proc.stderr[-2000:]
