@@ -317,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
             res["runs"][v] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         res["runs"][v]["wall_s"] = round(time.perf_counter() - start, 1)
         r = res["runs"][v]
-        log(f"  {r.get('tok_s')} tok/s; " + json.dumps({k: {kk: vv for kk, vv in s.items() if kk != 'parts_s'} | s["parts_s"]
-                                                         for k, s in r.get("by_kind", {}).items() if k != "slowest"}))
+        kinds = {k: {kk: vv for kk, vv in s.items() if kk != "parts_s"} | s["parts_s"]
+                 for k, s in r.get("by_kind", {}).items() if k != "slowest"}  # fmt: skip
+        log(f"  {r.get('tok_s')} tok/s; " + json.dumps(kinds))
     try:
         res["sdpa_new_shapes"] = sdpa_new_shapes(device, dtype, args.seed)
         log(json.dumps(res["sdpa_new_shapes"]))

@@ -149,7 +149,8 @@ def test_captured_mixed_steps_of_the_real_model_equal_eager_cuda(model, tok):
 
 
 def test_after_a_kernel_fell_back_mixed_steps_run_eagerly():
-    """A kernel that falls back to torch reads the static batch's host copies, which describe the graph, not the step."""
+    """A kernel that falls back to torch reads the static batch's host copies, which describe the graph,
+    not the step."""
     _, graphs = _mixed(tiny_llama(1))
     graphs.fell_back = True
     step = [SeqSlice([1, 2], 0, [0])]

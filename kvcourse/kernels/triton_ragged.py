@@ -26,13 +26,17 @@ no program work; rows past the last sequence's end are never written.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from .reference import _default_scale, check_paged, paged_attention
+from .reference import _default_scale, check_paged, paged_prefill_attention_ref
 from .triton_decode import LOG2E, tile_config
-from .triton_runtime import check_kernel_device, compute_capability, dot_precision, launch_or_fallback, tl, triton, upcast
+from .triton_runtime import (check_kernel_device, compute_capability, dot_precision, launch_or_fallback, tl, triton,
+                             upcast)  # fmt: skip
 
-__all__ = ["BLOCK_ROWS", "num_programs", "ragged_tile_config", "ragged_paged", "ragged_paged_attention", "ragged_paged_attention_ref"]
+__all__ = ["BLOCK_ROWS", "num_programs", "ragged_paged", "ragged_paged_attention", "ragged_paged_attention_ref",
+           "ragged_tile_config"]
 
 BLOCK_ROWS = 64  # query rows (tokens x heads of a group) per program
 
@@ -187,17 +191,21 @@ def ragged_paged_attention_ref(
     query_start_loc: torch.Tensor,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """The same in plain torch, one sequence at a time (chapter 4's :func:`~.reference.paged_attention`)."""
-    scale = _default_scale(scale, q.shape[-1])
+    """The same in plain torch: chapter 4's :func:`~.reference.paged_prefill_attention_ref` over the sequences
+    that have rows (a graph's spare lanes left out); rows of no sequence come back as zeros."""
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    keep = [b for b in range(len(lens)) if qsl[b + 1] > qsl[b]]
     out = torch.zeros_like(q)
-    for b in range(len(lens)):
-        lo, hi = qsl[b], qsl[b + 1]
-        if hi == lo:
-            continue
-        pos = torch.arange(lens[b] - (hi - lo), lens[b], device=q.device)[None]
-        out[lo:hi] = paged_attention(q[None, lo:hi], pos, k_cache, v_cache, block_tables[b : b + 1],
-                                     seq_lens[b : b + 1], scale, lens[b])[0]  # fmt: skip
+    if not keep:
+        return out
+    end = qsl[-1]  # the kept sequences own rows 0 .. end - 1, in order
+    positions = torch.cat([torch.arange(lens[b] - (qsl[b + 1] - qsl[b]), lens[b], device=q.device) for b in keep])
+    starts = list(itertools.accumulate((qsl[b + 1] - qsl[b] for b in keep), initial=0))
+    rows = torch.tensor(keep, device=q.device)
+    out[:end] = paged_prefill_attention_ref(
+        q[:end], k_cache, v_cache, block_tables[rows], seq_lens[rows],
+        torch.tensor(starts, dtype=torch.int32, device=q.device), positions, scale,
+    )  # fmt: skip
     return out
 
 
