@@ -24,7 +24,10 @@ import os
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-import numpy as np
+try:
+    import numpy as np
+except ImportError:  # the control plane (kvcourse.control) runs without numpy too: in a browser, under Pyodide
+    np = None
 
 if TYPE_CHECKING:
     import torch
@@ -43,6 +46,8 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_INTS = (int,) if np is None else (int, np.integer)
+_BOOLS = (bool,) if np is None else (bool, np.bool_)
 
 
 def _shown(value: object) -> str:
@@ -52,7 +57,7 @@ def _shown(value: object) -> str:
 
 def is_int(value: object) -> bool:
     """An ``int`` or a NumPy integer, and not a ``bool``."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    return isinstance(value, _INTS) and not isinstance(value, _BOOLS)
 
 
 def _range_text(kind: str, min: float | None, max: float | None, min_open: bool = False,
@@ -90,7 +95,7 @@ def check_float(name: str, value: object, *, min: float | None = None, max: floa
     NaN is always refused; ``inf`` only passes with ``finite=False`` (and the bounds allowing it).
     """
     expected = _range_text("a finite number" if finite else "a number", min, max, min_open, max_open)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    if isinstance(value, _BOOLS) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {_shown(value)}")
     value = float(value)
     if math.isnan(value) or (finite and math.isinf(value)):
@@ -113,7 +118,7 @@ def check_finite(name: str, t: torch.Tensor, why: str) -> None:
 
 def check_bool(name: str, value: object) -> bool:
     """``value`` if it is ``True`` or ``False``; a string such as ``"no"`` or a number is refused."""
-    if not isinstance(value, (bool, np.bool_)):
+    if not isinstance(value, _BOOLS):
         raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {_shown(value)}")
     return bool(value)
 
@@ -148,7 +153,8 @@ def check_hashable(name: str, value: T) -> T:
 def check_token_ids(name: str, ids: object, vocab_size: int, *, hint: str = " (use tok.encode(text))") -> list[int]:
     """``ids`` (a list, tuple, 1-D tensor or array of token ids) as a non-empty list of ints in
     ``[0, vocab_size)``."""
-    import torch  # here, not at the top: the block manager uses this module and never needs torch
+    import numpy as np  # here, not at the top: the block manager uses this module and needs neither
+    import torch
     if isinstance(ids, (torch.Tensor, np.ndarray)):
         if ids.ndim != 1:
             raise ValueError(f"{name} must be a 1-D list of token ids, got an array of shape {tuple(ids.shape)}")

@@ -1,7 +1,7 @@
 """The control plane (issue 32): the scheduler, the block managers, the radix tree and a request's state
-import and run without torch or Triton, and decide exactly as they do beside them.
+import and run without torch, Triton or numpy (as they must in a browser), and decide exactly as beside them.
 
-A subprocess installs an import hook that refuses ``torch`` and ``triton``, imports :mod:`kvcourse.control`
+A subprocess installs an import hook that refuses ``torch``, ``triton`` and ``numpy``, imports :mod:`kvcourse.control`
 and drives the real :class:`~kvcourse.serving.Scheduler` through a trace with chunked prefill, preemption,
 copy-on-write forks and prefix-cache hits, printing every decision. The same driver in a process where torch
 imports must print the same decisions.
@@ -24,7 +24,7 @@ BLOCK_TORCH = """
 import sys
 class _Refuse:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "triton"):
+        if name.split(".")[0] in ("torch", "triton", "numpy"):
             raise ImportError(f"{name} is not installed here (blocked by the test)")
 sys.meta_path.insert(0, _Refuse())
 """
@@ -69,7 +69,7 @@ def _run(blocked: bool) -> dict:
 
 def test_the_control_plane_runs_without_torch_and_decides_as_with_it():
     without, beside = _run(blocked=True), _run(blocked=False)
-    assert without["torch_loaded"] is False
+    assert without["torch_loaded"] is False  # nor numpy: the hook refuses both
     assert without == {**beside, "torch_loaded": False}
     steps = without["steps"]
     # The trace is not trivial: prompts chunked, requests preempted, prefix-cache hits, the pool drained.
@@ -90,7 +90,7 @@ CONTROL_MODULES = ["kvcourse/control/__init__.py", "kvcourse/sequence.py", "kvco
                    "kvcourse/lazy.py", "kvcourse/paged/block_manager.py", "kvcourse/paged/block_hash.py",
                    "kvcourse/paged/prefix_cache.py", "kvcourse/paged/radix.py", "kvcourse/paged/offload.py",
                    "kvcourse/paged/pool.py", "kvcourse/serving/scheduler.py"]  # fmt: skip
-DATA_PLANE = ("torch", "triton", "kvcourse.model", "kvcourse.batch", "kvcourse.backends", "kvcourse.kernels",
+DATA_PLANE = ("torch", "triton", "numpy", "kvcourse.model", "kvcourse.batch", "kvcourse.backends", "kvcourse.kernels",
               "kvcourse.paged.kv_store", "kvcourse.paged.cache", "kvcourse.serving.engine",
               "kvcourse.serving.model_runner", "kvcourse.sampling", "kvcourse.generate")  # fmt: skip
 
