@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,36 @@ def test_the_control_plane_runs_without_torch_and_decides_as_with_it():
     assert sum(len(s["preempted"]) for s in steps) > 0
     assert sum(s["hits"] for s in steps) > 0
     assert without["radix_match"] >= 12
+
+
+PYODIDE = ROOT / ".venv" / "pyodide" / "node_modules" / "pyodide"  # .ci/run installs it where npm exists
+
+
+def _control_plane_files() -> list[str]:
+    """The package files ``import kvcourse.control`` loads, torch, Triton and numpy refused (repository paths)."""
+    code = BLOCK_TORCH + "import sys, kvcourse.control\n" + (
+        "print('\\n'.join(sorted(m.__file__ for n, m in sys.modules.items() if n.split('.')[0] == 'kvcourse')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return [str(Path(f).resolve().relative_to(ROOT)) for f in proc.stdout.split()]
+
+
+def test_the_control_plane_runs_in_pyodide_as_in_cpython(tmp_path):
+    """What a reader's browser will run: the same driver under Pyodide (CPython compiled to WebAssembly, here in
+    node), on nothing but the control plane's own files, makes the same decisions as CPython."""
+    node = shutil.which("node")
+    if node is None or not PYODIDE.is_dir():
+        pytest.skip("Pyodide (npm package, run with node) is not installed: .ci/run installs it where npm exists "
+                    "(npm install --prefix .venv/pyodide pyodide@314.0.7)")
+    files = _control_plane_files()
+    assert "kvcourse/control/__init__.py" in files and not any("model" in f or "kernels" in f for f in files)
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    proc = subprocess.run([node, str(ROOT / "tests" / "pyodide_run.mjs"), str(PYODIDE), str(ROOT), str(script), *files],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    in_browser = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert in_browser == _run(blocked=True)
 
 
 def test_the_guard_is_not_blind():
