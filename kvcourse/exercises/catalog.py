@@ -63,7 +63,12 @@ full = ids + kvcourse.generate(model, ids, max_new_tokens=3, use_cache=False, eo
 """
 
 # Chapter 3's cards, from the cell that plots how many sequences fit: the fit exercise may read them.
-_CH03_GPUS = 'gpus = {"24 GB (RTX 4090, L4)": 24 * GB, "80 GB (A100, H100)": 80 * GB, "141 GB (H200)": 141 * GB}\n'
+_CH03_GPUS = """gpus = {
+    "24 GB (RTX 4090, L4)": 24 * GB,
+    "80 GB (A100, H100)": 80 * GB,
+    "141 GB (H200)": 141 * GB,
+}
+"""
 
 _SPECS = [
     # chapter 1
