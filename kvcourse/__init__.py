@@ -28,6 +28,15 @@ _EXPORTS = {  # name -> the submodule that defines it, imported when the name is
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
+try:
+    import torch as _torch
+except ImportError:  # the control plane alone (kvcourse.control), where there is no torch: no kernels to run
+    _torch = None
+if _torch is not None:
+    # Where Triton kernels run (the GPU, or Triton's CPU interpreter) must be settled before anything imports
+    # Triton, and ``import kvcourse`` is where the chapters settle it: kvcourse.kernels does, on import.
+    from . import kernels  # noqa: F401
+
 from . import results  # the committed benchmark results, shipped as package data
 
 __version__ = "0.1.0"
