@@ -7,9 +7,10 @@ two forwards, and they run where torch does not: in a reader's browser, under Py
 forbids ``import torch`` (``tests/test_control_plane.py``).
 
 The names live where the chapters introduce them (:mod:`kvcourse.sequence`, :mod:`kvcourse.paged`,
-:mod:`kvcourse.serving.scheduler`) and are importable from there too; this package gathers them and
-promises that importing it imports no torch. The data plane -- the model, the K/V pools, the kernels,
-:func:`~kvcourse.paged.apply_transfers` -- is everything else.
+:mod:`kvcourse.serving.scheduler`) and are importable from there too; this package gathers them, and
+none of its modules imports torch, Triton or numpy. (Where torch is installed, ``import kvcourse`` itself
+still imports :mod:`kvcourse.kernels` first, to settle where Triton kernels run.) The data plane -- the
+model, the K/V pools, the kernels, :func:`~kvcourse.paged.apply_transfers` -- is everything else.
 """
 
 from ..paged.block_hash import CachedBlock, hash_block_tokens
