@@ -157,3 +157,22 @@ def test_after_a_kernel_fell_back_mixed_steps_run_eagerly():
     assert graphs.can_run(step) and not graphs.ready(step)
     with pytest.raises(ValueError, match="fell back: True"):
         graphs.run(step)
+
+
+@kernels_on_cpu
+def test_static_buffers_are_loaded_from_host_tensors_made_on_the_cpu_on_purpose():
+    """With torch's default device set to meta, loading a step into either kind of graph still works: its host
+    tensors say ``device="cpu"`` rather than following the default (they did not, once)."""
+    model = tiny_llama(6)
+    runner, mixed = _mixed(model)
+    decode = DecodeGraphs(model, runner.kv_store, "triton", 4, capture=False)
+    runner.step([(0, [1, 2, 3, 4, 5])])
+    runner.block_manager.append_slots(0, 1)
+    step = [SeqSlice([7], 5, runner.block_manager.block_table(0))]
+    torch.set_default_device("meta")
+    try:
+        mixed.load_inputs(step, 64)
+        decode.load_inputs(step, 1)
+    finally:
+        torch.set_default_device(None)
+    assert mixed.input_ids[0].item() == decode.input_ids[0].item() == 7

@@ -185,9 +185,10 @@ class DecodeGraphs(GraphBuckets):
             slots.append(table[pos // bs] * bs + pos % bs)
             tables.append(table + [0] * (width - len(table)))
         pad = size - b
-        tokens = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
-        lens = torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32)
-        table_rows = torch.tensor(tables, dtype=torch.int32)
+        host = dict(dtype=torch.int64, device="cpu")  # host-side on purpose: copied into the static buffers
+        tokens = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], **host)
+        lens = torch.tensor([p + 1 for p in positions] + [0] * pad, dtype=torch.int32, device="cpu")
+        table_rows = torch.tensor(tables, dtype=torch.int32, device="cpu")
         if self.pinned:  # torch's caching host allocator reuses a pinned buffer only once its copy is done
             tokens, lens, table_rows = tokens.pin_memory(), lens.pin_memory(), table_rows.pin_memory()
         nb = self.pinned

@@ -161,11 +161,12 @@ class MixedGraphs(GraphBuckets):
             tables.append(table)
         pad = size - qsl[-1]
         width = max(len(t) for t in tables)
-        tokens = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int64)
+        host = dict(dtype=torch.int64, device="cpu")  # host-side on purpose: copied into the static buffers
+        tokens = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], **host)
         spare = lanes - len(seqs)  # lanes without rows: length 0, and query_start_loc stays at the end
-        lane_rows = torch.tensor(lens + [0] * spare + qsl + [qsl[-1]] * spare, dtype=torch.int32)
-        table_rows = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        last = torch.tensor(qsl[1:], dtype=torch.int64) - 1
+        lane_rows = torch.tensor(lens + [0] * spare + qsl + [qsl[-1]] * spare, dtype=torch.int32, device="cpu")
+        table_rows = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device="cpu")
+        last = torch.tensor(qsl[1:], dtype=torch.int64, device="cpu") - 1
         if self.pinned:
             tokens, lane_rows, table_rows, last = (t.pin_memory() for t in (tokens, lane_rows, table_rows, last))
         nb = self.pinned
