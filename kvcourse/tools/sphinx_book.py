@@ -8,6 +8,9 @@
   equations render without a CDN.
 * Inline scripts registered twice (sphinx-thebe's, by Jupyter Book) are written once, and the theme
   gets a default colour mode: both otherwise put errors in a new reader's browser console.
+* The playground (``_static/kvplay.js``, chapters 4, 6 and 7) gets Pyodide and the control plane's wheel
+  under ``_static/playground`` (:mod:`kvcourse.tools.playground_site`); without Pyodide installed the book
+  still builds, says so, and the widget tells the reader it was left out.
 * The font-awesome 4 stylesheet that matplotlib's animation HTML links from a CDN is dropped: the
   theme's own Font Awesome draws the animation's buttons (``fa fa-play`` ...).
 """
@@ -57,6 +60,22 @@ def _copy_mathjax(app, exception) -> None:
         shutil.copytree(_mathjax_source(), Path(app.outdir) / "_static" / MATHJAX_DIR, dirs_exist_ok=True)
 
 
+def _copy_playground(app, exception) -> None:
+    if exception is None and app.builder.format == "html":
+        from sphinx.util import logging
+
+        from .playground_site import PYODIDE_VERSION, install, pyodide_dir
+
+        manifest = install(Path(app.outdir) / "_static")
+        if manifest is None:  # a note, not a warning: the book is whole without it
+            logging.getLogger(__name__).info(
+                f"kvcourse: no Pyodide at {pyodide_dir()}, so the playground is left out of this build "
+                f"(npm install --prefix .venv/pyodide pyodide@{PYODIDE_VERSION})")
+        else:
+            logging.getLogger(__name__).info(f"kvcourse: the playground adds {manifest['bytes'] / 1e6:.1f} MB, "
+                                             "loaded on the reader's click")
+
+
 def _number_exercises_per_chapter(app, env) -> list[str]:
     """Runs after Sphinx numbered every exercise across the book; renumbers them (chapter, k)."""
     changed = []
@@ -88,4 +107,5 @@ def setup(app):
     app.connect("doctree-resolved", _drop_cdn_stylesheet)
     app.connect("html-page-context", _dedupe_scripts)
     app.connect("build-finished", _copy_mathjax)
+    app.connect("build-finished", _copy_playground)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
