@@ -250,8 +250,10 @@
       w.pre = el("pre", { class: "kvplay-source" });
       drawSource(w.pre, rt.source);
       w.lineNodes = Array.from(w.pre.querySelectorAll(".kvplay-line"));
-      const legend = el("p", { class: "kvplay-legend" }, ...["free", "used", "shared", "cached"].map(
-        (k) => el("span", {}, block(k, " ", k), ` ${k} `)));
+      const legend = el("p", { class: "kvplay-legend" }, ...[["free", "free"], ["used", "used (one table)"],
+        ["shared", "shared (two or more tables: copy-on-write)"], ["cached", "cached, evictable (prefix cache)"],
+        ["host-swapped", "host: a swapped request's"], ["host-cold", "host: an evicted cached block"]].map(
+        ([k, label]) => el("span", { class: "kvplay-key" }, block(k, "", label), ` ${label}`)));
       resetButton.addEventListener("click", () => reset(w));
       w.stepButton.addEventListener("click", () => step(w));
       w.runButton.addEventListener("click", () => {

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from kvcourse.tools.playground_site import PYODIDE_VERSION, control_plane_files, pyodide_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvcourse"
 
@@ -80,16 +82,7 @@ def test_the_control_plane_runs_without_torch_and_decides_as_with_it():
     assert without["radix_match"] >= 12
 
 
-PYODIDE = ROOT / ".venv" / "pyodide" / "node_modules" / "pyodide"  # .ci/run installs it where npm exists
-
-
-def _control_plane_files() -> list[str]:
-    """The package files ``import kvcourse.control`` loads, torch, Triton and numpy refused (repository paths)."""
-    code = BLOCK_TORCH + "import sys, kvcourse.control\n" + (
-        "print('\\n'.join(sorted(m.__file__ for n, m in sys.modules.items() if n.split('.')[0] == 'kvcourse')))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return [str(Path(f).resolve().relative_to(ROOT)) for f in proc.stdout.split()]
+PYODIDE = pyodide_dir()  # `make pyodide` (a step of `make test`) installs it where npm exists
 
 
 def test_the_control_plane_runs_in_pyodide_as_in_cpython(tmp_path):
@@ -97,9 +90,9 @@ def test_the_control_plane_runs_in_pyodide_as_in_cpython(tmp_path):
     node), on nothing but the control plane's own files, makes the same decisions as CPython."""
     node = shutil.which("node")
     if node is None or not PYODIDE.is_dir():
-        pytest.skip("Pyodide (npm package, run with node) is not installed: .ci/run installs it where npm exists "
-                    "(npm install --prefix .venv/pyodide pyodide@314.0.7)")
-    files = _control_plane_files()
+        pytest.skip(f"Pyodide (npm package, run with node) is not installed at {PYODIDE}: `make pyodide` installs "
+                    f"it where npm exists (npm install --prefix .venv/pyodide pyodide@{PYODIDE_VERSION})")
+    files = control_plane_files()  # what the book's wheel holds (kvcourse.tools.playground_site)
     assert "kvcourse/control/__init__.py" in files and not any("model" in f or "kernels" in f for f in files)
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
@@ -117,7 +110,7 @@ def test_the_guard_is_not_blind():
     assert proc.returncode != 0 and "blocked by the test" in proc.stderr
 
 
-CONTROL_MODULES = ["kvcourse/control/__init__.py", "kvcourse/sequence.py", "kvcourse/checks.py",
+CONTROL_MODULES = ["kvcourse/control/__init__.py", "kvcourse/control/playground.py", "kvcourse/sequence.py", "kvcourse/checks.py",
                    "kvcourse/lazy.py", "kvcourse/paged/block_manager.py", "kvcourse/paged/block_hash.py",
                    "kvcourse/paged/prefix_cache.py", "kvcourse/paged/radix.py", "kvcourse/paged/offload.py",
                    "kvcourse/paged/pool.py", "kvcourse/serving/scheduler.py"]  # fmt: skip

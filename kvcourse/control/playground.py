@@ -114,6 +114,7 @@ _ANCHORS = {
     "swap out": "self.block_manager.swap_out(seq.seq_id)",
     "recompute": "self._recompute(seq)",
     "swap in": "bm.swap_in(seq.seq_id)",
+    "run swapped in": "self._reserve(seq, n, out)  # cannot preempt: the blocks were counted above",
     "admit": "self._start(self.waiting.popleft(), out.admitted)",
     "no room": "if admission is None:",
     "no seat": "if self._seats_used() + self._seats(seq) > self.max_num_seqs:",
@@ -315,7 +316,7 @@ class Playground:
             said.append({"text": f"{_name(victim)} preempted: {how}", "line": LINES["preempt"]})
         for seq in out.swapped_in:
             said.append({"text": f"{_name(seq)} swapped back in", "line": LINES["swap in"]})
-        admitted = {id(s) for s in out.admitted}
+        admitted, swapped_in = {id(s) for s in out.admitted}, {id(s) for s in out.swapped_in}
         for s in out.scheduled:
             what = {"decode": "decodes 1 token", "prefill": f"prefills {s.num_new_tokens} tokens",
                     "chunk": f"feeds a chunk of {s.num_new_tokens} prompt tokens",
@@ -325,7 +326,8 @@ class Playground:
             if id(s.seq) in admitted:
                 said.append({"text": f"{_name(s.seq)} admitted: {what}", "line": LINES["admit"]})
             else:
-                said.append({"text": f"{_name(s.seq)} {what}", "line": LINES["run"]})
+                line = LINES["run swapped in" if id(s.seq) in swapped_in else "run"]
+                said.append({"text": f"{_name(s.seq)} {what}", "line": line})
         for cow in out.copies:
             said.append({"text": f"copy-on-write: block {cow.src_block} copied to block {cow.dst_block} before the write",
                          "line": LINES["cow"]})  # fmt: skip
