@@ -22,8 +22,8 @@ from kvcourse.kernels.int8 import dequantize_int8, paged_decode_attention_int8_r
 from kvcourse.kernels.reference import decode_attention_ref, paged_decode_attention_ref
 from kvcourse.kernels.testing import random_paged_case, repage, tolerance
 from kvcourse.kernels.triton_decode import group_rows, tile_config
-from kvcourse.kernels.triton_paged import MAX_SPLITS, choose_num_splits
-from kvcourse.kernels.triton_runtime import fallbacks, interpreting, reset_fallbacks
+from kvcourse.kernels.triton_paged import INT8_CONVERSIONS, MAX_SPLITS, choose_num_splits, int8_to_float, paged_decode
+from kvcourse.kernels.triton_runtime import fallbacks, interpreting, reset_fallbacks, tl, triton
 
 FULL_GRID = os.environ.get("KVCOURSE_FULL_KERNEL_GRID") == "1"
 # Where the kernels run in this process: the CPU (Triton's interpreter), or the GPU when Triton compiles
@@ -214,6 +214,33 @@ def test_paged_decode_int8_equals_dequantized_reference(dtype, num_splits, heads
     deq = paged_decode_attention_ref(case.q.float(), dequantize_int8(k8, ks), dequantize_int8(v8, vs),
                                      case.block_tables, case.seq_lens)  # fmt: skip
     torch.testing.assert_close(want, deq.to(dtype), rtol=0, atol=0)
+
+
+@triton.jit
+def _int8_to_float_kernel(X, Y, DTYPE: tl.constexpr):
+    i = tl.arange(0, 256)
+    tl.store(Y + i, int8_to_float(tl.load(X + i), DTYPE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_int8_to_float_is_exact_for_every_byte(dtype):
+    """The kernel's bit-level conversion (no conversion unit) gives exactly what a plain conversion gives."""
+    x = torch.arange(-128, 128, dtype=torch.int8, device=DEVICE)
+    y = torch.empty(256, dtype=dtype, device=DEVICE)
+    _int8_to_float_kernel[(1,)](x, y, DTYPE={torch.float32: tl.float32, torch.float16: tl.float16,
+                                             torch.bfloat16: tl.bfloat16}[dtype])  # fmt: skip
+    assert torch.equal(y, x.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_both_int8_conversions_give_one_answer(dtype):
+    """``int8_conversion="cvt"`` (the first version, kept for the GPU benchmark to time) and the default agree."""
+    case, (k8, v8, ks, vs) = _int8_case(61, dtype, (32, 8), 128)
+    outs = [paged_decode(case.q, k8, v8, case.block_tables, case.seq_lens, 128**-0.5, 2, ks, vs, int8_conversion=c)
+            for c in INT8_CONVERSIONS]  # fmt: skip
+    torch.testing.assert_close(outs[0], outs[1], **tolerance(dtype))
+    with pytest.raises(ValueError, match="int8_conversion must be one of"):
+        paged_decode(case.q, k8, v8, case.block_tables, case.seq_lens, 1.0, 1, ks, vs, int8_conversion="i2f")
 
 
 def test_int8_attention_error_against_full_precision_is_small():

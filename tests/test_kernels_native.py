@@ -115,3 +115,22 @@ def test_full_native_sweep(tmp_path):
     report = _sweep(tmp_path)
     assert report["sweep"] == "full" and report["distinct_compiles"] > 1000
     _check_report(report)
+
+
+def test_the_int8_kernel_needs_no_conversion_unit_and_loads_16_bytes_at_a_time(tmp_path):
+    """Issue 30's compile-side evidence, kept true: on sm_80 and sm_90 the int8 paged kernel's K/V loads are 16-byte
+    vectors like fp16's (unvectorised loads were a suspect; they are not the cause), the first version's plain
+    conversion became ``I2F`` instructions, and :func:`~kvcourse.kernels.triton_paged.int8_to_float` needs none."""
+    out = tmp_path / "instructions.json"
+    proc = subprocess.run([sys.executable, "-m", "kvcourse.kernels.instructions", "--json", str(out)],
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["capability"], r["dtype"]) for r in rows} == {(c, d) for c in (80, 90) for d in ("fp16", "bf16")}
+    for r in rows:
+        assert r["global_load_128"] >= 1 and r["stack_bytes"] == 0, r
+        assert r["tensor_core"] > 0, r  # the dots stay on tensor cores
+        if r["variant"] == "int8, bits":
+            assert r["conversion_unit"] == 0, r
+    first = {(r["capability"], r["dtype"]): r for r in rows if r["variant"].startswith("int8, cvt")}
+    assert first[(90, "fp16")]["conversion_unit"] > 0 and first[(80, "fp16")]["conversion_unit"] > 0

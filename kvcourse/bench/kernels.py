@@ -13,6 +13,8 @@ batch {1, 8, 32, 64, 128} x context {512, 2k, 8k, 32k}, and batch 1 at 64k. Each
 * ``paged``: :func:`~kvcourse.kernels.paged_decode_attention`, splits chosen by the heuristic;
 * ``paged-unsplit``: the same, ``num_splits=1``;
 * ``paged-int8``: the int8 pool (half the bytes), splits by the heuristic;
+* ``paged-int8-cvt``: the same with the first version's int8 conversion (``int8_conversion="cvt"``, the
+  conversion unit's ``I2F``), to time what :func:`~kvcourse.kernels.triton_paged.int8_to_float` changed;
 * ``contiguous``: :func:`~kvcourse.kernels.decode_attention` on a ``[B, Hkv, S, D]`` cache;
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on the contiguous cache;
 * ``flex``: FlexAttention (compiled) on the contiguous cache, where torch provides it.
@@ -52,7 +54,7 @@ BATCHES = (1, 8, 32, 64, 128)
 CONTEXTS = (512, 2048, 8192, 32768)
 EXTRA = ((1, 65536),)
 QUICK = ((1, 8192), (8, 8192), (64, 2048), (1, 65536))
-VARIANTS = ("paged", "paged-unsplit", "paged-int8", "contiguous", "sdpa", "flex")
+VARIANTS = ("paged", "paged-unsplit", "paged-int8", "paged-int8-cvt", "contiguous", "sdpa", "flex")
 
 Timer = Callable[[Callable[[], object]], float]  # fn -> milliseconds
 
@@ -129,6 +131,8 @@ def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable
                           "num_splits=1"),
         "paged-int8": (lambda: paged_decode(p.q, p.k8, p.v8, p.block_tables, p.seq_lens, scale, splits, p.k_scale,
                                             p.v_scale), f"num_splits={splits}"),
+        "paged-int8-cvt": (lambda: paged_decode(p.q, p.k8, p.v8, p.block_tables, p.seq_lens, scale, splits, p.k_scale,
+                                                p.v_scale, int8_conversion="cvt"), f"num_splits={splits}, I2F"),
         "contiguous": (lambda: decode_attention(p.q, p.k, p.v, p.seq_lens, scale), ""),
         "sdpa": (lambda: F.scaled_dot_product_attention(p.q[:, :, None], p.k, p.v, scale=scale, enable_gqa=True)[:, :, 0],
                  "torch SDPA, contiguous cache"),
@@ -145,13 +149,15 @@ def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable
             fns["flex"] = (None, f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
     # A fallback is not a kernel timing: each kernel runs once first, and a variant whose kernel did
     # not compile, or was computed by the torch reference instead, is refused (reported, never timed).
-    for name in [n for n in ("paged", "paged-unsplit", "paged-int8", "contiguous") if n in fns]:
+    for name in [n for n in ("paged", "paged-unsplit", "paged-int8", "paged-int8-cvt", "contiguous") if n in fns]:
         fns[name] = _first_run(name, *fns[name])
     # Correctness before speed: every float variant that ran equals SDPA on this very shape.
     want = fns["sdpa"][0]()
     for name in ("paged", "paged-unsplit", "contiguous"):
         if fns[name][0] is not None:
             torch.testing.assert_close(fns[name][0](), want, rtol=2e-3, atol=2e-3, msg=lambda m, n=name: f"{n}: {m}")
+    if fns["paged-int8"][0] is not None and fns["paged-int8-cvt"][0] is not None:  # two conversions, one answer
+        torch.testing.assert_close(fns["paged-int8-cvt"][0](), fns["paged-int8"][0](), rtol=2e-3, atol=2e-3)
     return {name: fns[name] for name in variants if name in fns}
 
 
@@ -206,7 +212,7 @@ def run(
                     log(f"batch {batch:4d} x context {context:6d} {name:14s} {note}")
                     continue
                 ms = timer(fn)
-                nbytes = p.bytes(int8=name == "paged-int8", paged=name.startswith("paged"))
+                nbytes = p.bytes(int8=name.startswith("paged-int8"), paged=name.startswith("paged"))
                 gbps = nbytes / (ms * 1e-3) / 1e9
                 row.update(ms=ms, bytes=nbytes, gbps=gbps, pct_peak=100 * gbps * 1e9 / peak.bandwidth if peak else None)
                 rows.append(row)

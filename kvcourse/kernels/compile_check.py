@@ -92,6 +92,7 @@ class Config:
     tokens: int = 1  # cache: new tokens written in one step; fused ops: rows (tokens) in the step
     width: int = 0  # fused ops: the row a norm reads (hidden size), or silu_and_mul's intermediate size
     tiles: tuple[int, int, int] | None = None  # (BLOCK_N, num_warps, num_stages) instead of tile_config's choice
+    int8_conversion: str = "bits"  # paged int8: how the kernel converts (triton_paged.INT8_CONVERSIONS)
 
     @property
     def model(self) -> str | None:
@@ -125,6 +126,8 @@ class Config:
             parts.append(f"tokens={self.tokens}")
         if self.tiles:
             parts.append("BLOCK_N={} warps={} stages={}".format(*self.tiles))
+        if self.kv_int8 and self.op == "paged" and self.int8_conversion != "bits":
+            parts.append(f"conversion={self.int8_conversion}")
         return " ".join(parts)
 
 
@@ -195,7 +198,7 @@ def _tiles(tiles: tuple[int, int, int] | None) -> Iterator[None]:
         return
     from . import triton_decode, triton_paged
 
-    def chosen(head_dim, dtype, capability, kv_dtype=None):
+    def chosen(head_dim, dtype, capability, kv_dtype=None, int8_conversion="bits"):
         block_n, warps, stages = tiles
         return dict(BLOCK_N=block_n, BLOCK_D=triton_decode.head_tile(head_dim), num_warps=warps, num_stages=stages)
 
@@ -228,7 +231,7 @@ def launches_for(config: Config, target: Target | None) -> list[Launch]:
             scales = (torch.empty(pool.shape[:3]), torch.empty(pool.shape[:3])) if config.kv_int8 else (None, None)
             tables = torch.zeros(2, 2, dtype=torch.int32)
             paged_decode(q, pool, pool.clone(), tables, torch.ones(2, dtype=torch.int32), d**-0.5, config.num_splits,
-                         *scales, capability=cap)  # fmt: skip
+                         *scales, capability=cap, int8_conversion=config.int8_conversion)  # fmt: skip
         elif config.op == "ragged":  # two sequences of 3 and 1 new tokens; the grid alone depends on the counts
             q = torch.empty(4, hq, d, dtype=dtype)
             pool = torch.empty(4, config.block_size, hkv, d, dtype=dtype)

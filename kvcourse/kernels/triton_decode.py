@@ -34,7 +34,8 @@ SMEM_BUDGET = 32 * 1024  # bytes of shared memory the K/V tiles of the default l
 
 
 def tile_config(
-    head_dim: int, dtype: torch.dtype, capability: int | None, kv_dtype: torch.dtype | None = None
+    head_dim: int, dtype: torch.dtype, capability: int | None, kv_dtype: torch.dtype | None = None,
+    int8_conversion: str = "bits",
 ) -> dict[str, int]:
     """Launch parameters for the decode kernels: tile width, warps, pipeline stages.
 
@@ -55,7 +56,10 @@ def tile_config(
     * **int8 K/V**: converting each tile to the query's dtype keeps both copies live. At 4 warps and
       2 stages, D = 128, that took 128-136 registers with bf16/fp16 queries (8 bytes spilled on
       sm_90) and spilled 136-248 bytes with fp32 queries. 8 warps halve the tile per thread (76-108
-      registers); fp32 queries also drop to one stage (about 50-65).
+      registers); fp32 queries also drop to one stage (about 50-65). Converting by bits
+      (:func:`~.triton_paged.int8_to_float`, ``int8_conversion="bits"``) instead of ``I2F`` spilled 8 bytes on
+      sm_90 at D = 128 with fp16 or bf16 queries and 32-wide tiles (80 registers); 16-wide tiles use 79-81 and
+      spill nothing, so sm_90 and later take those there.
     """
     block_d = head_tile(head_dim)
     if capability is None:  # the interpreter: fewer, wider iterations
@@ -69,6 +73,8 @@ def tile_config(
         warps = 8
         if dtype == torch.float32:
             stages = 1
+        elif int8_conversion == "bits" and capability >= 90 and block_d >= 128:
+            block_n = 16
     return dict(BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)  # powers of two, all
 
 

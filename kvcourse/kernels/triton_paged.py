@@ -34,7 +34,7 @@ from .reference import _default_scale, check_block_tables, check_paged, paged_at
 from .triton_decode import LOG2E, group_rows, tile_config
 from .triton_runtime import check_kernel_device, compute_capability, dot_precision, launch_or_fallback, tl, triton, upcast
 
-__all__ = ["MAX_SPLITS", "choose_num_splits", "paged_decode", "paged_decode_attention", "paged_decode_attention_int8"]
+__all__ = ["INT8_CONVERSIONS", "MAX_SPLITS", "choose_num_splits", "int8_to_float", "paged_decode", "paged_decode_attention", "paged_decode_attention_int8"]
 
 MAX_SPLITS = 64  # stage 2 merges up to this many partial results per head in one tile
 MIN_SPLIT_TOKENS = 256  # at most one split per started 256 positions: fewer, longer splits merge cheaper
@@ -67,6 +67,26 @@ def num_sms(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+INT8_CONVERSIONS = ("bits", "cvt")  # how the kernel turns int8 into the query's dtype; "bits" is the default
+
+
+@triton.jit
+def int8_to_float(x, dtype: tl.constexpr):
+    """int8 -> ``dtype``, exactly, with integer and float adds instead of the conversion unit.
+
+    The byte, moved to 0..255 by flipping its sign bit, becomes the low mantissa bits of 2**10 (fp16) or 2**23 (fp32):
+    the float with those bits is 2**10 + x + 128, and subtracting 2**10 + 128 leaves x (integers below 2**11, so
+    nothing rounds). Compiled for sm_90, the plain ``x.to(tl.float16)`` became 48 ``I2F.F16.S16`` in the paged
+    kernel, a conversion-unit instruction that issues at a quarter of an add's rate; this way has none
+    (``python -m kvcourse.kernels.compile_check --instructions``).
+    """
+    if dtype == tl.float16:  # two values per 32-bit register
+        biased16 = (x.to(tl.uint8, bitcast=True).to(tl.int16) ^ 0x80) | 0x6400
+        return biased16.to(tl.float16, bitcast=True) - 1152.0
+    biased = (x.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) | 0x4B000000
+    return (biased.to(tl.float32, bitcast=True) - 8388736.0).to(dtype)
+
+
 @triton.jit
 def _paged_decode_kernel(
     Q, K_cache, V_cache, K_scale, V_scale, Block_tables, Seq_lens, Out, Lse,
@@ -86,6 +106,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,  # positions per tile (any multiple or fraction of BLOCK_SIZE)
     NUM_SPLITS: tl.constexpr,
     KV_INT8: tl.constexpr,
+    INT8_BITS: tl.constexpr,  # int8 -> float by int8_to_float (True) or by a plain conversion (the first version)
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -122,7 +143,10 @@ def _paged_decode_kernel(
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         if KV_INT8:  # int8 -> the query's dtype is exact (|x| <= 127); the scales come after the dots
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            if INT8_BITS:
+                k, v = int8_to_float(k, q.dtype), int8_to_float(v, q.dtype)
+            else:
+                k, v = k.to(q.dtype), v.to(q.dtype)
         elif UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
@@ -189,19 +213,24 @@ def paged_decode(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     capability: int | None = None,
+    int8_conversion: str = "bits",
 ) -> torch.Tensor:
     """Launch the kernels on inputs already checked: no validation, no host-device synchronisation.
 
     The attention backend calls this once per layer; :func:`paged_decode_attention` checks, then calls it.
     ``capability`` picks the launch parameters (:func:`~.triton_decode.tile_config`); default: the device's.
+    ``int8_conversion``: ``"bits"`` (:func:`int8_to_float`) or ``"cvt"`` (the first version's plain conversion, kept
+    so that a benchmark can time the two on a GPU; see :data:`INT8_CONVERSIONS`).
     """
+    if int8_conversion not in INT8_CONVERSIONS:  # the one check: a typo would silently time the other variant
+        raise ValueError(f"int8_conversion must be one of {INT8_CONVERSIONS}, got {int8_conversion!r}")
     batch, hq, head_dim = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     int8 = k_scale is not None
     if capability is None:
         capability = compute_capability(q.device)
-    cfg = tile_config(head_dim, q.dtype, capability, k_cache.dtype)
+    cfg = tile_config(head_dim, q.dtype, capability, k_cache.dtype, int8_conversion)
     scales = (k_scale, v_scale) if int8 else (q, q)  # unused pointers when not int8
     s_strides = k_scale.stride() if int8 else (0, 0, 0)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -217,7 +246,8 @@ def paged_decode(
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *s_strides,
         block_tables.stride(0), *o_strides, *l_strides,
         GROUP=group, BLOCK_H=group_rows(group), HEAD_DIM=head_dim, BLOCK_D=cfg["BLOCK_D"], BLOCK_SIZE=block_size,
-        BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, KV_INT8=int8, UPCAST=upcast(q.dtype),
+        BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, KV_INT8=int8, INT8_BITS=int8_conversion == "bits",
+        UPCAST=upcast(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
