@@ -12,6 +12,8 @@ runs, each job in its own process:
    nano-vllm's protocol, the issue's 96-request trace, one decode step with and without CUDA graphs,
    agreement in fp32, and issue 29's targets), writing ``gpu-engine-<gpu>-<date>.json`` beside this
    check's JSON;
+   then **the split-count benchmark**, alone (``python -m kvcourse.bench splits``: every KV split count at the
+   shapes where ``choose_num_splits`` decides, issue 30), writing ``splits-<gpu>-<date>.json``;
 3. then, at most ``--parallel`` (2) at a time, each with ``cores / parallel`` CPU threads (eight
    notebooks at once starved each other on the first GPU run):
 
@@ -87,6 +89,7 @@ def jobs(root: Path, out: Path, quick_bench: bool = False, save_notebooks: Path 
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     quick = ["--quick"] if quick_bench else []
     bench = [py, "-m", "kvcourse.bench", "kernels", "--out", str(out)] + quick
+    splits = [py, "-m", "kvcourse.bench", "splits", "--out", str(out)]
     # A script, not a module: benchmarks/ is not a package (it imports its neighbours, as every benchmark does).
     engine = [py, "benchmarks/bench_engine_gpu.py", "--device", "cuda", "--out", str(out),
               "--budget", str(ENGINE_BENCH_BUDGET_S)] + quick  # fmt: skip
@@ -101,6 +104,7 @@ def jobs(root: Path, out: Path, quick_bench: bool = False, save_notebooks: Path 
         Job("kernel benchmark", bench, alone=True),
         # It keeps to its budget itself; the hard limit is for a run that hangs (setup cannot be cut short).
         Job("engine benchmark", engine, alone=True, timeout_s=2 * ENGINE_BENCH_BUDGET_S),
+        Job("split-count benchmark", splits, alone=True),  # issue 30: what the split heuristic is fitted to
         *chapters[:2],  # the two longest chapters start first
         Job("kernel tests, compiled on the GPU", pytest + kernel_test_files(root) + ["-k", "not bad_input"]),
         Job("chapter 5's kernel exercises graded on the GPU", pytest + ["tests/test_catalog.py", "-k", "ch05"]),

@@ -15,9 +15,9 @@ from kvcourse import gpu_check
 def test_jobs_cover_every_chapter_and_name_files_that_exist(tmp_path):
     todo = gpu_check.jobs(gpu_check.ROOT, tmp_path)
     names = [j.name for j in todo]
-    # The two benchmarks first, each with the GPU to itself.
-    assert names[:2] == ["kernel benchmark", "engine benchmark"] and todo[0].alone and todo[1].alone
-    assert not any(j.alone for j in todo[2:])
+    # The benchmarks first, each with the GPU to itself.
+    assert names[:3] == ["kernel benchmark", "engine benchmark", "split-count benchmark"]
+    assert all(j.alone for j in todo[:3]) and not any(j.alone for j in todo[3:])
     assert "kernel tests, compiled on the GPU" in names and "tests that take a device, on cuda" in names
     chapters = sorted(p.name for p in (gpu_check.ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
     assert sorted(j.notebook for j in todo if j.notebook) == chapters and len(chapters) == 8
@@ -101,8 +101,8 @@ def test_only_selects_jobs_by_pattern():
     assert keep(None) == names
     # What the second GPU run asked for, unquoted: the dots must match the spaces.
     picked = keep(["chapter", "kernel.tests", "graded", "tests.that"])
-    assert "kernel benchmark" not in picked and "engine benchmark" not in picked and len(picked) == len(names) - 2
-    assert keep(["benchmark"]) == ["kernel benchmark", "engine benchmark"]
+    assert "kernel benchmark" not in picked and "engine benchmark" not in picked and len(picked) == len(names) - 3
+    assert keep(["benchmark"]) == ["kernel benchmark", "engine benchmark", "split-count benchmark"]
     assert keep(["CHAPTER 05"]) == ["chapter 05 on the GPU"]
 
 

@@ -114,8 +114,14 @@ def report(capabilities: tuple[int, ...] = (90, 80), dtypes=(torch.float16, torc
                              "num_warps": kwargs["num_warps"], "num_stages": kwargs["num_stages"],
                              "registers": usage["registers"], "stack_bytes": usage["stack"] + usage["local"],
                              **instruction_mix(compiled.asm["cubin"])})  # fmt: skip
+    try:  # which code was compiled
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
     return {"what": "static SASS instruction counts of _paged_decode_kernel (python -m kvcourse.kernels.instructions)",
-            "date": dt.date.today().isoformat(), "triton": triton.__version__, "torch": torch.__version__,
+            "date": dt.date.today().isoformat(), "commit": commit, "machine": "compiled on a CPU, no GPU",
+            "triton": triton.__version__, "torch": torch.__version__,
             "shape": "32 query / 8 KV heads, head_dim 128, blocks of 16, 1 split", "rows": rows}  # fmt: skip
 
 

@@ -58,8 +58,8 @@ def tile_config(
       sm_90) and spilled 136-248 bytes with fp32 queries. 8 warps halve the tile per thread (76-108
       registers); fp32 queries also drop to one stage (about 50-65). Converting by bits
       (:func:`~.triton_paged.int8_to_float`, ``int8_conversion="bits"``) instead of ``I2F`` spilled 8 bytes on
-      sm_90 at D = 128 with fp16 or bf16 queries and 32-wide tiles (80 registers); 16-wide tiles use 79-81 and
-      spill nothing, so sm_90 and later take those there.
+      sm_90 at D = 128 with fp16 or bf16 queries and 32-wide tiles (80 registers), and 8-24 bytes at D = 64
+      with bf16 queries and more than one split; 16-wide tiles spill nothing, so sm_90 and later take those.
     """
     block_d = head_tile(head_dim)
     if capability is None:  # the interpreter: fewer, wider iterations
@@ -73,7 +73,7 @@ def tile_config(
         warps = 8
         if dtype == torch.float32:
             stages = 1
-        elif int8_conversion == "bits" and capability >= 90 and block_d >= 128:
+        elif int8_conversion == "bits" and capability >= 90:
             block_n = 16
     return dict(BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)  # powers of two, all
 
