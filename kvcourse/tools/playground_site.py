@@ -30,12 +30,14 @@ PYODIDE_VERSION = "314.0.7"  # the npm package `make book` installs
 PYODIDE_FILES = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip", "pyodide-lock.json")
 ENTRY = "kvcourse.control.playground"
 
-_BLOCK_DATA_PLANE = """
+# Python that makes ``import torch`` (and Triton, numpy) fail, as in a browser: the wheel's contents and the
+# control plane's tests run after it.
+REFUSE_DATA_PLANE = """
 import sys
 class _Refuse:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in ("torch", "triton", "numpy"):
-            raise ImportError(f"{name} is not available in the browser")
+            raise ImportError(f"{name} is refused here, as in a browser (kvcourse.tools.playground_site)")
 sys.meta_path.insert(0, _Refuse())
 """
 
@@ -47,7 +49,7 @@ def pyodide_dir() -> Path:
 
 def control_plane_files() -> list[str]:
     """Package-relative paths (``kvcourse/...``) of the modules the playground imports, the data plane refused."""
-    code = _BLOCK_DATA_PLANE + f"import {ENTRY}\n" + (
+    code = REFUSE_DATA_PLANE + f"import {ENTRY}\n" + (
         "print('\\n'.join(sorted(m.__file__ for n, m in sys.modules.items() if n.split('.')[0] == 'kvcourse')))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
