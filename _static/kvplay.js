@@ -20,7 +20,7 @@
     ["num_blocks", "Pool (blocks)", "number", [1, 256]],
     ["num_requests", "Requests", "number", [1, 32]],
     ["arrival", "Arrivals", "select", ["burst", "steady", "shared prompt"]],
-    ["token_budget", "Token budget per step", "number", [1, 4096]],
+    ["token_budget", "Token budget per step (the prefill chunk)", "number", [1, 4096]],
     ["max_num_seqs", "Most running (max_num_seqs)", "number", [1, 64]],
     ["chunked_prefill", "Chunked prefill", "checkbox"],
     ["preemption", "Preemption", "select", ["recompute", "swap"]],

@@ -22,7 +22,8 @@ from kvcourse.kernels.int8 import dequantize_int8, paged_decode_attention_int8_r
 from kvcourse.kernels.reference import decode_attention_ref, paged_decode_attention_ref
 from kvcourse.kernels.testing import random_paged_case, repage, tolerance
 from kvcourse.kernels.triton_decode import group_rows, tile_config
-from kvcourse.kernels.triton_paged import INT8_CONVERSIONS, MAX_SPLITS, choose_num_splits, int8_to_float, paged_decode
+from kvcourse.kernels.triton_paged import (INT8_CONVERSIONS, MAX_SPLITS, choose_num_splits, decode_workspace,
+                                           int8_to_float, paged_decode)
 from kvcourse.kernels.triton_runtime import fallbacks, interpreting, reset_fallbacks, tl, triton
 
 FULL_GRID = os.environ.get("KVCOURSE_FULL_KERNEL_GRID") == "1"
@@ -241,6 +242,25 @@ def test_both_int8_conversions_give_one_answer(dtype):
     torch.testing.assert_close(outs[0], outs[1], **tolerance(dtype))
     with pytest.raises(ValueError, match="int8_conversion must be one of"):
         paged_decode(case.q, k8, v8, case.block_tables, case.seq_lens, 1.0, 1, ks, vs, int8_conversion="i2f")
+
+
+def test_kept_buffers_give_the_same_answer_and_nothing_is_allocated(monkeypatch):
+    """``out`` and ``workspace`` (bigger than this step needs, as an engine keeps them): the same result, written into
+    them, with no ``torch.empty`` in the wrapper."""
+    case = random_paged_case(62, SEQ_LENS, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, device=DEVICE)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125, 3)
+    want = paged_decode(*args)
+    out = torch.empty_like(case.q)
+    workspace = decode_workspace(len(SEQ_LENS) + 2, 8, 64, 5, DEVICE)
+    import kvcourse.kernels.triton_paged as triton_paged
+
+    made = []
+    real_empty = torch.empty
+    monkeypatch.setattr(triton_paged.torch, "empty", lambda *a, **k: made.append(a) or real_empty(*a, **k))
+    got = paged_decode(*args, out=out, workspace=workspace)
+    monkeypatch.undo()
+    assert got is out and not made
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_int8_attention_error_against_full_precision_is_small():

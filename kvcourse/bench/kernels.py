@@ -12,6 +12,7 @@ batch {1, 8, 32, 64, 128} x context {512, 2k, 8k, 32k}, and batch 1 at 64k. Each
 
 * ``paged``: :func:`~kvcourse.kernels.paged_decode_attention`, splits chosen by the heuristic;
 * ``paged-unsplit``: the same, ``num_splits=1``;
+* ``paged-workspace``: ``paged`` with its output and split scratch kept between calls (nothing allocated per call);
 * ``paged-int8``: the int8 pool (half the bytes), splits by the heuristic;
 * ``paged-int8-cvt``: the same with the first version's int8 conversion (``int8_conversion="cvt"``, the
   conversion unit's ``I2F``), to time what :func:`~kvcourse.kernels.triton_paged.int8_to_float` changed;
@@ -54,7 +55,7 @@ BATCHES = (1, 8, 32, 64, 128)
 CONTEXTS = (512, 2048, 8192, 32768)
 EXTRA = ((1, 65536),)
 QUICK = ((1, 8192), (8, 8192), (64, 2048), (1, 65536))
-VARIANTS = ("paged", "paged-unsplit", "paged-int8", "paged-int8-cvt", "contiguous", "sdpa", "flex")
+VARIANTS = ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "contiguous", "sdpa", "flex")
 
 Timer = Callable[[Callable[[], object]], float]  # fn -> milliseconds
 
@@ -119,16 +120,19 @@ class Problem:
 def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable[[], torch.Tensor] | None, str]]:
     """``name -> (fn, note)``; ``fn`` is None (and ``note`` says why) where a variant cannot run here."""
     from ..kernels import decode_attention
-    from ..kernels.triton_paged import choose_num_splits, num_sms, paged_decode
+    from ..kernels.triton_paged import choose_num_splits, decode_workspace, num_sms, paged_decode
 
     scale = 1 / math.sqrt(p.head_dim)
     splits = choose_num_splits(p.batch, p.num_kv_heads, p.context, num_sms(p.q.device))
+    kept = torch.empty_like(p.q), decode_workspace(p.batch, p.num_q_heads, p.head_dim, splits, p.q.device)
     # The kernels are timed without their input checks (which read the block tables on the host).
     fns: dict[str, tuple[Callable[[], torch.Tensor] | None, str]] = {
         "paged": (lambda: paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, scale, splits),
                   f"num_splits={splits}"),
         "paged-unsplit": (lambda: paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, scale, 1),
                           "num_splits=1"),
+        "paged-workspace": (lambda: paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, scale, splits,
+                                                 out=kept[0], workspace=kept[1]), f"num_splits={splits}, kept buffers"),
         "paged-int8": (lambda: paged_decode(p.q, p.k8, p.v8, p.block_tables, p.seq_lens, scale, splits, p.k_scale,
                                             p.v_scale), f"num_splits={splits}"),
         "paged-int8-cvt": (lambda: paged_decode(p.q, p.k8, p.v8, p.block_tables, p.seq_lens, scale, splits, p.k_scale,
@@ -149,11 +153,12 @@ def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable
             fns["flex"] = (None, f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
     # A fallback is not a kernel timing: each kernel runs once first, and a variant whose kernel did
     # not compile, or was computed by the torch reference instead, is refused (reported, never timed).
-    for name in [n for n in ("paged", "paged-unsplit", "paged-int8", "paged-int8-cvt", "contiguous") if n in fns]:
+    for name in [n for n in ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "contiguous")
+                 if n in fns]:  # fmt: skip
         fns[name] = _first_run(name, *fns[name])
     # Correctness before speed: every float variant that ran equals SDPA on this very shape.
     want = fns["sdpa"][0]()
-    for name in ("paged", "paged-unsplit", "contiguous"):
+    for name in ("paged", "paged-unsplit", "paged-workspace", "contiguous"):
         if fns[name][0] is not None:
             torch.testing.assert_close(fns[name][0](), want, rtol=2e-3, atol=2e-3, msg=lambda m, n=name: f"{n}: {m}")
     if fns["paged-int8"][0] is not None and fns["paged-int8-cvt"][0] is not None:  # two conversions, one answer
@@ -314,10 +319,11 @@ def smoke() -> int:
     """No GPU: one tiny shape through the same code, for correctness only (the interpreter's time means nothing)."""
     with torch.inference_mode():
         p = Problem(2, 100, torch.device("cpu"), dtype=torch.float32, heads=(4, 2, 64))
-        fns = variant_fns(p, ("paged", "paged-unsplit", "contiguous", "sdpa"))
+        fns = variant_fns(p, ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "contiguous",
+                              "sdpa"))
     ran = [name for name, (fn, _) in fns.items() if fn is not None]
-    print(f"smoke run in Triton's interpreter: {', '.join(ran)} agree with SDPA on batch 2 x context 100 "
-          "(correctness only; no speed is reported without a GPU)")  # fmt: skip
+    print(f"smoke run in Triton's interpreter: {', '.join(ran)} ran on batch 2 x context 100; the float ones agree "
+          "with SDPA, the two int8 conversions with each other (correctness only; no speed without a GPU)")  # fmt: skip
     for name, (fn, note) in fns.items():
         if fn is None:
             print(f"  {name}: {note}")

@@ -28,7 +28,7 @@ __all__ = ["KernelBench", "check_kernel_bench", "compare_runs", "load_kernel_ben
            "reproducible_from"]
 
 PATTERN = "kernels-*.json"
-OUR_KERNELS = ("paged", "paged-unsplit", "paged-int8", "paged-int8-cvt", "contiguous")  # timed as compiled Triton code
+OUR_KERNELS = ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "contiguous")  # timed as compiled Triton code
 TORCH_BASELINES = ("sdpa", "flex")  # timed as torch
 _PROVENANCE = ("date", "torch", "triton", "python", "commit", "gpu", "compute_capability", "sms", "cuda", "driver")
 _SHAPE = ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "dtype")

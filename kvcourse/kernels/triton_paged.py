@@ -34,7 +34,8 @@ from .reference import _default_scale, check_block_tables, check_paged, paged_at
 from .triton_decode import LOG2E, group_rows, tile_config
 from .triton_runtime import check_kernel_device, compute_capability, dot_precision, launch_or_fallback, tl, triton, upcast
 
-__all__ = ["INT8_CONVERSIONS", "MAX_SPLITS", "choose_num_splits", "int8_to_float", "paged_decode", "paged_decode_attention", "paged_decode_attention_int8"]
+__all__ = ["INT8_CONVERSIONS", "MAX_SPLITS", "choose_num_splits", "decode_workspace", "int8_to_float", "paged_decode",
+           "paged_decode_attention", "paged_decode_attention_int8"]
 
 MAX_SPLITS = 64  # stage 2 merges up to this many partial results per head in one tile
 MIN_SPLIT_TOKENS = 256  # at most one split per started 256 positions: fewer, longer splits merge cheaper
@@ -214,6 +215,8 @@ def paged_decode(
     v_scale: torch.Tensor | None = None,
     capability: int | None = None,
     int8_conversion: str = "bits",
+    out: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Launch the kernels on inputs already checked: no validation, no host-device synchronisation.
 
@@ -221,6 +224,11 @@ def paged_decode(
     ``capability`` picks the launch parameters (:func:`~.triton_decode.tile_config`); default: the device's.
     ``int8_conversion``: ``"bits"`` (:func:`int8_to_float`) or ``"cvt"`` (the first version's plain conversion, kept
     so that a benchmark can time the two on a GPU; see :data:`INT8_CONVERSIONS`).
+
+    ``out`` (``[B, Hq, D]``, the query's dtype) and ``workspace`` (fp32 ``partial [>= B, Hq, >= num_splits, D]`` and
+    ``lse [>= B, Hq, >= num_splits]``, the split path's scratch) let a caller that keeps them, as an engine can,
+    launch without allocating: at small shapes each ``torch.empty`` is a measurable part of a call. Made here when
+    not given (:func:`decode_workspace` makes a pair to keep).
     """
     if int8_conversion not in INT8_CONVERSIONS:  # the one check: a typo would silently time the other variant
         raise ValueError(f"int8_conversion must be one of {INT8_CONVERSIONS}, got {int8_conversion!r}")
@@ -233,13 +241,15 @@ def paged_decode(
     cfg = tile_config(head_dim, q.dtype, capability, k_cache.dtype, int8_conversion)
     scales = (k_scale, v_scale) if int8 else (q, q)  # unused pointers when not int8
     s_strides = k_scale.stride() if int8 else (0, 0, 0)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_splits == 1:
         partial, lse = out, out  # stage 1 writes the final output directly
         o_strides, l_strides = (out.stride(0), out.stride(1), 0), (0, 0)
     else:
-        partial = torch.empty(batch, hq, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(batch, hq, num_splits, dtype=torch.float32, device=q.device)
+        if workspace is None:
+            workspace = decode_workspace(batch, hq, head_dim, num_splits, q.device)
+        partial, lse = workspace[0][:batch, :, :num_splits], workspace[1][:batch, :, :num_splits]
         o_strides, l_strides = partial.stride()[:3], lse.stride()[:2]
     _paged_decode_kernel[(batch, hkv, num_splits)](
         q, k_cache, v_cache, *scales, block_tables, seq_lens, partial, lse, scale * LOG2E,
@@ -257,6 +267,14 @@ def paged_decode(
             BLOCK_D=cfg["BLOCK_D"], num_warps=4,
         )  # fmt: skip
     return out
+
+
+def decode_workspace(batch: int, num_q_heads: int, head_dim: int, num_splits: int, device: torch.device | str,
+                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The split path's scratch for up to ``batch`` sequences and ``num_splits`` splits: fp32 partial outputs and
+    their log-sum-exps, to keep and hand to :func:`paged_decode` as ``workspace``."""
+    partial = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+    return partial, torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device)
 
 
 def check_num_splits(num_splits: int | None, batch: int, hkv: int, max_seq_len: int, device: torch.device) -> int:
