@@ -17,7 +17,9 @@ import os
 import pytest
 import torch
 
-from kvcourse.kernels import decode_attention, paged_decode_attention, paged_decode_attention_int8
+from kvcourse.kernels import (decode_attention, paged_decode_attention, paged_decode_attention_fp8,
+                              paged_decode_attention_int8)
+from kvcourse.kernels.fp8 import dequantize_fp8, paged_decode_attention_fp8_ref, quantize_fp8
 from kvcourse.kernels.int8 import dequantize_int8, paged_decode_attention_int8_ref, quantize_int8
 from kvcourse.kernels.reference import decode_attention_ref, paged_decode_attention_ref
 from kvcourse.kernels.testing import random_paged_case, repage, tolerance
@@ -261,6 +263,51 @@ def test_kept_buffers_give_the_same_answer_and_nothing_is_allocated(monkeypatch)
     monkeypatch.undo()
     assert got is out and not made
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _fp8_case(seed, dtype, heads=(9, 3), head_dim=64, block_size=16):
+    case = random_paged_case(seed, SEQ_LENS, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                             block_size=block_size, dtype=dtype, device=DEVICE)  # fmt: skip
+    kf, ks = quantize_fp8(case.k_cache.nan_to_num(0.0))
+    vf, vs = quantize_fp8(case.v_cache.nan_to_num(0.0))
+    return case, (kf, vf, ks, vs)
+
+
+@pytest.mark.parametrize(
+    "dtype, num_splits, heads, head_dim",
+    [(torch.float32, 1, (9, 3), 64), (torch.float16, 1, (32, 8), 128), (torch.bfloat16, 3, (8, 1), 64)],
+    ids=["fp32", "fp16", "bf16-split3"],
+)
+def test_paged_decode_fp8_equals_dequantized_reference(dtype, num_splits, heads, head_dim):
+    case, (kf, vf, ks, vs) = _fp8_case(70 + num_splits, dtype, heads, head_dim)
+    args = (case.q, kf, vf, ks, vs, case.block_tables, case.seq_lens)
+    got = paged_decode_attention_fp8(*args, num_splits=num_splits)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, paged_decode_attention_fp8_ref(*args), **tolerance(dtype))
+    # and fp8 is close to the full-precision answer (e4m3 keeps about 2 significant digits per value)
+    full = paged_decode_attention_ref(case.q.float(), case.k_cache.float(), case.v_cache.float(), case.block_tables,
+                                      case.seq_lens)
+    assert (got.float() - full).abs().max() <= 0.1 * full.abs().max()  # each value within 1/16: the output near too
+
+
+def test_fp8_quantization_keeps_every_value_within_a_sixteenth():
+    x = torch.randn(64, 4, 128, generator=torch.Generator().manual_seed(5)) * torch.logspace(-3, 3, 128)
+    q, s = quantize_fp8(x)
+    back = dequantize_fp8(q, s)
+    err = (back - x).abs()
+    assert q.dtype == torch.float8_e4m3fn and bool((err <= x.abs() / 16 + 2**-10 * s[..., None] + 1e-12).all())
+    assert torch.equal(quantize_fp8(torch.zeros(2, 8))[1], torch.zeros(2))  # zeros: scale 0, values 0
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_fp8(torch.tensor([[1.0, float("inf")]]))
+
+
+def test_the_fp8_wrapper_names_a_wrong_pool():
+    case, (kf, vf, ks, vs) = _fp8_case(80, torch.float32)
+    k8 = torch.zeros_like(kf, dtype=torch.int8)
+    with pytest.raises(TypeError, match=r"k_cache must have dtype torch.float8_e4m3fn"):
+        paged_decode_attention_fp8(case.q, k8, vf, ks, vs, case.block_tables, case.seq_lens)
+    with pytest.raises(TypeError, match=r"k_cache must have dtype torch.int8"):
+        paged_decode_attention_int8(case.q, kf, vf, ks, vs, case.block_tables, case.seq_lens)
 
 
 def test_int8_attention_error_against_full_precision_is_small():

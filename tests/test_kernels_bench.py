@@ -52,7 +52,8 @@ def test_run_on_cpu_with_a_stand_in_timer(tmp_path):
     assert {"triton", "date", "commit"} <= set(saved["provenance"])
     # No vendor peak for a CPU, no 64k or 16k shape here: only the paged / contiguous ratio (2 ms / 2 ms) is read.
     assert {t["name"]: t["met"] for t in saved["targets"]} == dict(
-        paged_peak=None, paged_vs_contiguous=True, split_peak=None, split_speedup=None, int8_speedup=None
+        paged_peak=None, paged_vs_contiguous=True, split_peak=None, split_speedup=None, int8_speedup=None,
+        fp8_speedup=None,
     )
 
 

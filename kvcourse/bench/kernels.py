@@ -14,6 +14,7 @@ batch {1, 8, 32, 64, 128} x context {512, 2k, 8k, 32k}, and batch 1 at 64k. Each
 * ``paged-unsplit``: the same, ``num_splits=1``;
 * ``paged-workspace``: ``paged`` with its output and split scratch kept between calls (nothing allocated per call);
 * ``paged-int8``: the int8 pool (half the bytes), splits by the heuristic;
+* ``paged-fp8``: an fp8 (e4m3) pool with int8's scales, where the GPU converts fp8 (compute capability 8.9+);
 * ``paged-int8-cvt``: the same with the first version's int8 conversion (``int8_conversion="cvt"``, the
   conversion unit's ``I2F``), to time what :func:`~kvcourse.kernels.triton_paged.int8_to_float` changed;
 * ``contiguous``: :func:`~kvcourse.kernels.decode_attention` on a ``[B, Hkv, S, D]`` cache;
@@ -55,7 +56,8 @@ BATCHES = (1, 8, 32, 64, 128)
 CONTEXTS = (512, 2048, 8192, 32768)
 EXTRA = ((1, 65536),)
 QUICK = ((1, 8192), (8, 8192), (64, 2048), (1, 65536))
-VARIANTS = ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "contiguous", "sdpa", "flex")
+VARIANTS = ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "paged-fp8", "contiguous", "sdpa",
+            "flex")
 
 Timer = Callable[[Callable[[], object]], float]  # fn -> milliseconds
 
@@ -137,6 +139,7 @@ def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable
                                             p.v_scale), f"num_splits={splits}"),
         "paged-int8-cvt": (lambda: paged_decode(p.q, p.k8, p.v8, p.block_tables, p.seq_lens, scale, splits, p.k_scale,
                                                 p.v_scale, int8_conversion="cvt"), f"num_splits={splits}, I2F"),
+        "paged-fp8": _fp8_variant(p, scale, splits),
         "contiguous": (lambda: decode_attention(p.q, p.k, p.v, p.seq_lens, scale), ""),
         "sdpa": (lambda: F.scaled_dot_product_attention(p.q[:, :, None], p.k, p.v, scale=scale, enable_gqa=True)[:, :, 0],
                  "torch SDPA, contiguous cache"),
@@ -153,8 +156,8 @@ def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable
             fns["flex"] = (None, f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
     # A fallback is not a kernel timing: each kernel runs once first, and a variant whose kernel did
     # not compile, or was computed by the torch reference instead, is refused (reported, never timed).
-    for name in [n for n in ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "contiguous")
-                 if n in fns]:  # fmt: skip
+    for name in [n for n in ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "paged-fp8",
+                             "contiguous") if n in fns and fns[n][0] is not None]:  # fmt: skip
         fns[name] = _first_run(name, *fns[name])
     # Correctness before speed: every float variant that ran equals SDPA on this very shape.
     want = fns["sdpa"][0]()
@@ -164,6 +167,20 @@ def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable
     if fns["paged-int8"][0] is not None and fns["paged-int8-cvt"][0] is not None:  # two conversions, one answer
         torch.testing.assert_close(fns["paged-int8-cvt"][0](), fns["paged-int8"][0](), rtol=2e-3, atol=2e-3)
     return {name: fns[name] for name in variants if name in fns}
+
+
+def _fp8_variant(p: Problem, scale: float, splits: int) -> tuple[Callable[[], torch.Tensor] | None, str]:
+    """The fp8 pool from the int8 one's bytes (speed does not depend on the values): sign and lowest exponent bit
+    cleared, so no byte is e4m3's NaN. Only where the GPU converts fp8 (compute capability 8.9 and later)."""
+    from ..kernels.triton_paged import paged_decode
+    from ..kernels.triton_runtime import compute_capability
+
+    capability = compute_capability(p.q.device)
+    if capability is None or capability < 89:
+        return None, f"skipped: fp8 needs compute capability 8.9 or later, this is {capability}"
+    kf8, vf8 = ((x & 0x77).view(torch.float8_e4m3fn) for x in (p.k8, p.v8))
+    return (lambda: paged_decode(p.q, kf8, vf8, p.block_tables, p.seq_lens, scale, splits, p.k_scale, p.v_scale),
+            f"num_splits={splits}")  # fmt: skip
 
 
 def _first_run(name: str, fn: Callable[[], torch.Tensor], note: str) -> tuple[Callable[[], torch.Tensor] | None, str]:
@@ -217,7 +234,7 @@ def run(
                     log(f"batch {batch:4d} x context {context:6d} {name:14s} {note}")
                     continue
                 ms = timer(fn)
-                nbytes = p.bytes(int8=name.startswith("paged-int8"), paged=name.startswith("paged"))
+                nbytes = p.bytes(int8=name.startswith(("paged-int8", "paged-fp8")), paged=name.startswith("paged"))
                 gbps = nbytes / (ms * 1e-3) / 1e9
                 row.update(ms=ms, bytes=nbytes, gbps=gbps, pct_peak=100 * gbps * 1e9 / peak.bandwidth if peak else None)
                 rows.append(row)
@@ -264,6 +281,10 @@ def targets(rows: list[dict]) -> list[dict]:
              if v == "paged-int8" and c >= 16384 and (b, c, "paged") in by]  # fmt: skip
     out.append(dict(name="int8_speedup", target="int8 >= 1.5x fp16 at context >= 16k (worst shape)",
                     value=min(gains, default=None), met=min(gains) >= 1.5 if gains else None))  # fmt: skip
+    fp8 = [by[(b, c, "paged")]["ms"] / r["ms"] for (b, c, v), r in by.items()
+           if v == "paged-fp8" and c >= 8192 and (b, c, "paged") in by]  # fmt: skip
+    out.append(dict(name="fp8_speedup", target="fp8 >= 1.6x fp16 at context >= 8k (worst shape; issue 30)",
+                    value=min(fp8, default=None), met=min(fp8) >= 1.6 if fp8 else None))  # fmt: skip
     return out
 
 

@@ -63,6 +63,7 @@ _TRITON_NAMES = {
     "decode_attention": ".triton_decode",
     "paged_decode_attention": ".triton_paged",
     "paged_decode_attention_int8": ".triton_paged",
+    "paged_decode_attention_fp8": ".triton_paged",
     "choose_num_splits": ".triton_paged",
     "reshape_and_cache": ".triton_cache",
     "reshape_and_cache_int8": ".triton_cache",

@@ -93,6 +93,7 @@ class Config:
     width: int = 0  # fused ops: the row a norm reads (hidden size), or silu_and_mul's intermediate size
     tiles: tuple[int, int, int] | None = None  # (BLOCK_N, num_warps, num_stages) instead of tile_config's choice
     int8_conversion: str = "bits"  # paged int8: how the kernel converts (triton_paged.INT8_CONVERSIONS)
+    kv_fp8: bool = False  # paged: an fp8 (e4m3) pool, compiled for sm_89 and later only
 
     @property
     def model(self) -> str | None:
@@ -115,7 +116,7 @@ class Config:
             shape = {"rotary_embedding": f"heads={self.heads[0]}+{self.heads[1]} D={self.head_dim}",
                      "silu_and_mul": f"intermediate={self.width}"}.get(self.op, f"hidden={self.width}")  # fmt: skip
             return f"{self.op} dtype={_dtype_name(self.dtype)} {shape} tokens={self.tokens}"
-        kv = "int8" if self.kv_int8 else _dtype_name(self.dtype)
+        kv = "int8" if self.kv_int8 else "fp8" if self.kv_fp8 else _dtype_name(self.dtype)
         parts = [self.op, f"q={_dtype_name(self.dtype)}", f"kv={kv}", f"heads={self.heads[0]}/{self.heads[1]}",
                  f"D={self.head_dim}"]  # fmt: skip
         if self.op != "decode":
@@ -219,7 +220,8 @@ def launches_for(config: Config, target: Target | None) -> list[Launch]:
 
     hq, hkv = config.heads
     d, dtype, cap = config.head_dim, config.dtype, target.capability if target else None
-    cache_dtype = torch.int8 if config.kv_int8 else dtype
+    cache_dtype = torch.int8 if config.kv_int8 else torch.float8_e4m3fn if config.kv_fp8 else dtype
+    quantized = config.kv_int8 or config.kv_fp8
     with recorded_launches() as launches, _tiles(config.tiles):
         if config.op == "decode":
             q = torch.empty(2, hq, d, dtype=dtype)
@@ -228,7 +230,7 @@ def launches_for(config: Config, target: Target | None) -> list[Launch]:
         elif config.op == "paged":
             q = torch.empty(2, hq, d, dtype=dtype)
             pool = torch.empty(4, config.block_size, hkv, d, dtype=cache_dtype)
-            scales = (torch.empty(pool.shape[:3]), torch.empty(pool.shape[:3])) if config.kv_int8 else (None, None)
+            scales = (torch.empty(pool.shape[:3]), torch.empty(pool.shape[:3])) if quantized else (None, None)
             tables = torch.zeros(2, 2, dtype=torch.int32)
             paged_decode(q, pool, pool.clone(), tables, torch.ones(2, dtype=torch.int32), d**-0.5, config.num_splits,
                          *scales, capability=cap, int8_conversion=config.int8_conversion)  # fmt: skip
@@ -395,6 +397,9 @@ def configurations(target: Target, quick: bool = False) -> list[Config]:
                 out += [Config("ragged", dtype, (hq, hkv), d, False, block_size) for block_size in blocks]
             for block_size, n in itertools.product(blocks, tokens):  # BLOCK_T follows the count; 1 is specialised
                 out.append(Config("cache", dtype, (hq, hkv), d, kv_int8, block_size, tokens=n))
+        if target.capability >= 89:  # fp8 pools: the paged read, where the GPU converts e4m3 (no cache write yet)
+            for block_size, s in itertools.product(blocks, [1] if quick else sorted({1, 2, most})):
+                out.append(Config("paged", dtype, (hq, hkv), d, block_size=block_size, num_splits=s, kv_fp8=True))
     # The tests' tiny model (tests/conftest.py): head_dim 8 is under tl.dot's 16, so BLOCK_D pads it.
     # gpu-check runs those tests on the GPU; this compiles them here.
     tiny = (6, 2)

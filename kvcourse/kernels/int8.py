@@ -30,6 +30,7 @@ from .reference import (
 __all__ = [
     "check_int8_pool",
     "dequantize_int8",
+    "dequantized_decode_ref",
     "empty_int8_pool",
     "paged_decode_attention_int8_ref",
     "quantize_int8",
@@ -80,12 +81,15 @@ def empty_int8_pool(
 
 
 def check_int8_pool(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+    dtype: torch.dtype = torch.int8,
 ) -> None:
-    """Validate an int8 pool: int8 ``[num_blocks, block_size, Hkv, D]`` and fp32 scales ``[num_blocks, block_size, Hkv]``."""
+    """Validate an int8 pool: int8 ``[num_blocks, block_size, Hkv, D]`` and fp32 scales ``[num_blocks, block_size, Hkv]``.
+
+    ``dtype``: the values' type; an fp8 pool (:mod:`.fp8`) has the same layout with ``torch.float8_e4m3fn``."""
     doc = "[num_blocks, block_size, Hkv, D]"
-    _check_int("k_cache", k_cache, 4, doc, dtypes=(torch.int8,))
-    _check_int("v_cache", v_cache, 4, doc, dtypes=(torch.int8,))
+    _check_int("k_cache", k_cache, 4, doc, dtypes=(dtype,))
+    _check_int("v_cache", v_cache, 4, doc, dtypes=(dtype,))
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -133,9 +137,10 @@ def check_paged_int8(
     v_scale: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    dtype: torch.dtype = torch.int8,
 ) -> list[int]:
-    """The checks of a paged decode on an int8 pool; returns ``seq_lens`` as ints."""
-    check_int8_pool(k_cache, v_cache, k_scale, v_scale)
+    """The checks of a paged decode on an int8 pool (or fp8: ``dtype``); returns ``seq_lens`` as ints."""
+    check_int8_pool(k_cache, v_cache, k_scale, v_scale, dtype)
     check_paged(q, _float_view(k_cache, q), _float_view(v_cache, q), "[B, Hq, D]")
     if k_cache.device != q.device:
         raise ValueError(f"k_cache is on {k_cache.device} but q is on {q.device}; they must be on one device")
@@ -157,9 +162,16 @@ def paged_decode_attention_int8_ref(
 ) -> torch.Tensor:
     """Paged decode attention on an int8 pool: dequantize to fp32, then the float reference; ``[B, Hq, D]``."""
     lens = check_paged_int8(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens)
+    k, v = dequantize_int8(k_cache, k_scale), dequantize_int8(v_cache, v_scale)
+    return dequantized_decode_ref(q, k, v, block_tables, seq_lens, lens, scale)
+
+
+def dequantized_decode_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    lens: list[int], scale: float | None,
+) -> torch.Tensor:
+    """The float reference on a dequantized fp32 pool ``k, v``, inputs already checked; ``[B, Hq, D]`` in q's dtype."""
     scale = _default_scale(scale, q.shape[-1])
-    k = dequantize_int8(k_cache, k_scale)
-    v = dequantize_int8(v_cache, v_scale)
     q_pos = (seq_lens.to(torch.int64) - 1)[:, None]
     out = paged_attention(q.float()[:, None], q_pos, k, v, block_tables, seq_lens, scale, max(lens))[:, 0]
     return out.to(q.dtype)

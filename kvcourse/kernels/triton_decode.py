@@ -59,7 +59,9 @@ def tile_config(
       registers); fp32 queries also drop to one stage (about 50-65). Converting by bits
       (:func:`~.triton_paged.int8_to_float`, ``int8_conversion="bits"``) instead of ``I2F`` spilled 8 bytes on
       sm_90 at D = 128 with fp16 or bf16 queries and 32-wide tiles (80 registers), and 8-24 bytes at D = 64
-      with bf16 queries and more than one split; 16-wide tiles spill nothing, so sm_90 and later take those.
+      with bf16 queries and more than one split; fp8 pools spilled 8 bytes with bf16 queries at D = 128 for GQA
+      groups of 1 and 8 (and 16 bytes with fp16 queries in 16-wide tiles). So on sm_90 and later int8 takes 16-wide
+      tiles, and fp8 does with bf16 queries: the choices that spill nothing in the full sweep.
     """
     block_d = head_tile(head_dim)
     if capability is None:  # the interpreter: fewer, wider iterations
@@ -69,12 +71,14 @@ def tile_config(
     block_n = max(16, min(64, SMEM_BUDGET // (stages * 2 * block_d * elem)))  # 2 = a K tile and a V tile
     if capability < 80:
         stages, warps, block_n = 1, 8, min(block_n, 32)
-    if kv_dtype == torch.int8:
+    if kv_dtype in (torch.int8, torch.float8_e4m3fn):  # fp8 pools: int8's layout, the same tiles
         warps = 8
         if dtype == torch.float32:
             stages = 1
-        elif int8_conversion == "bits" and capability >= 90:
-            block_n = 16
+        elif capability >= 90:
+            bits = kv_dtype == torch.int8 and int8_conversion == "bits"
+            if bits or (kv_dtype == torch.float8_e4m3fn and dtype == torch.bfloat16):
+                block_n = 16
     return dict(BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)  # powers of two, all
 
 

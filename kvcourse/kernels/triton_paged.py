@@ -1,4 +1,4 @@
-"""Paged decode attention in Triton, with split-KV (flash-decoding) and int8 K/V.
+"""Paged decode attention in Triton, with split-KV (flash-decoding) and int8 or fp8 K/V.
 
 The contiguous kernel (:mod:`.triton_decode`) changes in one place: where position ``n`` of sequence
 ``b`` lives. In a paged pool ``[num_blocks, block_size, Hkv, D]`` it is offset ``n % block_size`` of
@@ -29,13 +29,14 @@ import math
 
 import torch
 
+from .fp8 import paged_decode_attention_fp8_ref
 from .int8 import check_paged_int8, paged_decode_attention_int8_ref
 from .reference import _default_scale, check_block_tables, check_paged, paged_attention
 from .triton_decode import LOG2E, group_rows, tile_config
 from .triton_runtime import check_kernel_device, compute_capability, dot_precision, launch_or_fallback, tl, triton, upcast
 
 __all__ = ["INT8_CONVERSIONS", "MAX_SPLITS", "choose_num_splits", "decode_workspace", "int8_to_float", "paged_decode",
-           "paged_decode_attention", "paged_decode_attention_int8"]
+           "paged_decode_attention", "paged_decode_attention_fp8", "paged_decode_attention_int8"]
 
 MAX_SPLITS = 64  # stage 2 merges up to this many partial results per head in one tile
 MIN_SPLIT_TOKENS = 256  # at most one split per started 256 positions: fewer, longer splits merge cheaper
@@ -107,6 +108,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,  # positions per tile (any multiple or fraction of BLOCK_SIZE)
     NUM_SPLITS: tl.constexpr,
     KV_INT8: tl.constexpr,
+    KV_FP8: tl.constexpr,  # e4m3 values with int8's scales (sm_89 and later convert them natively)
     INT8_BITS: tl.constexpr,  # int8 -> float by int8_to_float (True) or by a plain conversion (the first version)
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -148,10 +150,12 @@ def _paged_decode_kernel(
                 k, v = int8_to_float(k, q.dtype), int8_to_float(v, q.dtype)
             else:
                 k, v = k.to(q.dtype), v.to(q.dtype)
+        elif KV_FP8:  # e4m3 -> the query's dtype: exact (fp16 holds every e4m3 value), one conversion in hardware
+            k, v = k.to(q.dtype), v.to(q.dtype)
         elif UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-        if KV_INT8:
+        if KV_INT8 or KV_FP8:
             scale_off = block * stride_sb + offset * stride_st + kv_head * stride_sh
             s = s * tl.load(K_scale + scale_off, mask=n_ok, other=0.0)[None, :]
         s = tl.where(n_ok[None, :], s, float("-inf"))
@@ -159,7 +163,7 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        if KV_INT8:
+        if KV_INT8 or KV_FP8:
             p = p * tl.load(V_scale + scale_off, mask=n_ok, other=0.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
@@ -235,12 +239,13 @@ def paged_decode(
     batch, hq, head_dim = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    int8 = k_scale is not None
+    quantized = k_scale is not None  # int8 or fp8 values with per-token scales
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     if capability is None:
         capability = compute_capability(q.device)
     cfg = tile_config(head_dim, q.dtype, capability, k_cache.dtype, int8_conversion)
-    scales = (k_scale, v_scale) if int8 else (q, q)  # unused pointers when not int8
-    s_strides = k_scale.stride() if int8 else (0, 0, 0)
+    scales = (k_scale, v_scale) if quantized else (q, q)  # unused pointers for a float pool
+    s_strides = k_scale.stride() if quantized else (0, 0, 0)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_splits == 1:
@@ -256,7 +261,8 @@ def paged_decode(
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *s_strides,
         block_tables.stride(0), *o_strides, *l_strides,
         GROUP=group, BLOCK_H=group_rows(group), HEAD_DIM=head_dim, BLOCK_D=cfg["BLOCK_D"], BLOCK_SIZE=block_size,
-        BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, KV_INT8=int8, INT8_BITS=int8_conversion == "bits",
+        BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, KV_INT8=quantized and not fp8, KV_FP8=fp8,
+        INT8_BITS=int8_conversion == "bits",
         UPCAST=upcast(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -349,11 +355,37 @@ def paged_decode_attention_int8(
     ``[num_blocks, block_size, Hkv]`` (written by :func:`~kvcourse.kernels.triton_cache.reshape_and_cache_int8`).
     Equal to :func:`~kvcourse.kernels.int8.paged_decode_attention_int8_ref`.
     """
-    lens = check_paged_int8(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens)
+    return _quantized_decode("paged_decode_attention_int8", paged_decode_attention_int8_ref, torch.int8,
+                             q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale, num_splits)  # fmt: skip
+
+
+def paged_decode_attention_fp8(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """:func:`paged_decode_attention` on an fp8 (e4m3) pool: int8's layout and scales, ``torch.float8_e4m3fn``
+    values (:func:`~kvcourse.kernels.fp8.quantize_fp8`), converted in the kernel. GPUs convert e4m3 natively from
+    compute capability 8.9 on; where Triton cannot compile it (a T4, an A100) the torch reference answers, counted
+    as a fallback. Equal to :func:`~kvcourse.kernels.fp8.paged_decode_attention_fp8_ref`."""
+    return _quantized_decode("paged_decode_attention_fp8", paged_decode_attention_fp8_ref, torch.float8_e4m3fn,
+                             q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale, num_splits)  # fmt: skip
+
+
+def _quantized_decode(name, reference, dtype, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale,
+                      num_splits) -> torch.Tensor:  # fmt: skip
+    """The checks and the launch shared by the int8 and fp8 wrappers."""
+    lens = check_paged_int8(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, dtype)
     check_kernel_device("q", q)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+    for what, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim), got strides {t.stride()}")
+            raise ValueError(f"{what} must be contiguous in its last dimension (head_dim), got strides {t.stride()}")
     if k_scale.stride() != v_scale.stride():
         raise ValueError(f"k_scale and v_scale must have one layout, got strides {k_scale.stride()} and {v_scale.stride()}")
     scale = _default_scale(scale, q.shape[-1])
@@ -362,7 +394,7 @@ def paged_decode_attention_int8(
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.shape[1], splits)
     return launch_or_fallback(
-        "paged_decode_attention_int8", q.device, config,
+        name, q.device, config,
         lambda: paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, k_scale, v_scale),
-        lambda: paged_decode_attention_int8_ref(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale),
+        lambda: reference(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale),
     )  # fmt: skip
