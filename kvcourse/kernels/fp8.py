@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .int8 import check_int8_pool, check_paged_int8, dequantized_decode_ref
+from .int8 import absmax_scales, check_int8_pool, check_paged_int8, dequantized_decode_ref
 
 __all__ = ["FP8", "FP8_MAX", "check_fp8_pool", "dequantize_fp8", "paged_decode_attention_fp8_ref", "quantize_fp8"]
 
@@ -25,17 +25,7 @@ FP8_MAX = 448.0
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the last dimension of ``x [..., D]``: e4m3 values ``[..., D]`` and fp32 scales ``[...]``."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point torch.Tensor [..., D], got {getattr(x, 'dtype', type(x).__name__)}")
-    if x.ndim == 0:
-        raise ValueError("x must have at least one dimension [..., D]")
-    x = x.to(torch.float32)
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(f"x has {int((~torch.isfinite(x)).sum())} non-finite values (inf or NaN): a vector's scale "
-                         "would be inf or NaN")  # fmt: skip
-    amax = x.abs().amax(dim=-1)
-    scale = amax / torch.full_like(amax, FP8_MAX)  # divided by a tensor, as int8's (one rounding on every device)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    x, scale, safe = absmax_scales(x, FP8_MAX)
     return (x / safe[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 

@@ -28,6 +28,7 @@ from .reference import (
 )
 
 __all__ = [
+    "absmax_scales",
     "check_int8_pool",
     "dequantize_int8",
     "dequantized_decode_ref",
@@ -42,6 +43,14 @@ QMAX = 127  # symmetric: -127 .. 127 (-128 unused, so q and -q are both represen
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the last dimension of ``x [..., D]``: int8 values ``[..., D]`` and fp32 scales ``[...]``."""
+    x, scale, safe = absmax_scales(x, QMAX)
+    q = torch.floor(x / safe[..., None] + 0.5).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale
+
+
+def absmax_scales(x: object, qmax: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` checked and in fp32, its per-vector scales ``max|x| / qmax``, and those scales with 1 for 0 (to
+    divide by: an all-zero vector stores zeros). Shared by int8 and fp8 (:mod:`.fp8`)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise TypeError(f"x must be a floating-point torch.Tensor [..., D], got {getattr(x, 'dtype', type(x).__name__)}")
     if x.ndim == 0:
@@ -51,12 +60,10 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"x has {int((~torch.isfinite(x)).sum())} non-finite values (inf or NaN): a vector's scale "
                          "would be inf or NaN and all D of its values would decode to NaN")  # fmt: skip
     amax = x.abs().amax(dim=-1)
-    # Divided by a tensor, not the number 127: CUDA torch turns division by a number into a multiply by
+    # Divided by a tensor, not the number: CUDA torch turns division by a number into a multiply by
     # its reciprocal, one rounding off IEEE division (what the CPU and the Triton kernel's div_rn do).
-    scale = amax / torch.full_like(amax, QMAX)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero vectors: 0 / 1 = 0
-    q = torch.floor(x / safe[..., None] + 0.5).clamp_(-QMAX, QMAX).to(torch.int8)
-    return q, scale
+    scale = amax / torch.full_like(amax, qmax)
+    return x, scale, torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
