@@ -79,8 +79,8 @@ def int8_to_float(x, dtype: tl.constexpr):
     The byte, moved to 0..255 by flipping its sign bit, becomes the low mantissa bits of 2**10 (fp16) or 2**23 (fp32):
     the float with those bits is 2**10 + x + 128, and subtracting 2**10 + 128 leaves x (integers below 2**11, so
     nothing rounds). Compiled for sm_90, the plain ``x.to(tl.float16)`` became 48 ``I2F.F16.S16`` in the paged
-    kernel, a conversion-unit instruction that issues at a quarter of an add's rate; this way has none
-    (``python -m kvcourse.kernels.compile_check --instructions``).
+    kernel, a conversion-unit instruction that issues at a quarter of an fp32 add's rate or less; this way has none
+    (``python -m kvcourse.kernels.instructions``).
     """
     if dtype == tl.float16:  # two values per 32-bit register
         biased16 = (x.to(tl.uint8, bitcast=True).to(tl.int16) ^ 0x80) | 0x6400
@@ -240,7 +240,7 @@ def paged_decode(
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
     quantized = k_scale is not None  # int8 or fp8 values with per-token scales
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    fp8 = quantized and k_cache.dtype == torch.float8_e4m3fn
     if capability is None:
         capability = compute_capability(q.device)
     cfg = tile_config(head_dim, q.dtype, capability, k_cache.dtype, int8_conversion)
@@ -262,8 +262,7 @@ def paged_decode(
         block_tables.stride(0), *o_strides, *l_strides,
         GROUP=group, BLOCK_H=group_rows(group), HEAD_DIM=head_dim, BLOCK_D=cfg["BLOCK_D"], BLOCK_SIZE=block_size,
         BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, KV_INT8=quantized and not fp8, KV_FP8=fp8,
-        INT8_BITS=int8_conversion == "bits",
-        UPCAST=upcast(q.dtype),
+        INT8_BITS=int8_conversion == "bits", UPCAST=upcast(q.dtype),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
