@@ -188,6 +188,8 @@ return {
   download: [...document.querySelectorAll('a[href$=".ipynb"]')].map(a => a.href)
                 .filter(h => h.startsWith(origin)),
   mathjax_scripts: [...document.scripts].map(s => s.src).filter(s => s.includes('mathjax')),
+  kvplay_script: [...document.scripts].some(s => s.src.includes('kvplay.js')),
+  kvplay_widgets: document.querySelectorAll('div.kvplay').length,
 };
 """
 
@@ -379,6 +381,13 @@ def test_published_notebooks_read_cleanly():
             assert has_solutions == (folder == "book"), f"{folder}/{name}: solutions {'missing' if folder == 'book' else 'left in'}"
 
 
+def test_the_playground_script_is_only_on_the_pages_that_hold_it(opened):
+    """Chapters 4, 6 and 7 hold a widget and load kvplay.js (13 kB); no other page loads it."""
+    with_widget = sorted(Path(p).name[:2] for p, r in opened.items() if r["kvplay_widgets"])
+    assert with_widget == ["04", "06", "07"]
+    assert {p: r["kvplay_script"] for p, r in opened.items()} == {p: bool(r["kvplay_widgets"]) for p, r in opened.items()}
+
+
 # ---- the playground (issue 32): the real scheduler, in Pyodide, on chapters 4, 6 and 7 -------------------------
 # The first step must be ready this soon after the click on CI's two loaded cores (about 2 s on the dev VM).
 PLAYGROUND_READY_LIMIT_S = 60
@@ -476,7 +485,7 @@ def test_the_playground_replays_a_scripted_session_as_cpython_decides(browser, s
     manifest = json.loads((PLAYGROUND / "manifest.json").read_text())
     cost = {
         "page": _playground_page("06"),
-        "on_every_page_bytes": (Path(HTML) / "_static" / "kvplay.js").stat().st_size,
+        "script_bytes_on_the_three_pages": (Path(HTML) / "_static" / "kvplay.js").stat().st_size,
         "on_click_bytes": sum(size for u, _, size in resources if "/_static/playground/" in u),
         "manifest_bytes": manifest["bytes"],
         "ready_after_click_s": round(ready_s, 2),

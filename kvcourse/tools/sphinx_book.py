@@ -10,7 +10,8 @@
   gets a default colour mode: both otherwise put errors in a new reader's browser console.
 * The playground (``_static/kvplay.js``, chapters 4, 6 and 7) gets Pyodide and the control plane's wheel
   under ``_static/playground`` (:mod:`kvcourse.tools.playground_site`); without Pyodide installed the book
-  still builds, says so, and the widget tells the reader it was left out.
+  still builds, says so, and the widget tells the reader it was left out. Its script is linked from those three
+  pages only.
 * The font-awesome 4 stylesheet that matplotlib's animation HTML links from a CDN is dropped: the
   theme's own Font Awesome draws the animation's buttons (``fa fa-play`` ...).
 """
@@ -53,6 +54,15 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree) -> None:
             seen.add(key)
             unique.append(script)
     context["script_files"] = unique
+
+
+def _playground_only_where_it_plays(app, pagename, templatename, context, doctree) -> None:
+    """``_static/kvplay.js`` goes to every page (Jupyter Book links every script in ``_static``); keep it on the
+    pages that hold a widget (``<div class="kvplay">``, chapters 4, 6 and 7), so the others carry none of it."""
+    if 'class="kvplay"' in context.get("body", ""):
+        return
+    context["script_files"] = [s for s in context.get("script_files", [])
+                               if not str(getattr(s, "filename", s) or "").endswith("kvplay.js")]  # fmt: skip
 
 
 def _copy_mathjax(app, exception) -> None:
@@ -106,6 +116,7 @@ def setup(app):
     app.connect("env-get-updated", _number_exercises_per_chapter, priority=900)
     app.connect("doctree-resolved", _drop_cdn_stylesheet)
     app.connect("html-page-context", _dedupe_scripts)
+    app.connect("html-page-context", _playground_only_where_it_plays)
     app.connect("build-finished", _copy_mathjax)
     app.connect("build-finished", _copy_playground)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
