@@ -120,8 +120,10 @@ def test_every_decision_links_to_a_line_the_step_ran(key):
 def test_the_anchors_are_the_lines_they_name():
     lines = (ROOT / "kvcourse" / "serving" / "scheduler.py").read_text().splitlines()
     assert lines[LINES["admit"] - 1].strip() == "self._start(self.waiting.popleft(), out.admitted)"
-    assert lines[LINES["preempt"] - 1].strip() == "out.preempted.append(victim)"
+    assert lines[LINES["recompute"] - 1].strip() == "self._recompute(seq)"
     assert len(set(LINES.values())) == len(LINES)
+    linked = {d["line"] for c in CONFIGS.values() for r in Playground(c).run() for d in r["decisions"]}
+    assert [key for key, line in LINES.items() if line not in linked] == []  # every anchor links some decision
 
 
 def test_the_presets_show_what_the_chapters_say():

@@ -110,7 +110,6 @@ def _workload(config: PlaygroundConfig) -> list[tuple[int, list[int], int]]:
 _ANCHORS = {
     "run": "if self._reserve(seq, n, out):",
     "cow": "out.copies.append(cow)",
-    "preempt": "out.preempted.append(victim)",
     "swap out": "self.block_manager.swap_out(seq.seq_id)",
     "recompute": "self._recompute(seq)",
     "swap in": "bm.swap_in(seq.seq_id)",
@@ -212,7 +211,6 @@ class Playground:
         for _, seq in self.pending:  # refuse a request that could never run now, before step 0, naming it
             self.scheduler.check(seq, name=f"request r{seq.seq_id[0]} ({seq.num_prompt_tokens} prompt tokens)")
         self.step_index = 0
-        self.finished: list[str] = []
 
     @property
     def done(self) -> bool:
@@ -245,7 +243,6 @@ class Playground:
                                               f"{len(self.block_manager.block_table(seq.seq_id))} blocks", "line": None})
             sampled[seq.seq_id] = 0
         finished = self.scheduler.append_tokens(sampled)
-        self.finished += [_name(s) for s in finished]
         record = {
             "step": self.step_index,
             "arrived": arrived,
@@ -311,9 +308,12 @@ class Playground:
     def _decisions(self, out: SchedulerOutput, lines: list[int]) -> list[dict]:
         """What the step decided, in words, each with the line of ``schedule()`` (or a helper) that decided it."""
         said = []
-        for victim in out.preempted:
-            how = "swapped to the host pool" if victim in out.swapped_out else "its blocks freed, to recompute later"
-            said.append({"text": f"{_name(victim)} preempted: {how}", "line": LINES["preempt"]})
+        for victim in out.preempted:  # linked to where _preempt chose swap or recompute for it
+            if victim in out.swapped_out:
+                said.append({"text": f"{_name(victim)} preempted: swapped to the host pool", "line": LINES["swap out"]})
+            else:
+                said.append({"text": f"{_name(victim)} preempted: its blocks freed, to recompute later",
+                             "line": LINES["recompute"]})  # fmt: skip
         for seq in out.swapped_in:
             said.append({"text": f"{_name(seq)} swapped back in", "line": LINES["swap in"]})
         admitted, swapped_in = {id(s) for s in out.admitted}, {id(s) for s in out.swapped_in}
