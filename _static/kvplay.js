@@ -179,23 +179,22 @@
   }
 
   function reset(w) {
-    w.error.textContent = "";
+    // Settings the playground refuses leave the current run as it was: the error is shown beside it.
+    let next;
     try {
-      const config = readForm(w.form);
-      if (w.playground) w.playground.destroy();
-      w.playground = null;
-      w.playground = w.rt.py.globals.get("playground").new(JSON.stringify(config));
-      w.config = config;
-      w.records = [];
-      w.done = false;
-      [w.summary, w.pool, w.host, w.tables, w.queues, w.log, w.bars].forEach((n) => n.replaceChildren());
-      w.summary.textContent = "Ready: press Step.";
-      w.stepButton.disabled = w.runButton.disabled = false;
+      next = w.rt.py.globals.get("playground").new(JSON.stringify(readForm(w.form)));
     } catch (err) {
-      w.playground = null;
       w.error.textContent = pyError(err);
-      w.stepButton.disabled = w.runButton.disabled = true;
+      return;
     }
+    w.error.textContent = "";
+    if (w.playground) w.playground.destroy();
+    w.playground = next;
+    w.records = [];
+    w.done = false;
+    [w.summary, w.pool, w.host, w.tables, w.queues, w.log, w.bars].forEach((n) => n.replaceChildren());
+    w.summary.textContent = "Ready: press Step.";
+    w.stepButton.disabled = w.runButton.disabled = false;
   }
 
   function step(w) {
@@ -239,6 +238,7 @@
       w.stepButton = el("button", { type: "button", class: "kvplay-step", text: "Step" });
       w.runButton = el("button", { type: "button", class: "kvplay-run", text: "Run to the end" });
       const resetButton = el("button", { type: "button", class: "kvplay-reset", text: "Reset with these settings" });
+      w.stepButton.disabled = w.runButton.disabled = true; // until a playground is made
       w.summary = el("p", { class: "kvplay-summary" });
       w.bars = el("div", { class: "kvplay-bars", title: "tokens fed by each step (click one to see it)" });
       w.pool = el("div", { class: "kvplay-pool" });

@@ -503,6 +503,15 @@ def test_the_playground_runs_on_the_other_chapters_with_their_presets(browser, s
     from kvcourse.control.playground import PRESETS, Playground
 
     root = _open_playground(browser, site, chapter)
+    for _ in range(2):
+        root.find_element(By.CSS_SELECTOR, "button.kvplay-step").click()
+    # Settings the playground refuses (a pool too small for any request): the error names them, the run goes on.
+    pool = root.find_element(By.CSS_SELECTOR, "form.kvplay-form").find_element(By.NAME, "num_blocks")
+    pool.clear()
+    pool.send_keys("1")
+    root.find_element(By.CSS_SELECTOR, "button.kvplay-reset").click()
+    assert "num_blocks=1" in root.find_element(By.CSS_SELECTOR, ".kvplay-error").text
+    assert len(_records(browser, root)) == 2
     root.find_element(By.CSS_SELECTOR, "button.kvplay-run").click()
     assert _records(browser, root) == json.loads(json.dumps(Playground(PRESETS[chapter]).run()))
     pool = root.find_elements(By.CSS_SELECTOR, ".kvplay-pool .kvplay-block")

@@ -27,12 +27,12 @@ from ..sequence import SamplingParams, Sequence
 from ..serving import scheduler as _scheduler_module
 from ..serving.scheduler import Scheduler, SchedulerOutput
 
-__all__ = ["ARRIVALS", "PRESETS", "Playground", "PlaygroundConfig", "scheduler_source"]
+__all__ = ["ARRIVALS", "PRESETS", "SYSTEM_PROMPT_BLOCKS", "Playground", "PlaygroundConfig", "scheduler_source"]
 
 ARRIVALS = {
     "burst": "every request at step 0",
     "steady": "one request every 2 steps",
-    "shared prompt": "one every 2 steps, all starting with the same system prompt (two blocks of it)",
+    "shared prompt": "one every 2 steps, all starting with the same system prompt (SYSTEM_PROMPT_BLOCKS blocks)",
 }
 
 
@@ -90,10 +90,13 @@ PRESETS = {
 }  # fmt: skip
 
 
+SYSTEM_PROMPT_BLOCKS = 2  # "shared prompt" arrivals: every prompt starts with this many blocks of the same tokens
+
+
 def _workload(config: PlaygroundConfig) -> list[tuple[int, list[int], int]]:
     """``(arrival step, prompt tokens, max_new_tokens)`` per request, from ``config.seed`` alone."""
     rng = random.Random(config.seed)
-    system = [rng.randrange(1, 1000) for _ in range(2 * config.block_size)]
+    system = [rng.randrange(1, 1000) for _ in range(SYSTEM_PROMPT_BLOCKS * config.block_size)]
     requests = []
     for i in range(config.num_requests):
         prompt = [rng.randrange(1, 1000) for _ in range(rng.randint(3, 14))]
