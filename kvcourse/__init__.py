@@ -26,7 +26,7 @@ _EXPORTS = {  # name -> the submodule that defines it, imported when the name is
     "Sequence": ".sequence",
     "SequenceStatus": ".sequence",
 }
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 try:
     import torch as _torch

@@ -35,12 +35,13 @@ class _Package(types.ModuleType):
         super().__setattr__(name, value)
 
 
-def lazy_exports(package: str, exports: Mapping[str, str], namespace: dict) -> tuple[Callable, Callable]:
+def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable, Callable]:
     """The ``__getattr__`` and ``__dir__`` of ``package``: ``exports`` maps a public name to the submodule
     that defines it (relative, ``".engine"``); any other name is tried as a submodule."""
     module = sys.modules[package]
     module.__class__ = _Package
     module._exports = dict(exports)
+    namespace = vars(module)
 
     def __getattr__(name: str):
         if name in exports:

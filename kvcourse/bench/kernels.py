@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..kernels.measured import ONE_BYTE_KV
 from ..kernels.roofline import decode_attention_bytes, peak_for
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -234,7 +235,7 @@ def run(
                     log(f"batch {batch:4d} x context {context:6d} {name:14s} {note}")
                     continue
                 ms = timer(fn)
-                nbytes = p.bytes(int8=name.startswith(("paged-int8", "paged-fp8")), paged=name.startswith("paged"))
+                nbytes = p.bytes(int8=name in ONE_BYTE_KV, paged=name.startswith("paged"))
                 gbps = nbytes / (ms * 1e-3) / 1e9
                 row.update(ms=ms, bytes=nbytes, gbps=gbps, pct_peak=100 * gbps * 1e9 / peak.bandwidth if peak else None)
                 rows.append(row)

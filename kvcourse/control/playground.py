@@ -127,13 +127,11 @@ _ANCHORS = {
 _FUNCTIONS = ("schedule", "_schedule_running", "_schedule_swapped", "_schedule_waiting", "_reserve", "_preempt")
 
 
-def _scheduler_lines() -> tuple[str, list[str]]:
-    path = Path(_scheduler_module.__file__)
-    return str(path), path.read_text(encoding="utf-8").splitlines()
+_SCHEDULER_FILE = _scheduler_module.__file__  # the frames the line trace follows
 
 
 def _anchor_lines() -> dict[str, int]:
-    _, lines = _scheduler_lines()
+    lines = Path(_SCHEDULER_FILE).read_text(encoding="utf-8").splitlines()
     found = {}
     for key, text in _ANCHORS.items():
         hits = [i + 1 for i, line in enumerate(lines) if line.strip() == text]
@@ -161,11 +159,10 @@ class _LineTrace:
     """The lines of ``scheduler.py`` that run inside a call, in order (``sys.settrace``, this thread only)."""
 
     def __init__(self) -> None:
-        self.file = _scheduler_lines()[0]
         self.lines: list[int] = []
 
     def _trace(self, frame, event, arg):
-        if frame.f_code.co_filename != self.file:
+        if frame.f_code.co_filename != _SCHEDULER_FILE:
             return None  # do not trace inside other modules' frames
         if event == "line":
             self.lines.append(frame.f_lineno)

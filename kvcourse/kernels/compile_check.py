@@ -319,8 +319,9 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return dict(registers=reg, stack=stack, static_shared=shared, local=local)
 
 
-def compile_launch(launch: Launch, target: Target) -> Compiled:
-    """Compile one recorded launch for ``target`` exactly as ``JITFunction.run`` would on that GPU."""
+def compile_for(launch: Launch, target: Target):
+    """Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata``) for one recorded launch on
+    ``target``, made exactly as ``JITFunction.run`` would on that GPU; and its constexprs by argument path."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -331,8 +332,15 @@ def compile_launch(launch: Launch, target: Target) -> Compiled:
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*launch.args, **launch.kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, launch.kwargs, bound, specialization, options)
-    start = time.perf_counter()
     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=gpu, options=options.__dict__)
+    return compiled, constexprs
+
+
+def compile_launch(launch: Launch, target: Target) -> Compiled:
+    """Compile one recorded launch for ``target`` (:func:`compile_for`) and read what came out."""
+    kernel = launch.kernel
+    start = time.perf_counter()
+    compiled, constexprs = compile_for(launch, target)
     seconds = time.perf_counter() - start
     usage = resource_usage(compiled.asm["cubin"])
     ptx = compiled.asm["ptx"]

@@ -74,20 +74,9 @@ def instruction_mix(cubin: bytes) -> dict[str, int]:
 
 
 def _compile(config: cc.Config, target: cc.Target):
-    """The paged kernel's compiled form for ``config`` (what :func:`.compile_check.compile_launch` compiles)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
+    """The paged kernel's compiled form for ``config`` and the launch's keyword arguments (its tiles)."""
     launch = next(x for x in cc.launches_for(config, target) if x.kernel.__name__ == "_paged_decode_kernel")
-    kernel, gpu = launch.kernel, GPUTarget("cuda", target.capability, 32)
-    backend = make_backend(gpu)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*launch.args, **launch.kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, launch.kwargs, bound, specialization, options)
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=gpu, options=options.__dict__)
-    return compiled, launch.kwargs
+    return cc.compile_for(launch, target)[0], launch.kwargs
 
 
 def paged_variants(dtype: torch.dtype = torch.float16, heads: tuple[int, int, int] = (32, 8, 128)) -> dict[str, cc.Config]:

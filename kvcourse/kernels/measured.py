@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from .. import results as committed
 from .roofline import decode_attention_bytes
 
-__all__ = ["KernelBench", "check_kernel_bench", "compare_runs", "load_kernel_bench", "plot_bandwidth",
+__all__ = ["ONE_BYTE_KV", "KernelBench", "check_kernel_bench", "compare_runs", "load_kernel_bench", "plot_bandwidth",
            "reproducible_from"]
 
 PATTERN = "kernels-*.json"
-OUR_KERNELS = ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "paged-fp8", "contiguous")  # timed as compiled Triton code
+OUR_KERNELS = ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "paged-fp8", "contiguous")
+ONE_BYTE_KV = ("paged-int8", "paged-int8-cvt", "paged-fp8")  # a byte per K/V value and an fp32 scale per vector  # timed as compiled Triton code
 TORCH_BASELINES = ("sdpa", "flex")  # timed as torch
 _PROVENANCE = ("date", "torch", "triton", "python", "commit", "gpu", "compute_capability", "sms", "cuda", "driver")
 _SHAPE = ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "dtype")
@@ -150,7 +151,7 @@ def check_kernel_bench(data: Mapping, name: str = "the result") -> None:
             raise ValueError(f"{where}: ran as {r['ran']!r}, not {want_ran!r}: not a timing of the kernel")
         if not r["ms"] > 0:
             raise ValueError(f"{where}: ms must be positive, got {r['ms']!r}")
-        int8 = variant.startswith(("paged-int8", "paged-fp8"))  # fp8: the same bytes, e4m3 for int8
+        int8 = variant in ONE_BYTE_KV
         want_bytes = decode_attention_bytes(
             [context] * batch, shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"], kv_bytes=1 if int8 else 2,
             q_bytes=2, scale_bytes=4 if int8 else 0, block_size=shape["block_size"] if variant.startswith("paged") else None,

@@ -46,7 +46,7 @@ _EXPORTS = {  # name -> the submodule that defines it, imported when the name is
     "RadixCache": ".radix",
     "longest_prefix_first": ".radix",
 }
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = [
     "Admission",
     "BlockManager",

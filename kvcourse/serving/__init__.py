@@ -31,7 +31,7 @@ _EXPORTS = {  # name -> the submodule that defines it, imported when the name is
     "StepRecorder": ".stats",
     "latency_summary": ".stats",
 }
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 __all__ = [
     "Engine",
     "ModelRunner",
