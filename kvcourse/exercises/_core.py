@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import math
 import os
 import random
+import sys
+import sysconfig
+import threading
 import traceback
 import types
 from collections.abc import Callable
@@ -54,6 +58,7 @@ __all__ = [
     "expect_equal",
     "expect_tensor",
     "refuse_references",
+    "lend",
 ]
 
 
@@ -148,7 +153,8 @@ def reports_unfinished(check: Callable) -> Callable:
         if any(arg is NotImplemented for arg in (*args, *kwargs.values())):
             return _not_done(f"{check.__name__}: your answer is not written yet (it is still NotImplemented): see the exercise")
         try:
-            return check(*args, **kwargs)
+            with _Watch():  # what the check's refuse_references(...) refuses is watched until it returns
+                return check(*args, **kwargs)
         except Unfinished as exc:
             return _not_done(str(exc))
         except NotImplementedError as exc:  # a stub called outside call_learner
@@ -318,7 +324,11 @@ def call_learner(name: str, fn, *args, **kwargs):
     if not callable(fn):
         raise ExerciseError(f"pass a function to check, got {type(fn).__name__}")
     try:
-        return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        finally:  # a reference that ran is the verdict, whatever the call returned or raised
+            if _Watch.current is not None:
+                _Watch.current.raise_if_tripped()
     except ExerciseError:
         raise
     except NotImplementedError as exc:
@@ -367,32 +377,225 @@ def expect_tensor(case: str, got: Any, shape: tuple[int, ...], dtype=None, what:
         fail(case, expected=f"dtype {dtype}", got=f"dtype {got.dtype}", hint=f"Return a {dtype} tensor.")
 
 
-def _names_used(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names_used(const)
-    return names
+# ---- the references a check refuses, watched while the learner's code runs --------------------------
+#
+# A check compares the learner's answer with kvcourse's own version of it; handing that version in, under any
+# name or wrapper, would pass without teaching anything. Matching names in the learner's code misses an alias,
+# functools.partial, getattr, importlib, a subclass or a bound method, so the check watches code objects
+# instead: while it runs, a profile function (sys.setprofile, which fires on calls only) notes every time the
+# code of a refused reference starts, and asks who started it by walking the stack up to the check:
+#   - a frame of the learner's code (a notebook cell, a test file): the learner's code called it, directly or
+#     through any kvcourse function that calls it;
+#   - call_learner's own frame: the learner's callable is the reference itself, reached without a Python frame of
+#     the learner's (a partial, a bound method, a class inherited whole);
+#   - any other frame of the checks (kvcourse/exercises): the check's own work (computing what it expects,
+#     running a Scheduler around the learner's phase, a callable it lends with :func:`lend`): allowed.
+# The walk runs only when a refused code object starts, so the cost is one dictionary look-up per call.
+
+_PACKAGE_DIR = os.path.dirname(_CHECKS_DIR) + os.sep
+_LIBRARY_DIRS = tuple(sorted({os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                              if (p := sysconfig.get_paths().get(key))}))
+
+
+@functools.lru_cache(maxsize=4096)
+def _learners_file(filename: str) -> bool:
+    """Whether code in ``filename`` is the learner's: neither kvcourse's, nor Python's or an installed library's,
+    nor generated (``<string>``, ``<frozen ...>``)."""
+    if not filename or filename.startswith("<"):
+        return False
+    path = os.path.realpath(filename)
+    return not path.startswith(_PACKAGE_DIR) and not path.startswith(_LIBRARY_DIRS)
+
+
+def _code_objects(obj: Any) -> list[types.CodeType]:
+    """The code objects that run when ``obj`` does: a function's own (under any decorator that wraps it), or
+    every method, property and static/class method a class defines, and those of kvcourse's subclasses of it
+    (the checks' own subclasses excepted: they are the check's machinery). Code from Python's library (a
+    decorator's generic wrapper) is left out: other code shares it."""
+    found: list[types.CodeType] = []
+
+    def add(func: Any) -> None:
+        func = getattr(func, "__func__", func)  # a bound method, staticmethod or classmethod
+        try:
+            func = inspect.unwrap(func)
+        except ValueError:
+            pass
+        code = getattr(func, "__code__", None)
+        if isinstance(code, types.CodeType) and not _is_library_code(code):
+            found.append(code)
+
+    if isinstance(obj, type):
+        seen: set[type] = set()
+        todo = [obj]
+        while todo:
+            cls = todo.pop()
+            if cls in seen:
+                continue
+            seen.add(cls)
+            for value in vars(cls).values():
+                if isinstance(value, property):
+                    for f in (value.fget, value.fset, value.fdel):
+                        if f is not None:
+                            add(f)
+                elif isinstance(value, functools.cached_property):
+                    add(value.func)
+                elif isinstance(value, (types.FunctionType, staticmethod, classmethod)):
+                    add(value)
+            todo += [sub for sub in cls.__subclasses__() if sub.__module__.startswith("kvcourse.")
+                     and not sub.__module__.startswith("kvcourse.exercises")]
+    elif isinstance(obj, functools.partial):
+        found += _code_objects(obj.func)
+    else:
+        add(obj)
+    return found
+
+
+def _is_library_code(code: types.CodeType) -> bool:
+    path = os.path.realpath(code.co_filename) if not code.co_filename.startswith("<") else ""
+    return bool(path) and path.startswith(_LIBRARY_DIRS) and not path.startswith(_PACKAGE_DIR)
+
+
+def _called_by_learner(frame: types.FrameType) -> str | None:
+    """Where the learner's code started ``frame`` (``"file:line"``, or ``""`` when through call_learner with no
+    frame of the learner's), or ``None`` when the check's own work did."""
+    f = frame.f_back
+    while f is not None:
+        code = f.f_code
+        if code is _CALL_LEARNER_CODE:
+            return ""
+        if code.co_filename.startswith(_CHECKS_DIR):
+            return None
+        if _learners_file(code.co_filename):
+            return f"{code.co_filename}, line {f.f_lineno}"
+        f = f.f_back
+    return None
+
+
+class _Watch:
+    """One check's watch: the refused references' code objects (and C functions), and the first that the
+    learner's code ran. Entered by :func:`reports_unfinished` around every check; :func:`refuse_references`
+    fills it, :func:`call_learner` raises as soon as a call it made ran a reference, and the check raises at the
+    end if anything else of the learner's did (a property the check read, say)."""
+
+    current: _Watch | None = None
+
+    def __init__(self) -> None:
+        self.codes: dict[types.CodeType, tuple[str, str]] = {}  # code -> (the reference's name, the task)
+        self.builtins: dict[int, tuple[str, str, Any]] = {}  # id of a C function -> (name, task, the function)
+        self.tripped: tuple[str, str, str, str] | None = None  # (name, what ran, where, task)
+        self.installed = False
+
+    def __enter__(self) -> _Watch:
+        self.outer = _Watch.current
+        if self.outer is not None:  # a check run inside another: the outer refusals hold too
+            self.codes.update(self.outer.codes)
+            self.builtins.update(self.outer.builtins)
+        _Watch.current = self
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        _Watch.current = self.outer
+        if self.installed:
+            sys.setprofile(self.previous)
+            threading.setprofile(self.previous_threads)
+        if self.tripped is not None and not (isinstance(exc, ExerciseError) and getattr(exc, "refused", False)):
+            raise self.refusal() from exc  # the learner's code ran a reference outside call_learner
+
+    def refuse(self, name: str, ref: Any, task: str) -> None:
+        for code in _code_objects(ref):
+            self.codes.setdefault(code, (name, task))
+        if isinstance(ref, types.BuiltinFunctionType):
+            self.builtins[id(ref)] = (name, task, ref)
+        if not self.installed:
+            self.previous, self.previous_threads = sys.getprofile(), threading.getprofile()
+            self.profile = self._make_profile()
+            sys.setprofile(self.profile)
+            threading.setprofile(self.profile)  # threads the learner's code starts are watched too
+            self.installed = True
+
+    def _make_profile(self) -> Callable:
+        codes, builtins, previous = self.codes, self.builtins, self.previous
+        chained = previous if isinstance(previous, (types.FunctionType, types.MethodType)) else None
+
+        def profile(frame, event, arg):
+            if event == "call":
+                if frame.f_code in codes:
+                    self._hit(frame, *codes[frame.f_code], frame.f_code.co_qualname)
+            elif event == "c_call" and builtins and id(arg) in builtins:
+                name, task, ref = builtins[id(arg)]
+                if arg is ref:
+                    self._hit(frame, name, task, getattr(ref, "__qualname__", name), c_frame=True)
+            if chained is not None:
+                chained(frame, event, arg)
+
+        return profile
+
+    def _hit(self, frame: types.FrameType, name: str, task: str, what: str, c_frame: bool = False) -> None:
+        if self.tripped is not None:
+            return
+        if c_frame:  # a C function has no frame of its own: the frame given is its caller's
+            code = frame.f_code
+            where = ("" if code is _CALL_LEARNER_CODE else None if code.co_filename.startswith(_CHECKS_DIR) else
+                     f"{code.co_filename}, line {frame.f_lineno}" if _learners_file(code.co_filename) else
+                     _called_by_learner(frame))
+        else:
+            where = _called_by_learner(frame)
+        if where is not None:
+            self.tripped = (name, what, where, task)
+
+    def refusal(self) -> ExerciseError:
+        name, what, where, task = self.tripped
+        ran = "" if what in (name, name.split(".")[-1]) else f" ({what} ran)"
+        at = f", from {where}" if where else ""
+        error = ExerciseError(f"your code calls kvcourse's {name}{ran}{at}: that is what this check compares your "
+                              f"answer with, and the exercise is to write it. {task[:1].upper()}{task[1:]}",
+                              hint=task)
+        error.refused = True
+        return error
+
+    def raise_if_tripped(self) -> None:
+        if self.installed and sys.getprofile() is not self.profile and self.tripped is None:
+            sys.setprofile(self.profile)
+            raise ExerciseError("your code replaced the profile function (sys.setprofile) with which this check "
+                                "watches for kvcourse's references: leave it in place.")
+        if self.tripped is not None:
+            raise self.refusal()
+
+
+_CALL_LEARNER_CODE = call_learner.__code__
 
 
 def refuse_references(fn: Any, references: dict[str, Any], task: str) -> None:
-    """Raise :class:`ExerciseError` if ``fn`` is, or calls by name, one of ``references``.
+    """Refuse ``references`` (kvcourse's own versions of what the exercise asks for) as the answer, whatever the
+    route: handing one in, or code that runs one while the check runs it (under another name, through
+    ``functools.partial``, ``getattr``, ``importlib``, a subclass, a bound method, or a kvcourse function that
+    calls it).
 
-    The exercise is to write the thing; handing the check the package's own version (or a thin
-    wrapper around it) would pass without teaching anything.
+    Call it first thing in a check (inside :func:`reports_unfinished`, which :func:`wrap_checks` applies to every
+    ``check_*``): from then until the check returns, each time the code of a reference starts, the stack says who
+    started it, and the learner's code doing so fails the check with a message that names the reference (see the
+    comment above). The check's own calls of the references, and callables it hands the learner through
+    :func:`lend`, are not the learner's. A class refuses every method it defines, and those of kvcourse's
+    subclasses of it; a C function (no code object) is matched when it is called, by identity.
     """
+    watch = _Watch.current
+    if watch is None:
+        raise RuntimeError("refuse_references watches the learner's calls until the check returns: call it inside a "
+                           "check_* function wrapped by wrap_checks (or reports_unfinished)")
+    if not isinstance(references, dict) or not references:
+        raise TypeError(f"references must be a non-empty dict of name -> object, got {references!r}")
     for name, ref in references.items():
         if fn is ref:
-            raise ExerciseError(f"that is kvcourse's own {name}; {task}")
-    funcs = []
-    if isinstance(fn, type):
-        funcs = [v for v in vars(fn).values() if isinstance(v, (types.FunctionType, property))]
-        funcs = [f.fget if isinstance(f, property) else f for f in funcs]
-    elif isinstance(fn, types.FunctionType):
-        funcs = [fn]
-    for func in funcs:
-        if func is None or not hasattr(func, "__code__"):
-            continue
-        used = _names_used(func.__code__) & references.keys()
-        if used:
-            raise ExerciseError(f"your code calls kvcourse's {sorted(used)[0]}; {task}")
+            raise ExerciseError(f"that is kvcourse's own {name}; {task}", hint=task)
+    for name, ref in references.items():
+        watch.refuse(name, ref, task)
+
+
+def lend(fn: Callable) -> Callable:
+    """``fn`` (a callable of kvcourse's the check hands the learner's code, such as the engine's hash function)
+    wrapped so that what it runs is the check's own work, not the learner's, even when it runs a reference."""
+
+    def lent(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return lent
