@@ -548,7 +548,7 @@ class _Watch:
         ran = "" if what in (name, name.split(".")[-1]) else f" ({what} ran)"
         at = f", from {where}" if where else ""
         error = ExerciseError(f"your code calls kvcourse's {name}{ran}{at}: that is what this check compares your "
-                              f"answer with, and the exercise is to write it. {task[:1].upper()}{task[1:]}",
+                              f"answer with, and the exercise is to write it: {task}",
                               hint=task)
         error.refused = True
         return error

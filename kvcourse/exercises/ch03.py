@@ -37,6 +37,10 @@ __all__ = ["check_bytes_per_token", "check_bytes_per_rank", "check_quantized_byt
 
 # The package's own calculator: a learner's function must not call it.
 _REFERENCES = {name: getattr(memory, name) for name in ("kv_bytes_per_token", "kv_cache_bytes", "kv_layout")}
+# The fit exercise's answer is kvcourse's max_concurrent_sequences, which takes its budget from kv_budget_bytes and
+# the weights from weight_bytes: all three are what the learner is asked to count.
+_FIT_REFERENCES = {name: getattr(memory, name) for name in ("max_concurrent_sequences", "kv_budget_bytes",
+                                                             "weight_bytes")}
 
 
 def _number(case: str, got: Any, what: str) -> float:
@@ -377,7 +381,7 @@ def check_max_sequences(fn: Callable[..., int], seed: int = 0) -> CheckResult:
     if not callable(fn):
         raise ExerciseError("pass your function fn(config, num_parameters, seq_len, gpu_bytes, weight_bytes_per_value, "
                             f"kv_bytes_per_value, utilization), got {type(fn).__name__}")  # fmt: skip
-    refuse_references(fn, _REFERENCES, "count the bytes yourself (your bytes_per_token may help).")
+    refuse_references(fn, {**_REFERENCES, **_FIT_REFERENCES}, "count the bytes yourself (your bytes_per_token may help).")
     cases = _fit_cases(case_rng("ch03.check_max_sequences", seed))
     wants = [_fit(*_fit_args(*case)) for case in cases]  # computed before the learner's code runs
     diagnosis = Diagnosis(_FIT_MISTAKES, "Budget = utilization x gpu_bytes - weight bytes; divide by one sequence's "
