@@ -240,27 +240,24 @@ def test_refuse_references_outside_a_check_is_a_clear_error():
         refuse_references(print, {"print": print}, "x")
 
 
-def test_the_watch_costs_little():
-    # One check's time with the watch, against the same check whose refusals are empty of code (issue 47 asks
-    # that the trace not make grading much slower; the figure for the report is printed).
-    times = {}
-    for watched in (False, True):
-        start = time.perf_counter()
-        for seed in range(3):
-            if watched:
-                ch04.check_slot_mapping(honest_slots, seed=seed)
-            else:
-                _unwatched_slot_mapping(seed)
-        times[watched] = time.perf_counter() - start
-    print(f"check_slot_mapping x3: {times[False]:.3f} s unwatched, {times[True]:.3f} s watched")
-    assert times[True] < 3 * times[False] + 0.5
+def _sharing(p, n, new_tokens, b):
+    return p // b + n * (-(-(p + new_tokens) // b) - p // b)
 
 
-def _unwatched_slot_mapping(seed):
-    saved = refuse_references
+def test_the_watch_costs_little(capsys):
+    # The check simulates a BlockManager (its refused reference) for every expected answer; watching only while
+    # the learner's code runs keeps that at full speed. Compared with the same check, its refusal taken out.
     module = sys.modules["kvcourse.exercises.ch04"]
-    module.refuse_references = lambda *a: None
-    try:
-        ch04.check_slot_mapping(honest_slots, seed=seed)
-    finally:
-        module.refuse_references = saved
+    times = {}
+    for watched in (False, True, False, True):
+        module.refuse_references = refuse_references if watched else (lambda *a: None)
+        try:
+            start = time.perf_counter()
+            assert ch04.check_parallel_sampling_blocks(_sharing)
+            times[watched] = min(times.get(watched, 1e9), time.perf_counter() - start)
+        finally:
+            module.refuse_references = refuse_references
+    with capsys.disabled():
+        print(f"\ncheck_parallel_sampling_blocks: {times[False] * 1e3:.1f} ms unwatched, {times[True] * 1e3:.1f} ms "
+              f"watched")
+    assert times[True] < 2 * times[False] + 0.05  # a shared 2-core machine: a loose bound, the figure is printed

@@ -21,6 +21,7 @@ computed too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -59,6 +60,7 @@ __all__ = [
     "expect_tensor",
     "refuse_references",
     "lend",
+    "learner_runs",
 ]
 
 
@@ -324,11 +326,8 @@ def call_learner(name: str, fn, *args, **kwargs):
     if not callable(fn):
         raise ExerciseError(f"pass a function to check, got {type(fn).__name__}")
     try:
-        try:
+        with learner_runs():
             return fn(*args, **kwargs)
-        finally:  # a reference that ran is the verdict, whatever the call returned or raised
-            if _Watch.current is not None:
-                _Watch.current.raise_if_tripped()
     except ExerciseError:
         raise
     except NotImplementedError as exc:
@@ -382,15 +381,18 @@ def expect_tensor(case: str, got: Any, shape: tuple[int, ...], dtype=None, what:
 # A check compares the learner's answer with kvcourse's own version of it; handing that version in, under any
 # name or wrapper, would pass without teaching anything. Matching names in the learner's code misses an alias,
 # functools.partial, getattr, importlib, a subclass or a bound method, so the check watches code objects
-# instead: while it runs, a profile function (sys.setprofile, which fires on calls only) notes every time the
-# code of a refused reference starts, and asks who started it by walking the stack up to the check:
+# instead: while the learner's code runs (call_learner, or the check's own learner_runs()), a profile function
+# (sys.setprofile) notes every time the code of a refused reference starts, and asks who started it by walking
+# the stack up to the check:
 #   - a frame of the learner's code (a notebook cell, a test file): the learner's code called it, directly or
 #     through any kvcourse function that calls it;
 #   - call_learner's own frame: the learner's callable is the reference itself, reached without a Python frame of
 #     the learner's (a partial, a bound method, a class inherited whole);
-#   - any other frame of the checks (kvcourse/exercises): the check's own work (computing what it expects,
-#     running a Scheduler around the learner's phase, a callable it lends with :func:`lend`): allowed.
-# The walk runs only when a refused code object starts, so the cost is one dictionary look-up per call.
+#   - any other frame of the checks (kvcourse/exercises): the check's own work (running a Scheduler around the
+#     learner's phase, a callable it lends with :func:`lend`): allowed.
+# The walk runs only when a refused code object starts. The profile function itself costs about a microsecond
+# per call and return (C calls included), so it is on only while the learner's code runs: the check's own work,
+# often most of its time (an allocator simulated for the expected answers), runs unwatched and at full speed.
 
 _PACKAGE_DIR = os.path.dirname(_CHECKS_DIR) + os.sep
 _LIBRARY_DIRS = tuple(sorted({os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
@@ -483,7 +485,7 @@ class _Watch:
         self.codes: dict[types.CodeType, tuple[str, str]] = {}  # code -> (the reference's name, the task)
         self.builtins: dict[int, tuple[str, str, Any]] = {}  # id of a C function -> (name, task, the function)
         self.tripped: tuple[str, str, str, str] | None = None  # (name, what ran, where, task)
-        self.installed = False
+        self.depth = 0  # learner runs under way (nested: a lent callable may call the learner back)
 
     def __enter__(self) -> _Watch:
         self.outer = _Watch.current
@@ -495,9 +497,6 @@ class _Watch:
 
     def __exit__(self, kind, exc, tb) -> None:
         _Watch.current = self.outer
-        if self.installed:
-            sys.setprofile(self.previous)
-            threading.setprofile(self.previous_threads)
         if self.tripped is not None and not (isinstance(exc, ExerciseError) and getattr(exc, "refused", False)):
             raise self.refusal() from exc  # the learner's code ran a reference outside call_learner
 
@@ -506,12 +505,32 @@ class _Watch:
             self.codes.setdefault(code, (name, task))
         if isinstance(ref, types.BuiltinFunctionType):
             self.builtins[id(ref)] = (name, task, ref)
-        if not self.installed:
+
+    @contextlib.contextmanager
+    def learner_runs(self):
+        """Watch while the learner's code runs. Only then: a profile function costs about a microsecond per call
+        and return, which the check's own work (simulating an allocator for the expected answers, say) need not
+        pay."""
+        if not (self.codes or self.builtins):
+            yield
+            return
+        if self.depth == 0:
             self.previous, self.previous_threads = sys.getprofile(), threading.getprofile()
             self.profile = self._make_profile()
             sys.setprofile(self.profile)
             threading.setprofile(self.profile)  # threads the learner's code starts are watched too
-            self.installed = True
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                replaced = sys.getprofile() is not self.profile
+                sys.setprofile(self.previous)
+                threading.setprofile(self.previous_threads)
+                if replaced and self.tripped is None:
+                    raise ExerciseError("your code replaced the profile function (sys.setprofile) with which this "
+                                        "check watches for kvcourse's references: leave it in place.")
 
     def _make_profile(self) -> Callable:
         codes, builtins, previous = self.codes, self.builtins, self.previous
@@ -554,10 +573,6 @@ class _Watch:
         return error
 
     def raise_if_tripped(self) -> None:
-        if self.installed and sys.getprofile() is not self.profile and self.tripped is None:
-            sys.setprofile(self.profile)
-            raise ExerciseError("your code replaced the profile function (sys.setprofile) with which this check "
-                                "watches for kvcourse's references: leave it in place.")
         if self.tripped is not None:
             raise self.refusal()
 
@@ -592,6 +607,22 @@ def refuse_references(fn: Any, references: dict[str, Any], task: str) -> None:
             raise ExerciseError(f"that is kvcourse's own {name}; {task}", hint=task)
     for name, ref in references.items():
         watch.refuse(name, ref, task)
+
+
+@contextlib.contextmanager
+def learner_runs():
+    """Around code of the check's that runs the learner's code other than through :func:`call_learner` (a property
+    it reads, a model forward pass through the learner's cache): the references are watched meanwhile, and one
+    that the learner's code ran fails the check here."""
+    watch = _Watch.current
+    if watch is None:
+        yield
+        return
+    try:
+        with watch.learner_runs():
+            yield
+    finally:  # a reference that ran is the verdict, whatever the learner's code returned or raised
+        watch.raise_if_tripped()
 
 
 def lend(fn: Callable) -> Callable:

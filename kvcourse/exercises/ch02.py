@@ -35,6 +35,7 @@ from ._core import (
     learner_device,
     on_host,
     passed,
+    learner_runs,
     refuse_references,
     tensor_diff,
     wrap_checks,
@@ -112,7 +113,8 @@ def _history_hint(got: torch.Tensor, want: torch.Tensor, new: torch.Tensor, star
 
 
 def _read_seq_len(cache: Any) -> Any:
-    value = getattr(cache, "seq_len", None)
+    with learner_runs():  # the learner's property
+        value = getattr(cache, "seq_len", None)
     if callable(value):
         raise ExerciseError("cache.seq_len is a method; make it a property (@property) or an attribute: the model "
                             "reads cache.seq_len, it does not call it.")

@@ -27,6 +27,7 @@ from ._core import (
     ExerciseError,
     fail,
     passed,
+    learner_runs,
     refuse_references,
     wrap_checks,
 )
@@ -177,9 +178,10 @@ def _copy_pair(cow: Any) -> tuple[int, int] | None:
 
 
 def _free_count(manager: Any, name: str) -> int:
-    value = getattr(manager, "num_free_blocks", None)
-    if callable(value):
-        value = value()
+    with learner_runs():  # the learner's property
+        value = getattr(manager, "num_free_blocks", None)
+        if callable(value):
+            value = value()
     if isinstance(value, bool) or not isinstance(value, int):
         raise ExerciseError(f"{name}.num_free_blocks should be an int (blocks on the free list), got {describe(value)}")
     return value

@@ -27,6 +27,7 @@ from ._core import (
     ExerciseError,
     fail,
     passed,
+    learner_runs,
     lend,
     refuse_references,
     wrap_checks,
@@ -427,11 +428,16 @@ def _serve(model, rounds, lookup) -> tuple[list[list[int]], list[tuple[int, int]
     # refuses as an answer): lent by the check, so the learner's calls of them are not refused.
     eng.block_manager.find_longest_cache_hit = None if lookup is None else (
         lambda token_ids, block_size, cache_salt, hash_fn, get_cached_block:
-        lookup(token_ids, block_size, cache_salt, lend(hash_fn), lend(get_cached_block)))
+        _lookup_watched(lookup, token_ids, block_size, cache_salt, lend(hash_fn), lend(get_cached_block)))
     outs = []
     for prompts, salt in rounds:
         outs += eng.generate(prompts, max_new_tokens=3, cache_salt=salt)
     return outs, [(a.num_tokens, a.num_hit_tokens) for a in eng.block_manager.admissions]
+
+
+def _lookup_watched(lookup: Callable, *args):
+    with learner_runs():
+        return lookup(*args)
 
 
 def _lookup_in_the_engine(find_longest_cache_hit: Callable, model, seed: int) -> None:

@@ -40,6 +40,7 @@ from ._core import (
     learner_device,
     on_host,
     passed,
+    learner_runs,
     refuse_references,
     tensor_diff,
     wrap_checks,
@@ -223,7 +224,8 @@ def check_ring_slot(slot_for: Callable[[int, int, int], int], model=None, seed: 
 def _ring_on_the_model(slot_for: Callable[[int, int, int], int], model) -> None:
     class LearnerRing(_window.SinkKVCache):
         def slots(self, positions: torch.Tensor) -> torch.Tensor:
-            slots = [slot_for(int(p), self.num_sinks, self.window) for p in positions.tolist()]
+            with learner_runs():
+                slots = [slot_for(int(p), self.num_sinks, self.window) for p in positions.tolist()]
             return torch.tensor(slots, dtype=torch.int64, device=positions.device)
 
     ids = [1, 504, 3458, 282, 4649, 314, 17, 30, 2045, 1099, 28, 253, 1183, 314, 16, 4, 2116, 18]
