@@ -7,11 +7,11 @@ without saying so in the sentence. A chapter's figures come from two kinds of ru
   ``NBVAL_IGNORE_OUTPUT`` (the tag ``nbval-ignore-output`` or the comment on its first line), so a value assigned in
   such a cell, not from a committed file, is a measurement of this run;
 * **committed**: read from a result file committed with the package (``kvcourse.results.load``/``newest``/``find``,
-  ``load_kernel_bench``), made on another machine at another time.
+  ``load_kernel_bench``, ``kvcourse.compression.results.load_results``), made on another machine at another time.
 
 Values computed from neither (a formula, a catalog, a constant) carry no run. :func:`glue_kinds` follows names
 through a notebook's code cells in order (an assignment's targets take the kinds of the names and loader calls in
-its value; ``x.append(v)`` gives ``x`` the kinds of ``v``) and gives every ``glue(name, value)`` the kinds of its
+its value; ``x.append(v)`` and the like give ``x`` the kinds of ``v``) and gives every ``glue(name, value)`` the kinds of its
 value. :func:`mixed_paragraphs` then lists the markdown paragraphs that quote glued figures of both kinds without a
 phrase that says so (:data:`ACKNOWLEDGED`: "this page's run", "another run", "the committed run", "from
 ``x.json``"...). Static analysis, so it is deliberately simple: it reads names, not values, and a cell it cannot
@@ -27,8 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LIVE, COMMITTED = "live", "committed"
-LOADERS = frozenset({"load", "newest", "find", "load_kernel_bench"})  # calls that read a committed result file
+LOADERS = frozenset({"load", "newest", "find"})  # kvcourse.results' calls that read a committed result file
+# Functions that read one too: the kernel benchmark's and the compression sweep's loaders.
+NAMED_LOADERS = frozenset({"load_kernel_bench", "load_results"})
 IGNORE_TAG, IGNORE_COMMENT = "nbval-ignore-output", "# NBVAL_IGNORE_OUTPUT"
+MUTATORS = frozenset({"append", "extend", "insert", "add", "update", "setdefault"})  # x.m(v) puts v into x
 GLUE_ROLE = re.compile(r"\{glue(?::text)?\}`([^`]+)`")
 # A paragraph that says where its figures come from: the phrase names the other run, the committed result, or the file.
 ACKNOWLEDGED = re.compile(
@@ -55,7 +58,7 @@ def _loader_call(node: ast.AST) -> bool:
         return False
     func = node.func
     if isinstance(func, ast.Name):
-        return func.id == "load_kernel_bench"
+        return func.id in NAMED_LOADERS
     if isinstance(func, ast.Attribute) and func.attr in LOADERS:
         # results.load / kvcourse.results.load: the attribute chain must pass through "results"
         base = func.value
@@ -163,7 +166,7 @@ def glue_kinds(nb: dict) -> list[Glued]:
                 for name in _targets(node.target):
                     extra = names.get(name, frozenset()) if isinstance(node, ast.AugAssign) else frozenset()
                     names[name] = kinds_of(node.value) | extra
-            elif isinstance(node, (ast.For, ast.comprehension)):
+            elif isinstance(node, ast.For):  # (a comprehension's variables stay inside it)
                 for name in _targets(node.target):
                     names[name] = kinds_of(node.iter)
             elif isinstance(node, ast.NamedExpr):
@@ -173,12 +176,11 @@ def glue_kinds(nb: dict) -> list[Glued]:
                 if pattern is not None:
                     glued.append(Glued(pattern, kinds_of(node.args[1]), index))
             elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                  and isinstance(node.func.value, ast.Name) and node.args):  # fmt: skip
+                  and node.func.attr in MUTATORS and isinstance(node.func.value, ast.Name) and node.args):  # fmt: skip
                 # x.append(v), x.update(...): x now holds what v holds
                 owner = node.func.value.id
-                if owner in names or timing:
-                    added = frozenset().union(*(kinds_of(a) for a in node.args))
-                    names[owner] = names.get(owner, frozenset()) | added
+                added = frozenset().union(*(kinds_of(a) for a in node.args))
+                names[owner] = names.get(owner, frozenset()) | added
     return glued
 
 
