@@ -151,3 +151,25 @@ def test_a_malformed_gpu_check_is_refused_by_name(tmp_path, broken, match):
     _write(root, "gpu-check-broken-2026-11-27.json", {**FIXTURE, **broken})
     with pytest.raises(ValueError, match=f"gpu-check-broken-2026-11-27.json: .*{match}"):
         sync_notebooks.gpu_check_runs(root, CHAPTER.name)
+
+
+def test_of_two_runs_on_one_day_the_later_wins_whatever_the_file_names(tmp_path):
+    # Issue 46, item 12: a "-mixed-b" file sorts before the plain name; the day alone made the earlier run win.
+    root = _repo(tmp_path)
+    morning = json.loads(json.dumps(FIXTURE))
+    morning["provenance"]["date"] = "2026-11-27T08:00:00+00:00"
+    morning["steps"][1]["notebooks"][0].update(passed=False, seconds=30.0)
+    evening = json.loads(json.dumps(FIXTURE))
+    evening["provenance"]["date"] = "2026-11-27T20:00:00+00:00"
+    _write(root, "gpu-check-nvidia-h200-2026-11-27.json", morning)
+    _write(root, "gpu-check-nvidia-h200-2026-11-27-mixed-b.json", evening)
+    assert [r["passed"] for r in sync_notebooks.gpu_check_runs(root, CHAPTER.name)] == [True]
+    assert "on a GPU: about 3 min on NVIDIA H200 (torch 2.11.0+cu130, 2026-11-27)." in _header(root)
+    # A date without a time counts as midnight UTC, so it compares with a timestamp; a malformed one is refused.
+    morning["provenance"]["date"] = "2026-11-28"
+    _write(root, "gpu-check-nvidia-h200-2026-11-27.json", morning)
+    assert [r["passed"] for r in sync_notebooks.gpu_check_runs(root, CHAPTER.name)] == [False]
+    morning["provenance"]["date"] = "yesterday"
+    _write(root, "gpu-check-nvidia-h200-2026-11-27.json", morning)
+    with pytest.raises(ValueError, match="gpu-check-nvidia-h200-2026-11-27.json: provenance 'date'"):
+        sync_notebooks.gpu_check_runs(root, CHAPTER.name)

@@ -29,7 +29,7 @@ import argparse
 import copy
 import json
 import sys
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 from kvcourse.results import gpu_check_notebook_runs
@@ -89,10 +89,12 @@ def gpu_check_files(root: Path) -> list[Path]:
 def gpu_check_runs(root: Path, notebook: str) -> list[dict]:
     """The newest run of ``notebook`` on each GPU in the committed gpu-check JSONs, by device name.
 
+    Newest by the provenance's full timestamp (:func:`_run_time`), so of two runs on one day the later wins.
+
     Each is ``{device, torch, date, seconds, passed, timed_out}``, read by :func:`kvcourse.results.gpu_check_notebook_runs`
     (which refuses a malformed file, naming it).
     """
-    newest: dict[str, dict] = {}
+    newest: dict[str, tuple[datetime, dict]] = {}
     for path in gpu_check_files(root):
         try:
             data = json.loads(path.read_text())
@@ -101,9 +103,22 @@ def gpu_check_runs(root: Path, notebook: str) -> list[dict]:
         for run in gpu_check_notebook_runs(data, path.name):
             if run.pop("notebook") != notebook:
                 continue
-            if run["device"] not in newest or run["date"] >= newest[run["device"]]["date"]:
-                newest[run["device"]] = run
-    return [newest[device] for device in sorted(newest)]
+            # The run's full timestamp, not its day: several runs a day on one GPU are common, and the files
+            # come sorted by name, where "-mixed-a" sorts before the plain name whatever the hour.
+            when = _run_time(data, path.name)
+            if run["device"] not in newest or when >= newest[run["device"]][0]:
+                newest[run["device"]] = (when, run)
+    return [newest[device][1] for device in sorted(newest)]
+
+
+def _run_time(data: dict, name: str) -> datetime:
+    """When a gpu-check run was made, from its provenance's ISO date (a date alone counts as midnight UTC)."""
+    text = str(data["provenance"]["date"])
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError as exc:
+        raise ValueError(f"{name}: provenance 'date' must be an ISO date or timestamp, got {text!r}") from exc
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
 
 
 def _gpu_run_text(run: dict) -> str:
