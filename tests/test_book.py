@@ -188,6 +188,7 @@ def _call_text(code: str, start: int) -> str:
 def test_quoted_source_matches_the_package(path):
     """A cell tagged ``source-quote`` shows ``kvcourse.utils.show_source(...)``: its committed output must be the
     package's current source, or the book would quote code that no longer runs (re-execute the chapter)."""
+    import kvcourse.kernels.reference  # noqa: F401  (chapter 4 quotes its paged_attention by its full name)
     import kvcourse.serving  # noqa: F401  (what the quotes name)
     from kvcourse.utils import show_source
 
@@ -198,7 +199,7 @@ def test_quoted_source_matches_the_package(path):
         src = "".join(cell["source"])
         call = src[src.index("show_source(") :]
         namespace = {"show_source": show_source, "Engine": kvcourse.serving.Engine,
-                     "Scheduler": kvcourse.serving.Scheduler}  # fmt: skip
+                     "Scheduler": kvcourse.serving.Scheduler, "kvcourse": kvcourse}  # fmt: skip
         for module in ("triton_decode", "triton_paged", "triton_cache"):  # chapter 5 quotes its kernels' modules
             if f"{module}." in call:
                 namespace[module] = importlib.import_module(f"kvcourse.kernels.{module}")
