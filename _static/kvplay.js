@@ -276,7 +276,8 @@
     if (!cost) return "";
     const mb = (n) => (n / 1e6).toFixed(1);
     let text = `Opening it downloads ${mb(cost.bytes)} MB once per visit (${mb(cost.wasm_bytes)} MB of it the ` +
-      "Python interpreter in WebAssembly; the sizes of this build's files).";
+      "Python interpreter in WebAssembly; the sizes of this build's files, sent uncompressed: " +
+      `${mb(cost.gzip_bytes)} MB where the host gzips every file).`;
     const m = cost.measured;
     if (m) {
       text += ` Measured: the first step was ready ${m.ready_after_click_s.toFixed(1)} s after the click on a ` +
