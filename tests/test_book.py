@@ -206,3 +206,17 @@ def test_quoted_source_matches_the_package(path):
         want = eval(call, namespace).data  # noqa: S307 - our own notebook's one call
         shown = [o["data"]["text/markdown"] for o in cell["outputs"] if "text/markdown" in o.get("data", {})]
         assert shown and "".join(shown[0]) == want, f"{path.name}: a quoted function changed; re-execute the chapter"
+
+
+def test_inline_code_may_break_only_after_a_dot_an_underscore_or_a_parenthesis():
+    """The book's pages (issue 48): "BlockManage|r" on a phone. The build marks where a name may break (<wbr>) and
+    keeps the pieces holding a hyphen or a slash whole; tags and entities are left alone."""
+    from kvcourse.tools.sphinx_book import _INLINE_CODE, _break_points
+
+    html = ('<p><code class="docutils literal notranslate"><span class="pre">BlockManager.can_allocate(n)</span> '
+            '<span class="pre">--gpu-memory</span> <span class="pre">a&lt;b</span></code> not.code_here</p>')
+    out = _INLINE_CODE.sub(_break_points, html)
+    assert out == ('<p><code class="docutils literal notranslate"><span class="pre">BlockManager.<wbr>can_<wbr>'
+                   'allocate(<wbr><span class="kv-nobr">n)</span></span> <span class="pre"><span class="kv-nobr">'
+                   '--gpu-memory</span></span> <span class="pre"><span class="kv-nobr">a&lt;b</span></span></code> '
+                   'not.code_here</p>')

@@ -14,7 +14,7 @@
   pages only, and each widget carries what its first click costs (``data-cost``: this build's bytes, and the
   committed throttled measurement, :func:`kvcourse.tools.playground_site.first_click_cost`), stated beside its
   button.
-* Inline code gets a ``<wbr>`` after each ``.``, ``_`` and ``(``: on a phone a long name breaks there and nowhere
+* Inline code gets a ``<wbr>`` after each ``.``, ``_``, ``(`` and ``/``: on a phone a long name breaks there and nowhere
   else (``_static/kvcourse.css`` forbids breaks inside a word).
 * The font-awesome 4 stylesheet that matplotlib's animation HTML links from a CDN is dropped: the
   theme's own Font Awesome draws the animation's buttons (``fa fa-play`` ...).
@@ -84,12 +84,17 @@ _TAG_OR_TEXT = re.compile(r"(<[^>]*>)|([^<]+)")
 
 
 def _break_points(match: re.Match) -> str:
-    """One inline code span with ``<wbr>`` after each ``.``, ``_`` and ``(`` of its text (never inside a tag, never
-    at its end; entities such as ``&lt;`` hold none of the three)."""
+    """One inline code span with ``<wbr>`` after each ``.``, ``_``, ``(`` and ``/`` (a path's) of its text (never inside
+    a tag, never at its end; entities such as ``&lt;`` hold none of them). A piece between two of them that holds
+    another character a browser breaks after (``-`` in ``--gpu-memory-utilization``) is kept whole in a
+    ``kv-nobr`` span (``white-space: nowrap`` in ``_static/kvcourse.css``)."""
+    def piece(text: str) -> str:
+        return f'<span class="kv-nobr">{text}</span>' if re.search(r"[^\w.(/\s]", text) else text
+
     def text(part: re.Match) -> str:
         if part[1]:
             return part[1]
-        return re.sub(r"([._(])(?=[^\s])", r"\1<wbr>", part[2])
+        return "<wbr>".join(piece(p) for p in re.split(r"(?<=[._(/])(?=\S)", part[2]))
 
     return match[1] + _TAG_OR_TEXT.sub(text, match[2]) + match[3]
 
