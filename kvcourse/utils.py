@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import numpy as np
 import torch
@@ -120,5 +121,16 @@ def show_source(*functions) -> object:
 
     from IPython.display import Markdown
 
-    return Markdown("\n\n".join(f"```python\n{inspect.getsource(f)}```" for f in functions))
+    return Markdown("\n\n".join(f"```python\n{strip_pragmas(inspect.getsource(f))}```" for f in functions))
+
+
+# Comments for the project's tools (formatter, linters), not for a reader: a quoted function is shown without them.
+_PRAGMA = re.compile(r"[ \t]*#[ \t]*(?:fmt:[ \t]*(?:skip|off|on)|noqa\b|type:[ \t]*ignore\b)[^\n]*$", re.M)
+
+
+def strip_pragmas(source: str) -> str:
+    """``source`` without trailing ``# fmt: skip``, ``# noqa ...`` and ``# type: ignore`` comments (the code is unchanged)."""
+    if not isinstance(source, str):
+        raise TypeError(f"source must be a str, got {type(source).__name__}")
+    return _PRAGMA.sub("", source)
 

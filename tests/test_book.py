@@ -188,6 +188,7 @@ def _call_text(code: str, start: int) -> str:
 def test_quoted_source_matches_the_package(path):
     """A cell tagged ``source-quote`` shows ``kvcourse.utils.show_source(...)``: its committed output must be the
     package's current source, or the book would quote code that no longer runs (re-execute the chapter)."""
+    import kvcourse.kernels.reference  # noqa: F401  (chapter 4 quotes its paged_attention by its full name)
     import kvcourse.serving  # noqa: F401  (what the quotes name)
     from kvcourse.utils import show_source
 
@@ -198,10 +199,24 @@ def test_quoted_source_matches_the_package(path):
         src = "".join(cell["source"])
         call = src[src.index("show_source(") :]
         namespace = {"show_source": show_source, "Engine": kvcourse.serving.Engine,
-                     "Scheduler": kvcourse.serving.Scheduler}  # fmt: skip
+                     "Scheduler": kvcourse.serving.Scheduler, "kvcourse": kvcourse}  # fmt: skip
         for module in ("triton_decode", "triton_paged", "triton_cache"):  # chapter 5 quotes its kernels' modules
             if f"{module}." in call:
                 namespace[module] = importlib.import_module(f"kvcourse.kernels.{module}")
         want = eval(call, namespace).data  # noqa: S307 - our own notebook's one call
         shown = [o["data"]["text/markdown"] for o in cell["outputs"] if "text/markdown" in o.get("data", {})]
         assert shown and "".join(shown[0]) == want, f"{path.name}: a quoted function changed; re-execute the chapter"
+
+
+def test_inline_code_may_break_only_after_a_dot_an_underscore_or_a_parenthesis():
+    """The book's pages (issue 48): "BlockManage|r" on a phone. The build marks where a name may break (<wbr>) and
+    keeps the pieces holding a hyphen or a slash whole; tags and entities are left alone."""
+    from kvcourse.tools.sphinx_book import _INLINE_CODE, _break_points
+
+    html = ('<p><code class="docutils literal notranslate"><span class="pre">BlockManager.can_allocate(n)</span> '
+            '<span class="pre">--gpu-memory</span> <span class="pre">a&lt;b</span></code> not.code_here</p>')
+    out = _INLINE_CODE.sub(_break_points, html)
+    assert out == ('<p><code class="docutils literal notranslate"><span class="pre">BlockManager.<wbr>can_<wbr>'
+                   'allocate(<wbr><span class="kv-nobr">n)</span></span> <span class="pre"><span class="kv-nobr">'
+                   '--gpu-memory</span></span> <span class="pre"><span class="kv-nobr">a&lt;b</span></span></code> '
+                   'not.code_here</p>')

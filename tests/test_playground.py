@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 import zipfile
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -247,3 +247,20 @@ def test_the_widget_asks_for_the_settings_the_playground_takes():
     for chapter in ("04", "06", "07"):
         page = next((ROOT / "book").glob(f"{chapter}_*.ipynb")).read_text()
         assert f'class=\\"kvplay\\" data-preset=\\"{chapter}\\"' in page
+
+
+@pytest.mark.parametrize("key", ["04", "swap+prefix"])
+def test_before_the_first_step_the_widget_draws_an_empty_pool_and_every_request_to_come(key):
+    """What the widget shows between "Open" and the first Step (issue 48): the pool all free, the host tier as
+    big as swap mode makes it, every request not arrived yet; and the number of steps it says the run takes."""
+    config = CONFIGS[key]
+    from kvcourse.control.playground import count_steps, new
+
+    state = json.loads(new(json.dumps(asdict(config))).state_json())
+    assert [kind for kind, _ in state["pool"]] == ["free"] * config.num_blocks
+    assert state["host"] == ["free"] * (config.num_blocks // 2 if config.preemption == "swap" else 0)
+    assert state["not_arrived"] == [f"r{i}" for i in range(config.num_requests)]
+    assert state["running"] == state["waiting"] == state["swapped"] == [] and state["tables"] == {}
+    assert count_steps(json.dumps(asdict(config))) == len(Playground(config).run())
+    with pytest.raises(ValueError, match="num_blocks"):
+        count_steps(json.dumps({"num_blocks": 0}))

@@ -35,3 +35,18 @@ def test_describe_device_names_what_timed(device):
 def test_bad_device_names_are_refused():
     with pytest.raises(RuntimeError):
         synchronize("no-such-device")
+
+
+def test_quoted_source_is_shown_without_tool_pragmas():
+    """show_source quotes the package for a reader: `# fmt: skip` and `# noqa` are for the project's tools
+    (issue 48: chapters 5 and 6 showed `# fmt: skip` ten times)."""
+    from kvcourse.utils import show_source, strip_pragmas
+
+    src = 'x = {1: 2}  # fmt: skip\nf = lambda: 0  # noqa: E731\ny = "# not a pragma"  # why: a real comment\n'
+    assert strip_pragmas(src) == 'x = {1: 2}\nf = lambda: 0\ny = "# not a pragma"  # why: a real comment\n'
+    from kvcourse.control.playground import Playground
+
+    shown = show_source(Playground.__init__).data
+    assert "fmt: skip" not in shown and "self.scheduler = Scheduler(" in shown
+    with pytest.raises(TypeError, match="source"):
+        strip_pragmas(None)

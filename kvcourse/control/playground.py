@@ -27,7 +27,7 @@ from ..sequence import SamplingParams, Sequence
 from ..serving import scheduler as _scheduler_module
 from ..serving.scheduler import Scheduler, SchedulerOutput
 
-__all__ = ["ARRIVALS", "PRESETS", "SYSTEM_PROMPT_BLOCKS", "Playground", "PlaygroundConfig", "scheduler_source"]
+__all__ = ["ARRIVALS", "PRESETS", "SYSTEM_PROMPT_BLOCKS", "Playground", "PlaygroundConfig", "count_steps", "scheduler_source"]
 
 ARRIVALS = {
     "burst": "every request at step 0",
@@ -270,6 +270,10 @@ class Playground:
     def step_json(self) -> str:
         return json.dumps(self.step())
 
+    def state_json(self) -> str:
+        """:meth:`state` as JSON: what the widget draws before the first step (every request not arrived yet)."""
+        return json.dumps(self.state())
+
     def state(self) -> dict:
         """The pool block by block, each sequence's block table, the queues."""
         bm, sched = self.block_manager, self.scheduler
@@ -348,3 +352,8 @@ class Playground:
 def new(config_json: str = "{}") -> Playground:
     """The widget's entry point: a playground from the form's JSON."""
     return Playground(PlaygroundConfig.from_json(config_json))
+
+
+def count_steps(config_json: str = "{}") -> int:
+    """How many steps a run on these settings takes to finish every request: the widget's "step k of N"."""
+    return len(new(config_json).run())

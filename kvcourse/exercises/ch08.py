@@ -217,7 +217,7 @@ def check_ring_slot(slot_for: Callable[[int, int, int], int], model=None, seed: 
     diagnosis.raise_if_wrong()
     if model is not None:
         _ring_on_the_model(slot_for, model)
-    return passed("each token overwrites the one `window` positions before it, and the sinks stay: memory is "
+    return passed("each token overwrites the one that came window positions earlier, and the sinks stay: memory is "
                   "bounded at num_sinks + window tokens.")  # fmt: skip
 
 

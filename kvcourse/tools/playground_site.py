@@ -10,12 +10,22 @@ The book build (:mod:`kvcourse.tools.sphinx_book`, at ``build-finished``) calls 
   that in a subprocess), so the browser gets the same files the tests run.
 * ``manifest.json``: the wheel's name, the Pyodide version and the bytes a reader downloads on the first click.
 
+What the first click costs is stated beside the widget's button (:func:`first_click_cost`): this build's bytes,
+and the time to the first step on a throttled connection, quoted from the newest committed measurement
+(``kvcourse/results/playground-first-click-*.json``, written by ``tests/test_browser.py`` as
+``_build/playground-cost.json``). The files are served as they are: GitHub Pages gzips text types (the ``.mjs``
+and ``.json`` files, 1.4 MB of the total) on its own, ``python_stdlib.zip`` and the wheel are zip archives
+already, and whether it gzips ``application/wasm`` is undocumented, so the stated size is the uncompressed one
+(an upper bound) and ``gzip_bytes`` says what a host that compresses everything would send.
+
 ``python -m kvcourse.tools.playground_site OUT`` writes the same into ``OUT``.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import gzip
 import hashlib
 import json
 import os
@@ -101,6 +111,42 @@ def install(static_dir: Path) -> dict | None:
                 "files": {f.relative_to(out).as_posix(): f.stat().st_size for f in files}}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+MEASUREMENTS = "playground-first-click-*.json"  # in kvcourse/results: the throttled first click, measured
+
+
+def measured_first_click() -> dict | None:
+    """The newest committed measurement of the first click on a throttled connection, or None."""
+    from kvcourse import results
+
+    name = results.newest(MEASUREMENTS)
+    if name is None:
+        return None
+    data = results.load(name)
+    keys = ("ready_after_click_s", "throttle", "machine", "date", "on_click_bytes")
+    return {"file": name, **{k: data[k] for k in keys}}
+
+
+@functools.lru_cache(maxsize=1)
+def first_click_cost() -> dict | None:
+    """What opening the playground downloads on this build, and the committed throttled measurement; None without
+    Pyodide. ``bytes`` counts every file of :func:`install` (the manifest's sum), ``wasm_bytes`` the interpreter,
+    ``gzip_bytes`` the same files gzipped (what a host that compresses them all would send)."""
+    import tempfile
+
+    source = pyodide_dir()
+    if any(not (source / f).is_file() for f in PYODIDE_FILES):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = build_wheel(Path(tmp)).read_bytes()
+    blobs = [(source / f).read_bytes() for f in PYODIDE_FILES] + [wheel]
+    return {
+        "bytes": sum(len(b) for b in blobs),
+        "wasm_bytes": (source / "pyodide.asm.wasm").stat().st_size,
+        "gzip_bytes": sum(len(gzip.compress(b, compresslevel=6, mtime=0)) for b in blobs),
+        "measured": measured_first_click(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

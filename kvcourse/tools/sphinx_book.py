@@ -11,13 +11,19 @@
 * The playground (``_static/kvplay.js``, chapters 4, 6 and 7) gets Pyodide and the control plane's wheel
   under ``_static/playground`` (:mod:`kvcourse.tools.playground_site`); without Pyodide installed the book
   still builds, says so, and the widget tells the reader it was left out. Its script is linked from those three
-  pages only.
+  pages only, and each widget carries what its first click costs (``data-cost``: this build's bytes, and the
+  committed throttled measurement, :func:`kvcourse.tools.playground_site.first_click_cost`), stated beside its
+  button.
+* Inline code gets a ``<wbr>`` after each ``.``, ``_``, ``(`` and ``/``: on a phone a long name breaks there and nowhere
+  else (``_static/kvcourse.css`` forbids breaks inside a word).
 * The font-awesome 4 stylesheet that matplotlib's animation HTML links from a CDN is dropped: the
   theme's own Font Awesome draws the animation's buttons (``fa fa-play`` ...).
 """
 
 from __future__ import annotations
 
+import html
+import json
 import re
 import shutil
 from pathlib import Path
@@ -58,11 +64,44 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree) -> None:
 
 def _playground_only_where_it_plays(app, pagename, templatename, context, doctree) -> None:
     """``_static/kvplay.js`` goes to every page (Jupyter Book links every script in ``_static``); keep it on the
-    pages that hold a widget (``<div class="kvplay">``, chapters 4, 6 and 7), so the others carry none of it."""
-    if 'class="kvplay"' in context.get("body", ""):
+    pages that hold a widget (``<div class="kvplay">``, chapters 4, 6 and 7), so the others carry none of it.
+    Those pages' widgets get ``data-cost``, what opening the playground downloads, for the text beside its button."""
+    body = context.get("body", "")
+    if 'class="kvplay"' in body:
+        from .playground_site import first_click_cost
+
+        cost = first_click_cost()
+        if cost is not None:
+            attribute = html.escape(json.dumps(cost, separators=(",", ":")), quote=True)
+            context["body"] = body.replace('<div class="kvplay"', f'<div class="kvplay" data-cost="{attribute}"')
         return
     context["script_files"] = [s for s in context.get("script_files", [])
                                if not str(getattr(s, "filename", s) or "").endswith("kvplay.js")]  # fmt: skip
+
+
+_INLINE_CODE = re.compile(r'(<code class="docutils literal notranslate">)(.*?)(</code>)', re.S)
+_TAG_OR_TEXT = re.compile(r"(<[^>]*>)|([^<]+)")
+
+
+def _break_points(match: re.Match) -> str:
+    """One inline code span with ``<wbr>`` after each ``.``, ``_``, ``(`` and ``/`` (a path's) of its text (never inside
+    a tag, never at its end; entities such as ``&lt;`` hold none of them). A piece between two of them that holds
+    another character a browser breaks after (``-`` in ``--gpu-memory-utilization``) is kept whole in a
+    ``kv-nobr`` span (``white-space: nowrap`` in ``_static/kvcourse.css``)."""
+    def piece(text: str) -> str:
+        return f'<span class="kv-nobr">{text}</span>' if re.search(r"[^\w.(/\s]", text) else text
+
+    def text(part: re.Match) -> str:
+        if part[1]:
+            return part[1]
+        return "<wbr>".join(piece(p) for p in re.split(r"(?<=[._(/])(?=\S)", part[2]))
+
+    return match[1] + _TAG_OR_TEXT.sub(text, match[2]) + match[3]
+
+
+def _break_inline_code_at_names(app, pagename, templatename, context, doctree) -> None:
+    if "body" in context:
+        context["body"] = _INLINE_CODE.sub(_break_points, context["body"])
 
 
 def _copy_mathjax(app, exception) -> None:
@@ -117,6 +156,7 @@ def setup(app):
     app.connect("doctree-resolved", _drop_cdn_stylesheet)
     app.connect("html-page-context", _dedupe_scripts)
     app.connect("html-page-context", _playground_only_where_it_plays)
+    app.connect("html-page-context", _break_inline_code_at_names)
     app.connect("build-finished", _copy_mathjax)
     app.connect("build-finished", _copy_playground)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
