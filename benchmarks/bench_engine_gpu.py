@@ -79,8 +79,6 @@ from bench_serving import left_padded, load_hf, pool_blocks
 import kvcourse
 from kvcourse import SamplingParams
 from kvcourse.serving import Engine, ModelRunner
-from kvcourse.serving.cuda_graphs import DecodeGraphs
-from kvcourse.serving.mixed_graphs import MixedGraphs
 
 try:  # issue 29's profiler of one step; a checkout without it still measures everything else
     from kvcourse.serving.step_profile import profile_step
@@ -279,22 +277,14 @@ def timed_result(outputs: list[list[int]], lens: Sequence[int], seconds: float, 
 
 
 def make_engine(model, shape: Shape, num_blocks: int, backend: str, graphs: bool) -> tuple[Engine, str]:
-    """The engine, and how its decode steps run: ``"captured"`` CUDA graphs, their ``"eager twin"`` (no
-    CUDA: the same static-buffer forward run eagerly, :class:`DecodeGraphs` with ``capture=False``) or ``"off"``."""
+    """The engine, and how its steps run: ``"captured"`` CUDA graphs (recorded when the engine starts), their
+    ``"eager twin"`` (no CUDA: the same static-buffer forward run eagerly, ``cuda_graphs="eager"``) or ``"off"``."""
     on_cuda = model.device.type == "cuda"
+    mode = "off" if not graphs else "capture" if on_cuda else "eager"
     eng = Engine(model, num_blocks=num_blocks, block_size=shape.block_size, max_num_seqs=shape.max_num_seqs,
                  max_num_batched_tokens=shape.max_num_batched_tokens, enable_chunked_prefill=True, backend=backend,
-                 cuda_graphs=graphs and on_cuda)  # fmt: skip
-    if not graphs:
-        return eng, "off"
-    if on_cuda:
-        eng.runner.capture_graphs()  # every bucket now, as engines do at start-up: no capture in a timed run
-        return eng, "captured"
-    # The engine caps its graphs at 512 sequences; the same cap here.
-    runner, lanes = eng.runner, min(shape.max_num_seqs, 512)
-    runner.graphs = DecodeGraphs(model, runner.kv_store, backend, lanes, capture=False)
-    runner.mixed_graphs = MixedGraphs(model, runner.kv_store, lanes, shape.max_num_batched_tokens, capture=False)
-    return eng, "eager twin"
+                 cuda_graphs=mode)  # fmt: skip
+    return eng, {"off": "off", "capture": "captured", "eager": "eager twin"}[mode]
 
 
 def run_engine(model, prompts, lens, shape: Shape, backend: str, graphs: bool, pilot: int,
@@ -308,7 +298,7 @@ def run_engine(model, prompts, lens, shape: Shape, backend: str, graphs: bool, p
     pilot_params = [SamplingParams(max_new_tokens=n, stop_token_ids=()) for n in pilot_lens]
     eng.generate(pilot_prompts, pilot_params, use_tqdm=False)
     replays, steps = eng.runner.graph_steps, len(eng.events)
-    mixed = eng.runner.mixed_graphs.replays if eng.runner.mixed_graphs is not None else 0
+    mixed = eng.runner.graphs.replays["mixed"] if eng.runner.graphs is not None else 0
     sync(model.device)
     setup_s = time.perf_counter() - t0
     start = time.perf_counter()
@@ -324,7 +314,7 @@ def run_engine(model, prompts, lens, shape: Shape, backend: str, graphs: bool, p
     out = timed_result([eng.output(i) for i in ids], lens, seconds, setup_s, timed_out)
     out.update(backend=backend, graphs=mode, steps=len(eng.events) - steps,
                graph_steps=eng.runner.graph_steps - replays,  # steps served from a graph, of either kind
-               mixed_graph_steps=(eng.runner.mixed_graphs.replays - mixed) if eng.runner.mixed_graphs else 0)
+               mixed_graph_steps=(eng.runner.graphs.replays["mixed"] - mixed) if eng.runner.graphs else 0)
     return out
 
 
@@ -568,9 +558,7 @@ def profile_runner(model, sizes: Sizes, graphs: bool, seed: int) -> dict:
             chunk = []
         if i < most:
             chunk.append(i)
-    if graphs:
-        runner.graphs.capture_all()
-    sync(device)
+    sync(device)  # with graphs, every one was recorded when the runner was made
     out = {"setup_s": round(time.perf_counter() - t0, 2), "context_tokens": [int(contexts.min()), int(contexts.max())],
            "batches": {}}  # fmt: skip
     for b in sizes.batches:

@@ -21,7 +21,7 @@ after an untimed pilot (kernels compiled, graphs captured), and records for ever
 
 Variants (``--variants``), each a fresh engine: ``graphs`` (the benchmark's configuration: every step
 from a graph, decode-only and mixed), ``decode-graphs`` (only decode-only steps from graphs, mixed steps
-eager: the engine before :mod:`kvcourse.serving.mixed_graphs`), ``graphs-again`` (a second pass of the
+eager: the engine before mixed-step graphs, :mod:`kvcourse.serving.step_graphs`), ``graphs-again`` (a second pass of the
 trace on the same engine: what a first pass pays once, such as kernels compiled or attention plans
 built for new shapes, it no longer pays), ``no-cudnn`` (``decode-graphs`` with SDPA's cuDNN backend
 off: prefill attention takes torch's next choice), ``profiled`` (the ``graphs`` run under
@@ -68,9 +68,8 @@ class StepClock:
         self._wrap(sched, "snapshot", "schedule")
         self._wrap(runner, "execute", None, around=True)
         self._wrap(eng, "_sample", "sample")
-        for graphs in (runner.graphs, runner.mixed_graphs):
-            if graphs is not None:
-                self._wrap(graphs, "load_inputs", "batch")
+        if runner.graphs is not None:
+            self._wrap(runner.graphs, "load_inputs", "batch")
         build = ForwardBatch.build
 
         def timed_build(*args, **kwargs):
@@ -172,11 +171,10 @@ def serve(model, prompts, lens, shape: Shape, *, graphs: bool, passes: int, prof
     num_blocks = pool_blocks(prompts, lens, shape.block_size)
     eng = Engine(model, num_blocks=num_blocks, block_size=shape.block_size, max_num_seqs=shape.max_num_seqs,
                  max_num_batched_tokens=shape.max_num_batched_tokens, enable_chunked_prefill=True,
-                 backend="triton", cuda_graphs=graphs and cuda)  # fmt: skip
-    if not mixed:
-        eng.runner.mixed_graphs = None
-    if graphs and cuda:
-        eng.runner.capture_graphs()
+                 backend="triton", cuda_graphs=graphs and cuda)  # fmt: skip; graphs recorded at start-up
+    if not mixed and eng.runner.graphs is not None:  # mixed steps eager: the lookup finds decode graphs only
+        lookup = eng.runner.graphs.lookup
+        eng.runner.graphs.lookup = lambda seqs: (key if (key := lookup(seqs)) and key[0] == "decode" else None)
     pp, pl = pilot_workload(prompts, 8)
     eng.generate(pp, [SamplingParams(max_new_tokens=n, stop_token_ids=()) for n in pl], use_tqdm=False)
     sync(model.device)

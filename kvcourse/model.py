@@ -306,7 +306,7 @@ class LlamaModel(nn.Module):
     def step_hidden_states(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """The decoder stack over one packed step (``batch`` on the model's device, already checked):
         final-norm hidden states ``[N, hidden]``. Nothing here reads a value back from the device, so
-        a CUDA graph can capture it (:mod:`kvcourse.serving.cuda_graphs`)."""
+        a CUDA graph can capture it (:mod:`kvcourse.serving.step_graphs`)."""
         return self.hidden_states(batch.input_ids, batch.positions, attn, num_positions=batch.max_seq_len)
 
     def check_token_ids(self, ids: torch.Tensor, name: str) -> None:

@@ -67,6 +67,21 @@ def test_paged_backends_equal_the_contiguous_reference(backend, dtype, block_siz
     torch.testing.assert_close(got, want, **tolerance(dtype))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_ragged_backend_equals_the_contiguous_reference(block_size, seed):
+    """``triton-ragged`` (what a mixed step's graph records) serves any ragged step eagerly too: one kernel for
+    decodes, whole prompts and chunks after a cached prefix alike (kernels in Triton's interpreter on a CPU)."""
+    from kvcourse.kernels.triton_runtime import kernel_device
+
+    if kernel_device().type != "cpu":
+        pytest.skip("Triton kernels take cuda tensors in this process, not cpu ones")
+    case, store, batch, (q, k, v) = _case_step(seed * 31 + block_size, block_size, torch.float32)
+    got = backend_class("triton-ragged")(store, batch)(0, q, k, v)
+    torch.testing.assert_close(got, case.expected(), **tolerance(torch.float32))
+
+
 def test_the_step_is_split_once_into_decodes_and_prefills():
     """Which rows decode is decided when the backend is built (once per step), from the host lengths."""
     case, store, batch, (q, k, v) = _case_step(3, 4, torch.float32)
@@ -132,7 +147,8 @@ def test_the_step_hands_sdpa_float_masks(monkeypatch):
 
 # ---- the registry and the stores ---------------------------------------------------------------------
 def test_every_backend_is_named_and_knows_its_store():
-    assert backend_names() == ["paged-int8-torch", "paged-reference", "paged-torch", "triton", "triton-int8"]
+    assert backend_names() == ["paged-int8-torch", "paged-reference", "paged-torch", "triton", "triton-int8",
+                               "triton-ragged"]
     for name in backend_names():
         cls = backend_class(name)
         assert cls.name == name

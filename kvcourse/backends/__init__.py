@@ -14,6 +14,7 @@ backend             store                                 what it is
 ``paged-torch``     :class:`~kvcourse.paged.PagedKVStore`  a ragged batch on the paged pool (SDPA)
 ``paged-reference`` :class:`~kvcourse.paged.PagedKVStore`  the same through the plain torch reference
 ``triton``          :class:`~kvcourse.paged.PagedKVStore`  chapter 5's kernels for the write and decode
+``triton-ragged``   :class:`~kvcourse.paged.PagedKVStore`  one ragged kernel for every row (CUDA graphs)
 ``paged-int8-torch`` an int8 pool                         chapter 8: quantize on write
 ``triton-int8``     an int8 pool                          chapter 8's pool through chapter 5's kernels
 ==================  ===================================  ==========================================
@@ -57,6 +58,7 @@ _MODULES = {
     "paged-torch": ".paged",
     "paged-reference": ".paged",
     "triton": ".triton",
+    "triton-ragged": ".ragged",
     "paged-int8-torch": ".int8",
     "triton-int8": ".triton_int8",
 }

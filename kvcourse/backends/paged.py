@@ -54,15 +54,7 @@ class PagedBackend:
         return cls.store_type.for_model(config, num_blocks, block_size, dtype, device)
 
     def __init__(self, kv_pool, batch: ForwardBatch) -> None:
-        if not isinstance(batch, ForwardBatch):
-            raise TypeError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
-        # The format too: an int8 store is a PagedKVStore subclass, but its blocks hold codes, not floats.
-        if not isinstance(kv_pool, self.store_type) or kv_pool.format != self.store_type.format:
-            raise TypeError(
-                f"backend {self.name!r} needs a {self.store_type.__name__}, got {type(kv_pool).__name__}"
-            )
-        self.pool, self.batch = kv_pool, batch
-        self.scale = 1.0 / math.sqrt(kv_pool.head_dim)
+        self.attach(kv_pool, batch)
         qsl, lens = batch.query_start_loc_host, batch.seq_lens_host
         self.decode_seqs = [b for b in range(batch.num_seqs) if qsl[b + 1] - qsl[b] == 1]
         self.prefill_seqs = [b for b in range(batch.num_seqs) if qsl[b + 1] - qsl[b] > 1]
@@ -78,6 +70,18 @@ class PagedBackend:
         self.decode_lens = batch.seq_lens[idx]
         rows = [r for b in self.prefill_seqs for r in range(qsl[b], qsl[b + 1])]
         self.prefill_rows = torch.tensor(rows, dtype=torch.int64, device=device)
+
+    def attach(self, kv_pool, batch: ForwardBatch) -> None:
+        """Check the pool and the batch, and keep them (with the softmax scale) for the step's layers."""
+        if not isinstance(batch, ForwardBatch):
+            raise TypeError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
+        # The format too: an int8 store is a PagedKVStore subclass, but its blocks hold codes, not floats.
+        if not isinstance(kv_pool, self.store_type) or kv_pool.format != self.store_type.format:
+            raise TypeError(
+                f"backend {self.name!r} needs a {self.store_type.__name__}, got {type(kv_pool).__name__}"
+            )
+        self.pool, self.batch = kv_pool, batch
+        self.scale = 1.0 / math.sqrt(kv_pool.head_dim)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.write_kv(layer_idx, k, v)

@@ -55,7 +55,7 @@ class TritonBackend(KernelSteps, PagedTorchBackend):
     """A ragged batch on a paged pool, written and decoded by Triton kernels (prefill in torch).
 
     ``capturable``: a decode-only step launches its kernels without reading anything back from the device
-    and takes its shapes from the host, so a CUDA graph can record it (:mod:`kvcourse.serving.cuda_graphs`).
+    and takes its shapes from the host, so a CUDA graph can record it (:mod:`kvcourse.serving.step_graphs`).
     """
 
     capturable = True

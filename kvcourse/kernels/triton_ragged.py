@@ -9,7 +9,7 @@ shape (about 65 ms each on an H100, more than the rest of the step).
 This kernel reads the step as the model packs it, ``q [N, Hq, D]``, with ``query_start_loc`` saying
 where each sequence's rows start (vLLM's "unified" attention and FlashAttention's varlen API take the
 same). Its grid depends only on ``N`` and the number of sequences, never on their lengths: a CUDA graph
-recorded for ``N`` tokens replays any step of at most ``N`` tokens (:mod:`kvcourse.serving.cuda_graphs`).
+recorded for ``N`` tokens replays any step of at most ``N`` tokens (:mod:`kvcourse.serving.step_graphs`).
 
 * **Programs.** Sequence ``b``'s rows are cut into tiles of ``BLOCK_Q`` queries. Program ``p`` serves
   tile ``p - first[b]`` of the sequence ``b`` whose ``first[b] = query_start_loc[b] // BLOCK_Q + b``

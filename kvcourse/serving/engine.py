@@ -55,8 +55,9 @@ class Engine:
             the pool is out of blocks (:data:`~kvcourse.serving.scheduler.PreemptionPolicy`); ``None``:
             the newest, vLLM's choice (:func:`~kvcourse.serving.scheduler.preempt_newest`).
         backend: the paged attention backend (``"paged-torch"``; chapter 5 adds ``"triton"``).
-        cuda_graphs: replay decode steps from CUDA graphs (:mod:`kvcourse.serving.cuda_graphs`);
-            ``None``: when the model is on a CUDA GPU and the backend is ``"triton"``.
+        cuda_graphs: ``"capture"``, ``"eager"`` or ``"off"`` (``True``/``False``: capture/off): steps replayed from CUDA
+            graphs recorded when the engine starts (:mod:`kvcourse.serving.step_graphs`), the same static forward
+            run eagerly, or none; ``None``: capture when the model is on a CUDA GPU and the backend is ``"triton"``.
         clock: seconds, for the latency metrics (``time.perf_counter``).
     """
 
@@ -75,7 +76,7 @@ class Engine:
         preemption_mode: str = "recompute",
         preemption_policy: PreemptionPolicy | None = None,
         backend: str = "paged-torch",
-        cuda_graphs: bool | None = None,
+        cuda_graphs: str | bool | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         # The cheap checks first, before the pool is allocated; the scheduler checks its own limits.

@@ -17,10 +17,10 @@ nothing) and runs steps 2-3.
 The backend names the pool it needs (:mod:`kvcourse.backends`): ``backend="paged-int8-torch"`` gets
 an int8 pool.
 
-On a CUDA GPU with the ``"triton"`` backend every step replays a CUDA graph: decode-only steps one
-recorded per batch size (:mod:`kvcourse.serving.cuda_graphs`), steps that feed prompts one recorded per
-token count (:mod:`kvcourse.serving.mixed_graphs`). A step larger than the largest graph, or one that
-asks for every token's logits, runs eagerly. ``graph_steps`` counts the steps served from a graph.
+On a CUDA GPU with the ``"triton"`` backend every step replays a CUDA graph, all of them recorded when the runner
+is made (:mod:`kvcourse.serving.step_graphs`): decode-only steps one per batch size, steps that feed prompts one
+per token count. A step larger than the largest graph, or one that asks for every token's logits, runs eagerly.
+``graph_steps`` counts the steps served from a graph.
 """
 
 from __future__ import annotations
@@ -32,15 +32,28 @@ import time
 import torch
 
 from ..backends import backend_class
-from .cuda_graphs import DecodeGraphs
-from .mixed_graphs import MixedGraphs
+from .step_graphs import StepGraphs
 from .step_profile import FORWARD_SCOPE
 from ..batch import ForwardBatch, SeqSlice
 from ..checks import check_bool, check_hashable, check_int, check_token_ids
 from ..paged import (BlockManager, BlockTransfer, NoFreeBlocksError, PagedKVStore, PrefixCachingBlockManager,
                      allocate_slots, apply_transfers)  # fmt: skip
 
-__all__ = ["ModelRunner"]
+__all__ = ["GRAPH_MODES", "ModelRunner", "graph_mode"]
+
+GRAPH_MODES = ("capture", "eager", "off")
+
+
+def graph_mode(cuda_graphs: str | bool | None) -> str | None:
+    """``cuda_graphs`` as one of :data:`GRAPH_MODES` (``True`` is ``"capture"``, ``False`` is ``"off"``), or ``None``
+    (decided from the device and the backend)."""
+    if cuda_graphs is None or cuda_graphs in GRAPH_MODES:
+        return cuda_graphs
+    if isinstance(cuda_graphs, bool):
+        return "capture" if cuda_graphs else "off"
+    if isinstance(cuda_graphs, str):
+        raise ValueError(f"cuda_graphs must be one of {GRAPH_MODES}, True, False or None, got {cuda_graphs!r}")
+    raise TypeError(f"cuda_graphs must be one of {GRAPH_MODES}, True, False or None, got {type(cuda_graphs).__name__}")
 
 
 class ModelRunner:
@@ -54,9 +67,11 @@ class ModelRunner:
         enable_prefix_caching: the pool is a :class:`~kvcourse.paged.PrefixCachingBlockManager` (chapter 7).
         num_cpu_blocks: a second pool of blocks in host memory, for swapped sequences and (with prefix
             caching) evicted cached blocks (chapter 7). 0: none.
-        cuda_graphs: replay steps from CUDA graphs. ``None`` (default): on when the model is on a
-            CUDA device and the backend can be captured (``"triton"``); ``True``: required (an error
-            otherwise); ``False``: every step eager.
+        cuda_graphs: how steps run. ``"capture"`` (or ``True``): from CUDA graphs, every one recorded now (a
+            CUDA device and a backend that can be captured, ``"triton"``, are needed); ``"eager"``: the same
+            padded static-buffer forward a graph records, run eagerly (any device; how a CPU tests the graphs'
+            bookkeeping); ``"off"`` (or ``False``): every step built and run eagerly. ``None`` (default):
+            ``"capture"`` when the model is on a CUDA device and the backend can be captured, else ``"off"``.
         max_num_seqs: the most sequences a step recorded in a graph holds (the engine passes its own limit).
         max_num_batched_tokens: the most tokens a step recorded in a graph feeds (the engine passes its
             own limit; default 2,048). Larger steps run eagerly.
@@ -79,17 +94,19 @@ class ModelRunner:
         backend_cls = backend_class(backend)
         check_bool("enable_prefix_caching", enable_prefix_caching)
         check_int("num_cpu_blocks", num_cpu_blocks, min=0)
-        if cuda_graphs is not None:
-            check_bool("cuda_graphs", cuda_graphs)
+        mode = graph_mode(cuda_graphs)
         check_int("max_num_seqs", max_num_seqs, min=1)
         check_int("max_num_batched_tokens", max_num_batched_tokens, min=1)
         on_cuda = model.device.type == "cuda"
         capturable = getattr(backend_cls, "capturable", False)
-        if cuda_graphs and not (on_cuda and capturable):
+        if mode == "capture" and not (on_cuda and capturable):
             raise ValueError(
-                f"cuda_graphs=True needs a model on a CUDA device and a backend that can be captured ('triton'); "
-                f"got a model on {model.device} and backend {backend!r}"
+                f"cuda_graphs={cuda_graphs!r} needs a model on a CUDA device and a backend that can be captured "
+                f"('triton'); got a model on {model.device} and backend {backend!r}"
             )
+        if mode == "eager" and not capturable:
+            raise ValueError(f"cuda_graphs='eager' runs a graph's static forward, which backend {backend!r} cannot "
+                             f"(it decides shapes from the step's lengths); use backend='triton'")  # fmt: skip
         if num_cpu_blocks and backend_cls.store_type is not PagedKVStore:
             raise ValueError(f"num_cpu_blocks needs a float pool (block moves copy K and V only); backend {backend!r} "
                              f"stores a {backend_cls.store_type.__name__}")  # fmt: skip
@@ -103,11 +120,15 @@ class ModelRunner:
             self.block_manager = PrefixCachingBlockManager(num_blocks, block_size, num_host_blocks=num_cpu_blocks)
         else:
             self.block_manager = BlockManager(num_blocks, block_size, num_host_blocks=num_cpu_blocks)
-        # Graphs last: the pool they read and write exists, and nothing after this can fail.
-        use_graphs = cuda_graphs if cuda_graphs is not None else on_cuda and capturable
-        self.graphs = DecodeGraphs(model, self.kv_store, backend, max_num_seqs) if use_graphs else None
-        self.mixed_graphs = (MixedGraphs(model, self.kv_store, max_num_seqs, max_num_batched_tokens)
-                             if use_graphs else None)  # fmt: skip
+        # Graphs last: the pool they read and write exists. Recorded now, as engines do at start-up, so that no
+        # step pays for a recording.
+        if mode is None:
+            mode = "capture" if on_cuda and capturable else "off"
+        self.graph_mode = mode
+        self.graphs = (StepGraphs(model, self.kv_store, backend, max_num_seqs, max_num_batched_tokens,
+                                  capture=mode == "capture") if mode != "off" else None)  # fmt: skip
+        if mode == "capture":
+            self.graphs.capture_all()
         self.num_transferred_blocks = {"to_host": 0, "to_device": 0}
         self.transfer_seconds = 0.0  # time spent copying blocks between the pools
 
@@ -180,24 +201,16 @@ class ModelRunner:
 
     @property
     def graph_steps(self) -> int:
-        """Steps served from a CUDA graph (or, with ``capture=False``, its eager twin): decode-only and mixed."""
-        return sum(g.replays for g in (self.graphs, self.mixed_graphs) if g is not None)
-
-    def capture_graphs(self) -> None:
-        """Record every graph now, as engines do at start-up (otherwise each is recorded on first use)."""
-        for graphs in (self.graphs, self.mixed_graphs):
-            if graphs is not None:
-                graphs.capture_all()
+        """Steps served from a CUDA graph (or, with ``cuda_graphs="eager"``, its eager twin): decode-only and mixed."""
+        return sum(self.graphs.replays.values()) if self.graphs is not None else 0
 
     def forward(self, seqs: Sequence[SeqSlice], all_logits: bool = False) -> torch.Tensor:
         """Pack ``seqs`` (slots reserved, K/V of earlier tokens in the pool) into one batch and run it:
         from a decode graph when every sequence decodes one token, else from a mixed-step graph if the
-        step fits one, else eagerly."""
-        if not all_logits:
-            for graphs in (self.graphs, self.mixed_graphs):
-                if graphs is not None and graphs.ready(seqs):
-                    with torch.profiler.record_function(FORWARD_SCOPE):  # a label for profile_step (else a no-op)
-                        return graphs.run(seqs)
+        step fits one (:meth:`StepGraphs.lookup`), else eagerly."""
+        if not all_logits and self.graphs is not None and self.graphs.lookup(seqs) is not None:
+            with torch.profiler.record_function(FORWARD_SCOPE):  # a label for profile_step (else a no-op)
+                return self.graphs.run(seqs)
         batch = ForwardBatch.build(seqs, self.block_size, self.kv_store.device)
         with torch.profiler.record_function(FORWARD_SCOPE):
             return self.model.forward_batch(batch, self.kv_store, self.backend, all_logits=all_logits)
