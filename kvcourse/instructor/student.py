@@ -96,7 +96,10 @@ def _answer_names(node: ast.stmt, assigned: set[str]) -> list[str]:
 def make_stub(source: str, label: str, hint: str | None = None) -> str:
     """The student's starting point for a solution cell ``source`` of exercise ``label``."""
     hint = f"{label}: {hint}" if hint else f"{label}: write your answer here (see the exercise above)"
-    header = f"# Exercise {label}: replace each NotImplementedError (or NotImplemented) with your code, then run this cell.\n"
+    header = (f"# Exercise {label}: replace each NotImplementedError (or NotImplemented) with your code, then run this cell.\n"
+              # where the graded part ends (kvcourse.instructor.sandbox._run_cells), said where the learner writes
+              "# Graded: what this cell defines, run on its own with the chapter's imports. A follow-up line that\n"
+              "# uses this page's other variables runs here, but grading stops at it: put it after your answer.\n")
     try:
         tree = ast.parse(source)
     except SyntaxError:  # IPython magics or the like: keep only the checks
