@@ -189,6 +189,8 @@ def test_a_student_copy_reads_as_the_reader_copy_numbers_filled_in_no_myst_left(
     assert [e.label for e in find_exercises(student)] == [e.label for e in find_exercises(nb)]  # the grader finds them
     number = path.name[:2].lstrip("0")
     assert f"**Exercise {number}.1" in text
+    stubs = [cell_source(c) for c in student["cells"] if "exercise-answer" in c.get("metadata", {}).get("tags", [])]
+    assert stubs and all("# Graded: what this cell defines" in stub for stub in stubs)  # where grading stops
 
 
 # ---- grading synthetic notebooks -----------------------------------------------------------------
