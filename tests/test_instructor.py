@@ -193,6 +193,11 @@ def test_a_student_copy_reads_as_the_reader_copy_numbers_filled_in_no_myst_left(
     assert stubs and all("# Graded: what this cell defines" in stub for stub in stubs)  # where grading stops
 
 
+def test_student_copy_wants_the_chapters_file_name_as_a_str():
+    with pytest.raises(TypeError, match="name must be the chapter's file name"):
+        student_copy(json.loads(CHAPTERS[0].read_text()), CHAPTERS[0])
+
+
 # ---- grading synthetic notebooks -----------------------------------------------------------------
 # Real exercise labels (the grader grades each by the check the catalog names), in a small notebook.
 def _code(source, tags=(), hint=None):
