@@ -42,7 +42,7 @@ def running(rs, budget, free, bs, *, cap=True, order=1, victim=-1, frees=True, p
     return scheduled, preempted
 
 
-def waiting(ws, budget, free, bs, seats, *, skip=False, cap=True, whole=False, per_prompt=False, seat=True):
+def waiting(ws, budget, free, bs, seats, *, skip=False, cap=True, whole=False, per_prompt=False, seat=True, keep=0):
     """Admission as a learner would write it; the keywords make the typical mistakes."""
     out = []
     for w in ws:
@@ -52,7 +52,7 @@ def waiting(ws, budget, free, bs, seats, *, skip=False, cap=True, whole=False, p
             break
         n = min(w["num_tokens"], budget) if cap else w["num_tokens"]
         need = ceil(w["num_tokens"] if per_prompt else n, bs)
-        if need > free:
+        if need > free - keep:
             if skip:
                 continue
             break
@@ -108,6 +108,7 @@ def test_running_mistakes_get_their_hint(wrong, hint):
     (lambda *a: waiting(*a, whole=True), "Chunked prefill"),
     (lambda *a: waiting(*a, per_prompt=True), "blocks for its own tokens only"),
     (lambda *a: waiting(*a, seat=False), "Seats"),
+    (lambda *a: waiting(*a, keep=1), "No watermark here: the check runs the scheduler with watermark=0"),  # issue 47
     (lambda ws, b, f, bs, s: [(w["seq_id"], min(w["num_tokens"], b)) for w in ws[:1]],
      "no room|Walk the queue|admitted with 0 tokens"),
     (lambda ws, b, f, bs, s: [w["seq_id"] for w in ws], "pairs"),

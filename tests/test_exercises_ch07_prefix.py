@@ -164,6 +164,42 @@ def test_lru_takes_rejects_wrong_answers(wrong, hint):
         ch07.check_lru_takes(wrong)
 
 
+def lru_as_a_list(take_tail=False, free_head=False):
+    """The natural wrong answers of issue 47: a list whose hit is ``list.remove``, which crashes when a wrong
+    policy has already handed the block out."""
+    def lru_takes(num_blocks, ops):
+        queue, out = list(range(num_blocks)), []
+        for op in ops:
+            if op[0] == "take":
+                out.append(queue.pop(-1 if take_tail else 0))
+            elif op[0] == "free":
+                queue.insert(0 if free_head else len(queue), op[1])
+            else:
+                queue.remove(op[1])
+        return out
+
+    return lru_takes
+
+
+@pytest.mark.parametrize("wrong", [lru_as_a_list(take_tail=True), lru_as_a_list(free_head=True)])
+def test_lru_takes_a_crash_at_a_hit_gets_the_mistakes_hint(wrong):
+    with pytest.raises(ExerciseError) as exc:
+        ch07.check_lru_takes(wrong)
+    message = str(exc.value)
+    assert "raised ValueError at op" in message and "was not in your free queue" in message, message
+    assert "every hit in these ops names a block in the free queue" in message
+    assert exc.value.hint.startswith("Evict from the head"), exc.value.hint
+    assert ch07.check_lru_takes(lru_as_a_list())  # the same code with the rules right passes
+
+
+def test_lru_takes_a_crash_elsewhere_is_reported_as_a_crash():
+    def crashes(num_blocks, ops):
+        raise KeyError("somewhere else")
+
+    with pytest.raises(ExerciseError, match=r"raised KeyError: 'somewhere else'"):
+        ch07.check_lru_takes(crashes)
+
+
 # ---- the lookup the engine admits with -----------------------------------------------------------
 def test_lookup_reference_equals_the_block_managers_own_lookup():
     """On caches filled by the real pool (salts, evictions), the reference finds find_cached_blocks(tokens[:-1]).

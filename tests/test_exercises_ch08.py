@@ -199,6 +199,28 @@ def test_snapkv_mistakes_get_their_hint(mistake, hint):
         ch08.check_snapkv_keep(wrong)
 
 
+def snapkv_as_the_paper_pools(probs, num_kv_heads, budget, window, kernel):
+    """SnapKV's own code: the window's votes for the prefix only, pooled on their own, then the window appended."""
+    num_heads, seq_len, _ = probs.shape
+    votes = probs[:, -window:, :-window].sum(1).reshape(num_kv_heads, -1, seq_len - window).sum(1)
+    pooled = torch.nn.functional.max_pool1d(votes[:, None], kernel, 1, kernel // 2)[:, 0]
+    keep = pooled.topk(budget - window).indices
+    window_positions = torch.arange(seq_len - window, seq_len, device=probs.device).expand(num_kv_heads, window)
+    return torch.cat([keep, window_positions], -1).sort(-1).values
+
+
+@pytest.mark.parametrize("seed", [0, 1, 4])
+def test_snapkv_prefix_only_pooling_gets_its_hint_and_the_first_difference(seed):
+    """Issue 47: the exercise says the window's own votes enter the pooling; the paper's way is told so, and the
+    message shows where expected and got part (both used to print as [0, 1, 2, 3, ...])."""
+    with pytest.raises(ExerciseError) as exc:
+        ch08.check_snapkv_keep(snapkv_as_the_paper_pools, seed=seed, device="cpu")
+    assert "the observation window's own tokens included" in exc.value.hint, exc.value.hint
+    found = re.search(r"first difference at \[(\d+), (\d+)\]: expected position (\d+), got (\d+)", exc.value.got)
+    assert found, exc.value.got
+    assert found[3] != found[4]
+
+
 def uses_the_cache(probs, num_kv_heads, budget, window, kernel):
     cache = DroppingKVCache(1, 1, num_kv_heads, 2, observation_window=window)
     cache.update(0, torch.zeros(1, num_kv_heads, probs.shape[-1], 2), torch.zeros(1, num_kv_heads, probs.shape[-1], 2))

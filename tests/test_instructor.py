@@ -149,6 +149,55 @@ def test_student_cli_writes_every_chapter(tmp_path, capsys):
         main(["student", str(BOOK), "--out", str(BOOK)])
 
 
+# A MyST role (``{term}`KV cache` ``) or directive fence (```` ```{exercise} ````) that Jupyter would show raw.
+_ROLE_LEFT = re.compile(r"\{[a-z][a-z0-9:_-]*\}`")
+_DIRECTIVE_LEFT = re.compile(r"^(`{3,}|:{3,})\{", re.M)
+
+
+def _markdown(cell: dict) -> str:
+    return re.sub(r"\n{3,}", "\n\n", cell_source(cell)).strip()
+
+
+@pytest.fixture(scope="module")
+def student_copies(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("student")
+    assert main(["student", str(BOOK), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_a_student_copy_reads_as_the_reader_copy_numbers_filled_in_no_myst_left(student_copies, path):
+    """Issue 47, item 2: what the student CLI writes is rendered as the reader copies are (one rendering)."""
+    from kvcourse.tools.reader_copies import reader_copy
+
+    nb = json.loads(path.read_text())
+    student = json.loads((student_copies / path.name).read_text())
+    text = "\n".join(cell_source(c) for c in student["cells"] if c["cell_type"] == "markdown")
+    assert _ROLE_LEFT.findall(text) == [] and _DIRECTIVE_LEFT.findall(text) == []
+    assert "hidden below" not in text  # no promise of solutions the copy does not have
+    assert "{glue" in path.read_text()  # the chapter quotes glued numbers: they must be filled in
+    reader = {c["id"]: c for c in reader_copy(nb, path.name)["cells"]}
+    exercises = 0
+    for cell in (c for c in student["cells"] if c["cell_type"] == "markdown"):
+        rendered = _markdown(reader[cell["id"]])
+        if "exercise" in cell.get("metadata", {}):  # the exercise as the reader copy states it, solution left out
+            exercises += 1
+            assert rendered.startswith(_markdown(cell)) and "Solution to" not in cell_source(cell), cell["id"]
+        else:
+            assert _markdown(cell) == rendered, cell["id"]
+    assert exercises == len(find_exercises(nb)) >= 3
+    assert [e.label for e in find_exercises(student)] == [e.label for e in find_exercises(nb)]  # the grader finds them
+    number = path.name[:2].lstrip("0")
+    assert f"**Exercise {number}.1" in text
+    stubs = [cell_source(c) for c in student["cells"] if "exercise-answer" in c.get("metadata", {}).get("tags", [])]
+    assert stubs and all("# Graded: what this cell defines" in stub for stub in stubs)  # where grading stops
+
+
+def test_student_copy_wants_the_chapters_file_name_as_a_str():
+    with pytest.raises(TypeError, match="name must be the chapter's file name"):
+        student_copy(json.loads(CHAPTERS[0].read_text()), CHAPTERS[0])
+
+
 # ---- grading synthetic notebooks -----------------------------------------------------------------
 # Real exercise labels (the grader grades each by the check the catalog names), in a small notebook.
 def _code(source, tags=(), hint=None):

@@ -244,10 +244,25 @@ def _exactly(a, b, past):  # the typical mistakes, as the learner's code would c
     return torch.equal(a[:past], b[:past])
 
 
+def _allclose_defaults(a, b, past):
+    return a[:past].shape == b[:past].shape and torch.allclose(a[:past], b[:past])
+
+
+# The remedy both tolerance hints give, and it passes: a tolerance that follows the dtype, or one wide enough for
+# bf16. torch.allclose's defaults are not (rtol=1e-5 is far below one bf16 step), so no hint may send a learner there.
+_TOLERANCE_REMEDY = ("Compare with a tolerance that follows the dtype: torch.testing.assert_close(x, y) raises "
+                     "AssertionError when they differ by more than the dtype's rounding; or torch.allclose with "
+                     "rtol=1e-2 (its defaults, rtol=1e-5 and atol=1e-8, are tighter than one bf16 or fp16 step).")
+
 _FROZEN_MISTAKES = [
+    # before exact equality: on bf16 and fp16 cases the two agree, and this hint's remedy fits both
+    ("torch.allclose's default tolerance (rtol=1e-5, atol=1e-8) is tighter than one step of bf16 (8 bits: about "
+     "0.4% of a value) or fp16 (about 0.05%), so a tensor recomputed with a different last bit comes back changed. "
+     + _TOLERANCE_REMEDY,
+     lambda a, b, p: _frozen_names(a, b, p, _allclose_defaults)),
     ("Two steps that recompute the same number can differ in its last bits (a matrix product over more rows is "
-     "summed in a different order), so exact equality (torch.equal, ==) calls frozen tensors changed. Compare "
-     "with a tolerance for the dtype: torch.testing.assert_close's defaults, or torch.allclose.",
+     "summed in a different order), so exact equality (torch.equal, ==) calls frozen tensors changed. "
+     + _TOLERANCE_REMEDY,
      lambda a, b, p: _frozen_names(a, b, p, _exactly)),
     ("Compare positions 0 .. past-1 only. The positions from `past` on may differ, even those step_a already has "
      "(step_a can hold more than `past` tokens).",

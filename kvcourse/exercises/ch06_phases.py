@@ -296,7 +296,7 @@ def check_schedule_running(schedule_running: Callable, seed: int = 0) -> CheckRe
 
 # --- Exercise: phase 2, admission -------------------------------------------------------------------
 def _waiting(waiting, budget, free_blocks, block_size, seats, *, overtake=False, chunked=True, whole=False,
-             prompt_blocks=False, seat_cap=True, round_down=False):
+             prompt_blocks=False, seat_cap=True, round_down=False, reserve=0):
     """Admission as vLLM and the package do it with chunked prefill, or a typical mistake."""
     admitted = []
     for seq in waiting:
@@ -308,7 +308,7 @@ def _waiting(waiting, budget, free_blocks, block_size, seats, *, overtake=False,
         n = min(total, budget) if chunked else total
         need = (total if prompt_blocks else n) // block_size if round_down else \
             _ceil(total if prompt_blocks else n, block_size)
-        if need > free_blocks:
+        if need > free_blocks - reserve:
             if overtake:
                 continue
             break
@@ -336,6 +336,10 @@ _WAITING_MISTAKES = [
      "when none is left.", _waiting_wrong(seat_cap=False)),
     ("Blocks are whole: n tokens need ceil(n / block_size) blocks, the last one partly empty.",
      _waiting_wrong(round_down=True)),
+    # the exercise states the watermark (none); a learner who keeps one back anyway is told so
+    ("No watermark here: the check runs the scheduler with watermark=0, so a request may take every free block "
+     "(it fits when its blocks <= free_blocks). Keeping blocks back admits fewer requests than the scheduler does.",
+     _waiting_wrong(reserve=1)),
 ]
 
 

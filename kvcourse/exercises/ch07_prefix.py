@@ -133,11 +133,16 @@ def _lru_takes(num_blocks: int, ops: list[tuple]) -> list[int]:
 
 
 def _lru_wrong(num_blocks, ops, *, hit="remove", free="tail", take="head") -> list[int]:
+    return _lru_queue(num_blocks, ops, hit=hit, free=free, take=take)[0]
+
+
+def _lru_queue(num_blocks, ops, *, hit="remove", free="tail", take="head") -> tuple[list[int], OrderedDict]:
+    """A typical wrong policy's takes, and the free queue it ends with."""
     queue, taken = OrderedDict.fromkeys(range(num_blocks)), []
     for op in ops:
         if op[0] == "take":
             if not queue:
-                return taken
+                return taken, queue
             b = next(iter(queue)) if take == "head" else next(reversed(queue))
             del queue[b]
             taken.append(b)
@@ -154,8 +159,11 @@ def _lru_wrong(num_blocks, ops, *, hit="remove", free="tail", take="head") -> li
             queue.pop(op[1], None)  # a wrong policy may have handed this block out already
         elif hit == "touch" and op[1] in queue:  # a classic LRU cache's "move to most recent": but it is in use
             queue.move_to_end(op[1])
-    return taken
+    return taken, queue
 
+
+# The same policies as _LRU_MISTAKES, by keyword: which of them leaves a hit block out of the queue (a crash).
+_LRU_POLICIES = [dict(hit="keep"), dict(hit="touch"), dict(free="head"), dict(take="tail")]
 
 _LRU_MISTAKES = [
     ("A hit takes the block out of the free queue: it is in use now, and a block in use must never be handed out "
@@ -220,7 +228,12 @@ def check_lru_takes(lru_takes: Callable, seed: int = 0) -> CheckResult:
         "from wherever it is."))  # fmt: skip
     for n, ops in _lru_cases(case_rng("check_lru_takes", seed)):
         label = f"lru_takes({n}, {describe(ops, limit=5)})"
-        got = call_learner("lru_takes", lru_takes, n, [tuple(op) for op in ops])
+        try:
+            got = call_learner("lru_takes", lru_takes, n, [tuple(op) for op in ops])
+        except ExerciseError as exc:
+            if isinstance(exc.__cause__, (KeyError, ValueError, IndexError)):
+                _explain_lru_crash(lru_takes, n, ops, label, exc)
+            raise
         if not isinstance(got, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in got):
             raise ExerciseError(f"{label} should return a list of block ids, got {describe(got)}", case=label)
         want = _lru_takes(n, ops)
@@ -228,6 +241,38 @@ def check_lru_takes(lru_takes: Callable, seed: int = 0) -> CheckResult:
             diagnosis.record(label, (n, ops), got, want)
     diagnosis.raise_if_wrong()
     return passed("cached blocks leave in the order they were last freed; a block in use is never evicted.")
+
+
+def _explain_lru_crash(lru_takes: Callable, n: int, ops: list[tuple], label: str, crash: ExerciseError) -> None:
+    """The learner's ``lru_takes`` crashed (``del queue[b]``, ``list.remove(b)``): when it did so at a hit on a block
+    its own queue no longer held, raise the hint of the mistake that got the queue there; else return.
+
+    Every hit in the cases names a block the rules keep in the free queue, so a learner whose queue lacks it went
+    wrong before that op. The ops before it are replayed to find which typical mistake the learner's takes follow.
+    """
+    stop = None
+    for k in range(1, len(ops) + 1):  # the first op the learner's code cannot get past
+        try:
+            lru_takes(n, [tuple(op) for op in ops[:k]])
+        except Exception:  # noqa: BLE001 - the learner's code: any crash marks the op
+            stop = k - 1
+            break
+    if stop is None or ops[stop][0] != "hit":
+        return
+    before, block = ops[:stop], ops[stop][1]
+    try:
+        got = lru_takes(n, [tuple(op) for op in before])
+    except Exception:  # noqa: BLE001 - it crashed on this prefix a moment ago: no diagnosis, the crash stands
+        return
+    hint = next((text for (text, _), flags in zip(_LRU_MISTAKES, _LRU_POLICIES)
+                 if _lru_queue(n, before, **flags)[0] == got and block not in _lru_queue(n, before, **flags)[1]),
+                "Keep the free blocks in order: take from the head, put a freed block at the tail, and remove a hit "
+                "block from wherever it is.")  # fmt: skip
+    message = (f"{label}: your lru_takes raised {type(crash.__cause__).__name__} at op {stop}, {ops[stop]}: block "
+               f"{block} was not in your free queue. Under the rules it is there: every hit in these ops names a "
+               f"block in the free queue (freed, still holding its K/V, not taken since), so your queue went wrong "
+               f"before that op.\nHint: {hint}")
+    raise ExerciseError(message, case=label, got=f"{type(crash.__cause__).__name__} at op {stop}", hint=hint) from crash
 
 
 

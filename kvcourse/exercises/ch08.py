@@ -267,20 +267,27 @@ def _snapkv_votes(probs: torch.Tensor, num_kv_heads: int, window: int, *, all_qu
     return votes.view(num_kv_heads, h // num_kv_heads, s).sum(1)
 
 
-def _snapkv_scores(probs, num_kv_heads, window, kernel, *, pool=True, **mistake) -> torch.Tensor:
+def _snapkv_scores(probs, num_kv_heads, window, kernel, *, pool=True, prefix_pool=False, **mistake) -> torch.Tensor:
     votes = _snapkv_votes(probs, num_kv_heads, window, **mistake)
+    if prefix_pool:  # SnapKV's own code: the prefix's votes pooled on their own (the window is kept anyway)
+        pooled = F.max_pool1d(votes[:, None, :-window], kernel, stride=1, padding=kernel // 2)[:, 0]
+        return torch.cat([pooled, votes[:, -window:]], -1)
     if pool:  # a token next to a hit counts as a hit: phrases survive whole
         votes = F.max_pool1d(votes[:, None], kernel, stride=1, padding=kernel // 2)[:, 0]
     return votes
 
 
-def _snapkv_keep(probs, num_kv_heads, budget, window, kernel, *, keep_window=True, **mistake) -> torch.Tensor:
-    """A typical answer's kept positions ``[num_kv_heads, budget]``, ascending (every flag default: right)."""
+def _snapkv_keep(probs, num_kv_heads, budget, window, kernel, *, keep_window=True, ranked=False, **mistake):
+    """A typical answer's kept positions ``[num_kv_heads, budget]``, ascending (every flag default: right).
+
+    ``ranked``: also the scores it chose by, ``(positions, scores)``, so that an answer breaking ties otherwise is
+    still recognised as this mistake (:func:`_like_mistake`)."""
     scores = _snapkv_scores(probs, num_kv_heads, window, kernel, **mistake)
     if keep_window:
         scores = scores.clone()
         scores[:, -window:] = float("inf")
-    return scores.topk(budget, -1).indices.sort(-1).values
+    kept = scores.topk(budget, -1).indices.sort(-1).values
+    return (kept, scores) if ranked else kept
 
 
 def _package_keep(probs, num_kv_heads, budget, window, kernel) -> torch.Tensor:
@@ -316,6 +323,12 @@ def _mostly_same(got: torch.Tensor, wrong: torch.Tensor) -> bool:
     return shared >= 0.95 * got.numel()
 
 
+def _like_mistake(got: torch.Tensor, mistake: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """``got`` is what a typical mistake keeps: the same tokens up to ties in its scores, or nearly the same."""
+    kept, scores = mistake
+    return _same_keep(got, kept, scores) or _mostly_same(got, kept)
+
+
 def _snapkv_ranked(probs, num_kv_heads, window, kernel) -> torch.Tensor:
     scores = _snapkv_scores(probs, num_kv_heads, window, kernel).clone()
     scores[:, -window:] = float("inf")
@@ -325,17 +338,33 @@ def _snapkv_ranked(probs, num_kv_heads, window, kernel) -> torch.Tensor:
 _SNAPKV_MISTAKES = [
     ("Score with the observation window's queries only, the last `window` rows of probs: summing every query's "
      "attention is H2O's heavy-hitter score, not SnapKV's.",
-     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, all_queries=True)),
+     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, all_queries=True, ranked=True)),
     ("Max-pool the scores along the tokens (kernel `kernel`, stride 1, padding kernel // 2) before choosing: a "
      "token next to a hit is kept with it, so phrases survive whole.",
-     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, pool=False)),
+     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, pool=False, ranked=True)),
     ("Keep the observation window's own `window` tokens whatever their score, and give the rest of the budget to "
      "the best pooled scores.",
-     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, keep_window=False)),
+     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, keep_window=False, ranked=True)),
     ("KV head j serves query heads j * group ... (j + 1) * group - 1 (group = num_heads // num_kv_heads), "
      "consecutive heads as `repeat_interleave` lays them out, not heads j, j + num_kv_heads, ...",
-     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, interleaved=True)),
+     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, interleaved=True, ranked=True)),
+    # issue 47: the paper's code, which the exercise text now rules out in so many words
+    ("Pool all S scores, the observation window's own tokens included, as DroppingKVCache does: a prefix token "
+     "within kernel // 2 of the window takes the pooled maximum over window tokens too. SnapKV's own code pools "
+     "the prefix alone (probs[:, -window:, :-window]); this exercise does not.",
+     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, prefix_pool=True, ranked=True)),
 ]
+
+
+def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Where two ``[num_kv_heads, budget]`` position lists first part: their first few entries are often the
+    same (the sink, the hot tokens), so the message shows the first index where they are not."""
+    for head, (g, w) in enumerate(zip(got.tolist(), want.tolist())):
+        for i, (a, b) in enumerate(zip(g, w)):
+            if a != b:
+                return (f"; first difference at [{head}, {i}]: expected position {b}, got {a} "
+                        f"(KV head {head} keeps {sorted(set(g) - set(w))} instead of {sorted(set(w) - set(g))})")
+    return ""
 
 
 def check_snapkv_keep(snapkv_keep: Callable, seed: int = 0, *, device: torch.device | str | None = None) -> CheckResult:
@@ -353,7 +382,7 @@ def check_snapkv_keep(snapkv_keep: Callable, seed: int = 0, *, device: torch.dev
         window, kernel = rng.choice([4, 8, 16]), rng.choice([3, 5, 7])
         budget = rng.randint(window + 4, s - 8)
         cases.append((_attention_probs(gen, num_heads, s), num_kv_heads, budget, window, kernel))
-    diagnosis = Diagnosis(_SNAPKV_MISTAKES, same=_mostly_same, default=(
+    diagnosis = Diagnosis(_SNAPKV_MISTAKES, same=_like_mistake, default=(
         "Per query head: sum probs over the last `window` queries; add up the heads of each KV head's group; "
         "max-pool along the tokens; force the last `window` tokens in; keep the top `budget`; sort the positions."))
     for probs, g, b, w, k in cases:
@@ -366,7 +395,7 @@ def check_snapkv_keep(snapkv_keep: Callable, seed: int = 0, *, device: torch.dev
             fail(label, expected="positions in ascending order, each once", got=got,
                  hint="Sort each KV head's kept positions (topk returns them by score), e.g. .sort(-1).values.")
         if not _same_keep(got, want, _snapkv_ranked(probs, g, w, k)):
-            diagnosis.record(label, (probs, g, b, w, k), got, want)
+            diagnosis.record(label, (probs, g, b, w, k), got, want, extra=_first_difference(got, want))
     diagnosis.raise_if_wrong()
     return passed("the observation window's votes, pooled, choose the same tokens as DroppingKVCache.compress.")
 

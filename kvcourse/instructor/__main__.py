@@ -25,7 +25,7 @@ def _student(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     for path in chapters:
         nb = nbformat.read(path, as_version=4)
-        copy = nbformat.from_dict(student_copy(nb))
+        copy = nbformat.from_dict(student_copy(nb, path.name))
         nbformat.validate(copy)
         nbformat.write(copy, args.out / path.name)
         stubs = sum("exercise-answer" in c.metadata.get("tags", []) for c in copy.cells)

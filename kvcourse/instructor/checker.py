@@ -22,6 +22,7 @@ import importlib
 import inspect
 import io
 import multiprocessing
+import re
 import shutil
 import textwrap
 import time
@@ -86,13 +87,39 @@ def references_of(check) -> list[list[str]]:
     return found
 
 
-def grade_exercise(spec: ExerciseSpec, cells: list[list[str]], timeout: float = 300) -> Verdict:
-    """Run ``cells`` (``[kind, name, source]``, the solution last) in a sandbox and ``spec``'s check on them."""
+def grade_exercise(spec: ExerciseSpec, cells: list[list[str]], timeout: float = 300,
+                   chapter_names: dict[str, str] | None = None) -> Verdict:
+    """Run ``cells`` (``[kind, name, source]``, the solution last) in a sandbox and ``spec``'s check on them.
+
+    ``chapter_names`` (:func:`.grade.chapter_names`): where the chapter defines the names the sandbox does not
+    have; a follow-up line that needs one is not graded, and a failure for want of one says where it comes from.
+    """
+    verdict = _grade(spec, cells, timeout, chapter_names or {})
+    return verdict if verdict.passed else _explain_missing_name(verdict, chapter_names or {})
+
+
+_NOT_DEFINED = re.compile(r"name '(\w+)' is not defined")
+
+
+def _explain_missing_name(verdict: Verdict, chapter_names: dict[str, str]) -> Verdict:
+    """A NameError for a variable of a chapter cell the grader does not run: say so, and what to move."""
+    found = _NOT_DEFINED.search(verdict.message)
+    if not found or found[1] not in chapter_names:
+        return verdict
+    name = found[1]
+    advice = (f"`{name}` is {chapter_names[name]} The answer cell is graded alone, with the chapter's imports: "
+              f"define what your answer needs from `{name}` inside the answer cell, or take it as an argument.")
+    return Verdict(False, f"{verdict.message} {advice}", verdict.case, verdict.expected, verdict.got,
+                   f"{verdict.hint} {advice}".strip())
+
+
+def _grade(spec: ExerciseSpec, cells: list[list[str]], timeout: float, chapter_names: dict[str, str]) -> Verdict:
     check = load_check(spec)
     given = list(dict.fromkeys([*spec.given, *(["model"] if MODEL in spec.args else [])]))  # the cell's check call names it
     workdir = _workdir()
     job = {"label": spec.label, "answers": list(spec.answers), "given": given, "cells": cells,
-           "forbidden": references_of(check), "references_in_cells": spec.references_in_cells, "workdir": workdir}
+           "forbidden": references_of(check), "references_in_cells": spec.references_in_cells, "workdir": workdir,
+           "chapter_names": chapter_names}
     context = _sandboxes()
     ours, theirs = context.Pipe()
     process = context.Process(target=_sandbox_main, args=(theirs, job), daemon=True)

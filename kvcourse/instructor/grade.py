@@ -34,7 +34,7 @@ from ..exercises.catalog import EXERCISES
 from .notebook import Exercise, cell_source, find_exercises
 
 __all__ = ["Row", "NotebookResult", "grade_notebook", "grade_directory", "write_csv", "exercise_cells", "rows_of",
-           "submissions", "notebooks_under", "default_jobs", "thread_budget", "budget_threads", "finite_seconds",
+           "submissions", "notebooks_under", "chapter_names", "default_jobs", "thread_budget", "budget_threads", "finite_seconds",
            "CHAPTER"]
 
 CHAPTER = re.compile(r"^\d\d_.*\.ipynb$")  # the book's chapter notebooks: 01_naive_generation.ipynb, ...
@@ -189,6 +189,63 @@ def exercise_cells(nb: dict, label: str, exercises: list[Exercise] | None = None
     return cells
 
 
+def chapter_names(nb: dict, label: str, exercises: list[Exercise] | None = None) -> dict[str, str]:
+    """Where the chapter defines each top-level name that grading exercise ``label`` does not run.
+
+    name -> "a variable of the chapter's cell N (`its first line`), which the grader does not run ...": the
+    sandbox stops the solution cell at a follow-up line that needs one (:func:`.sandbox._run_cells`), and the
+    checker names the cell when the answer itself needs one. The exercise's own cells are left out (they run).
+    """
+    from .sandbox import _python
+
+    exercises = find_exercises(nb) if exercises is None else exercises
+    by_label = _first_of_each(exercises)
+    spec = EXERCISES.get(label)
+    ran = set(by_label[label].code_cells) if label in by_label else set()
+    for used in spec.uses if spec else ():
+        if used in by_label:
+            ran |= set(by_label[used].code_cells)
+    owner = {i: e.label for e in exercises for i in e.code_cells}
+    found: dict[str, str] = {}
+    for index, cell in enumerate(nb["cells"]):
+        if cell.get("cell_type") != "code" or index in ran:
+            continue
+        try:
+            tree = ast.parse(_python(cell_source(cell)))
+        except (SyntaxError, ValueError):
+            continue
+        where = f"cell {index}" + (f", the answer of {owner[index]}" if index in owner else "")
+        for statement in tree.body:
+            if isinstance(statement, (ast.Import, ast.ImportFrom)):
+                continue  # the chapter's imports run with every exercise
+            first = ast.get_source_segment(_python(cell_source(cell)), statement) or ""
+            first = first.splitlines()[0] if first else ""
+            first = first if len(first) <= 80 else first[:77] + "..."
+            for name in _bound_names(statement):
+                found.setdefault(name, f"a variable of the chapter's {where} (`{first}`), which the grader does not "
+                                       "run with this exercise.")
+    return found
+
+
+def _bound_names(statement: ast.stmt) -> list[str]:
+    """The names a top-level statement binds (not those bound inside the functions and classes it defines)."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [statement.name]
+    names: list[str] = []
+    stack: list[ast.AST] = [statement]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+            continue
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.append(node.id)
+        stack.extend(ast.iter_child_nodes(node))
+    return names
+
+
 def _first_of_each(exercises: list[Exercise]) -> dict[str, Exercise]:
     """Each label's first exercise (a label written twice is graded once, the first time, and reported)."""
     by_label: dict[str, Exercise] = {}
@@ -241,7 +298,8 @@ def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, e
                                                 "kvcourse.exercises.catalog: tell your instructor"))
         else:
             start = time.perf_counter()
-            verdict = grade_exercise(EXERCISES[label], exercise_cells(submitted, label, exercises), check_timeout)
+            verdict = grade_exercise(EXERCISES[label], exercise_cells(submitted, label, exercises), check_timeout,
+                                     chapter_names(submitted, label, exercises))
             message = "ok" if verdict.passed else _one_line(verdict.message)
             rows.append(Row(name, label, verdict.passed, message, verdict.case, verdict.expected, verdict.got,
                             verdict.hint, time.perf_counter() - start))

@@ -229,19 +229,51 @@ def _python(source: str) -> str:
     return TransformerManager().transform_cell(source)
 
 
-def _run_cells(cells: list[list[str]], namespace: dict) -> str | None:
-    """Run ``[kind, name, source]`` cells in order; the message of the solution cell's failure, if any."""
-    import traceback
+def _run_cells(cells: list[list[str]], namespace: dict, chapter_names: dict[str, str] | None = None,
+               stopped: list[str] | None = None) -> str | None:
+    """Run ``[kind, name, source]`` cells in order; the message of the solution cell's failure, if any.
 
+    The solution cell runs one top-level statement at a time. A statement that needs a variable of one of the
+    chapter's cells the sandbox does not run (``chapter_names``: name -> where the chapter defines it) is the
+    exercise's follow-up ("Then call it with this page's fit..."): the cell stops there without failing, what it
+    defined before is graded, and the reason is appended to ``stopped`` for the message of a missing answer.
+    """
     for kind, name, source in cells:
+        if kind == "solution":
+            problem = _run_solution(name, source, namespace, chapter_names or {}, stopped)
+            if problem:
+                return problem
+            continue
         try:
             exec(compile(_python(source), f"<{name}>", "exec"), namespace)
+        except BaseException:  # noqa: BLE001 - a context line that fails (an import, a quick test) does not stop it
+            continue
+    return None
+
+
+def _run_solution(name: str, source: str, namespace: dict, chapter_names: dict[str, str],
+                  stopped: list[str] | None) -> str | None:
+    import ast
+    import traceback
+
+    filename = f"<{name}>"
+    try:
+        statements = ast.parse(_python(source), filename).body
+    except BaseException as exc:  # noqa: BLE001 - a syntax error, or a cell too deep to parse
+        return f"your solution cell raised {type(exc).__name__}: {exc}"
+    for statement in statements:
+        try:
+            exec(compile(ast.Module([statement], type_ignores=[]), filename, "exec"), namespace)
         except BaseException as exc:  # noqa: BLE001 - the student's code may raise anything
-            if kind != "solution":
-                continue  # a context line that fails (an import, a quick test) does not stop the exercise
             frames = traceback.extract_tb(exc.__traceback__)
-            where = next((f"line {f.lineno}" for f in reversed(frames) if f.filename == f"<{name}>"), "")
-            return f"your solution cell raised {type(exc).__name__}{' at ' + where if where else ''}: {exc}"
+            line = next((f.lineno for f in reversed(frames) if f.filename == filename), statement.lineno)
+            missing = getattr(exc, "name", None) if type(exc) is NameError else None
+            if missing in chapter_names and missing not in namespace:
+                if stopped is not None:
+                    stopped.append(f"the grader stopped your solution cell at line {line}, which uses `{missing}`: "
+                                   f"{chapter_names[missing]}")
+                return None
+            return f"your solution cell raised {type(exc).__name__} at line {line}: {exc}"
     return None
 
 
@@ -312,10 +344,16 @@ def main(conn, job: dict) -> None:
         shell = _Shell(namespace)
         for name in job["given"]:
             namespace[name] = SHARED[name].get()
-        problem = _run_cells(job["cells"], namespace)
+        stopped: list[str] = []
+        problem = _run_cells(job["cells"], namespace, job.get("chapter_names"), stopped)
         missing = [n for n in job["answers"] if n not in namespace]
         if problem is None and missing:
-            problem = f"your solution cell does not define {', '.join(f'`{n}`' for n in missing)}"
+            names = ", ".join(f"`{n}`" for n in missing)
+            problem = f"your solution cell does not define {names}"
+            if stopped:  # the answer came after the follow-up: say what to move
+                problem += (f": {stopped[0]} The grader runs the answer cell alone, with the chapter's imports, and "
+                            f"grades what it defines before such a line: define {names} above it, using only what "
+                            "the cell itself defines.")
         if job["references_in_cells"]:
             guard.neuter(job["forbidden"])  # the cells may compare with the reference; the answer may not use it
         if problem:

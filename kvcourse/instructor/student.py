@@ -13,6 +13,10 @@ What changes in a chapter notebook:
   form) is removed, and in exercise cells every dropdown (``{dropdown}``, or ``:class: dropdown``).
 * All outputs and execution counts are cleared (outputs can print answers), and cell metadata is
   reduced to its tags, minus ``solution`` and the tags that hide cells in the book.
+* The markdown is then rendered as the reader copies render it (:func:`kvcourse.tools.reader_copies.reader_copy`,
+  the one rendering both use): each glued number quoted in the text is filled in from the source notebook's
+  outputs, roles become plain Markdown, exercises bold numbered paragraphs (their label kept in the cell's
+  ``"exercise"`` metadata, where the grader finds it). A copy opened in Jupyter or Colab reads as the book does.
 """
 
 from __future__ import annotations
@@ -92,7 +96,10 @@ def _answer_names(node: ast.stmt, assigned: set[str]) -> list[str]:
 def make_stub(source: str, label: str, hint: str | None = None) -> str:
     """The student's starting point for a solution cell ``source`` of exercise ``label``."""
     hint = f"{label}: {hint}" if hint else f"{label}: write your answer here (see the exercise above)"
-    header = f"# Exercise {label}: replace each NotImplementedError (or NotImplemented) with your code, then run this cell.\n"
+    header = (f"# Exercise {label}: replace each NotImplementedError (or NotImplemented) with your code, then run this cell.\n"
+              # where the graded part ends (kvcourse.instructor.sandbox._run_cells), said where the learner writes
+              "# Graded: what this cell defines, run on its own with the chapter's imports. A follow-up line that\n"
+              "# uses this page's other variables runs here, but grading stops at it: put it after your answer.\n")
     try:
         tree = ast.parse(source)
     except SyntaxError:  # IPython magics or the like: keep only the checks
@@ -138,8 +145,18 @@ def _is_old_answer_cell(cell: dict, solution: dict) -> bool:
     return bool(mentioned) and not checks_called(source)
 
 
-def student_copy(nb: dict) -> dict:
-    """A copy of notebook ``nb`` (nbformat 4, as a dict) for students: see the module docstring."""
+def student_copy(nb: dict, name: str = "") -> dict:
+    """A copy of notebook ``nb`` (nbformat 4, as a dict) for students: see the module docstring.
+
+    ``name``: the chapter's file name (``06_serving.ipynb``), which numbers its exercises as the book does
+    (6.1, 6.2...); without one they are numbered 1, 2... ``nb`` must be the executed chapter: its outputs hold
+    the glued numbers the text quotes (a quoted number it never glued raises ``ReaderCopyError``).
+    """
+    from kvcourse.tools.reader_copies import glue_values, reader_copy
+
+    if not isinstance(name, str):
+        raise TypeError(f"name must be the chapter's file name as a str, got {type(name).__name__}")
+    glue = glue_values(nb)
     nb = copy.deepcopy(nb)
     exercises = find_exercises(nb)
     label_of = {i: e.label for e in exercises for i in e.code_cells}
@@ -165,4 +182,6 @@ def student_copy(nb: dict) -> dict:
             new["outputs"], new["execution_count"] = [], None
         out.append(new)
     meta = {k: v for k, v in nb.get("metadata", {}).items() if k in ("kernelspec", "language_info")}
-    return {"cells": out, "metadata": meta, "nbformat": nb.get("nbformat", 4), "nbformat_minor": nb.get("nbformat_minor", 5)}
+    stripped = {"cells": out, "metadata": meta, "nbformat": nb.get("nbformat", 4),
+                "nbformat_minor": nb.get("nbformat_minor", 5)}
+    return reader_copy(stripped, name, glue=glue)
