@@ -64,3 +64,28 @@ def test_hugging_face_names_are_packed_row_by_row():
     assert pack_state_dict(packed).keys() == packed.keys()  # already packed: unchanged
     x = torch.randn(3, model.config.hidden_size)
     torch.testing.assert_close(attn.k_proj(x), F.linear(x, hf["layers.0.self_attn.k_proj.weight"]))
+
+
+# ---- busy and idle time from kernel intervals (issue 49: device-busy time above wall time under graphs) ------
+def test_busy_time_counts_overlapping_intervals_once():
+    from kvcourse.serving.step_profile import busy_time
+
+    assert busy_time([]) == 0
+    assert busy_time([(0, 2), (5, 6)]) == 3  # apart: the durations add
+    assert busy_time([(0, 4), (1, 2), (3, 6)]) == 6  # nested and overlapping: the union
+    # A labelled span covering its kernels (what summing device times counted twice under graph replay).
+    kernels = [(10, 12), (12, 15), (20, 21)]
+    assert busy_time(kernels + [(10, 21)]) == busy_time([(10, 21)]) == 11
+    assert busy_time([(3, 4), (0, 1)]) == 2  # order does not matter
+    with pytest.raises(ValueError, match="ends before it starts"):
+        busy_time([(2, 1)])
+
+
+def test_idle_fraction_is_the_wall_time_no_kernel_ran():
+    from kvcourse.serving.step_profile import idle_fraction
+
+    assert idle_fraction([(0, 6), (8, 10)], 10) == pytest.approx(0.2)
+    assert idle_fraction([(0, 10), (2, 4)], 10) == 0  # overlap never makes the GPU "more than busy"
+    assert idle_fraction([], 5) == 1
+    with pytest.raises(ValueError, match="wall"):
+        idle_fraction([(0, 1)], 0)

@@ -10,7 +10,11 @@
   each one makes the host wait for everything queued before it; ``forward_sync_ops``, those inside the
   model's forward (the ``ModelRunner.forward`` scope): on a CPU the others are the host reading its own
   tensors while it builds the batch, which costs no wait;
-* on a GPU, ``kernel_launches`` and ``device_busy_ms`` (the summed time of the kernels the step ran).
+* on a GPU, ``kernel_launches``; ``device_busy_ms``, the time at least one kernel (or copy) was running: the
+  union of the kernels' intervals, so that two that overlap count once and a ``record_function`` label's
+  device span (which covers the kernels inside it) counts not at all; ``kernel_sum_ms``, their summed
+  durations (above the busy time when kernels overlap); and ``gpu_idle_fraction``, the share of the step's
+  wall time in which no kernel ran (:func:`idle_fraction`).
 
 A GPU step is **host-bound** when ``wall_ms`` is far above ``device_busy_ms``: the GPU idles between
 kernels while Python prepares the next one. A CUDA graph replays all the step's kernels from one call,
@@ -32,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 # would show under every profiled cell. Level 6 keeps only its errors; read when the profiler first starts.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
-__all__ = ["FORWARD_SCOPE", "SYNC_OPS", "profile_step"]
+__all__ = ["FORWARD_SCOPE", "SYNC_OPS", "busy_time", "idle_fraction", "profile_step"]
 
 FORWARD_SCOPE = "ModelRunner.forward"  # the profiler label around the model's forward (model_runner.py)
 
@@ -76,11 +80,38 @@ def profile_step(step: Callable[[], object], device: torch.device | str = "cpu",
         # (FORWARD_SCOPE); those spans overlap the kernels inside them and are not counted.
         kernels = [e for e in events if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
                    and e.name != FORWARD_SCOPE]  # fmt: skip
+        intervals = [(e.time_range.start, e.time_range.end) for e in kernels]  # microseconds
         result["kernel_launches"] = len(kernels) / repeats
-        result["device_busy_ms"] = sum(e.device_time for e in kernels) / 1e3 / repeats  # device_time: microseconds
+        result["device_busy_ms"] = busy_time(intervals) / 1e3 / repeats
+        result["kernel_sum_ms"] = sum(end - start for start, end in intervals) / 1e3 / repeats
+        result["gpu_idle_fraction"] = idle_fraction(intervals, 1e3 * sum(walls))
         result["host_bound"] = result["wall_ms"] > 2 * result["device_busy_ms"]
     return result
 
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """How long at least one of ``intervals`` (``(start, end)`` pairs, any unit) was running: the length of
+    their union. Kernels on two streams, or a kernel inside a labelled span, overlap: summing their durations
+    would count that time twice (and could exceed the wall time)."""
+    busy, reach = 0.0, float("-inf")  # reach: the end of the union so far
+    for start, end in sorted(intervals):
+        if end < start:
+            raise ValueError(f"an interval ends before it starts: ({start}, {end})")
+        if start > reach:
+            busy += end - start
+        elif end > reach:
+            busy += end - reach
+        reach = max(reach, end)
+    return busy
+
+
+def idle_fraction(intervals: list[tuple[float, float]], wall: float) -> float:
+    """The share of ``wall`` (the steps' wall time, in the intervals' unit) in which no interval ran: what the
+    GPU spent waiting for the host. 0 when a kernel always ran; 1 when none did."""
+    if wall <= 0:
+        raise ValueError(f"wall must be positive, got {wall}")
+    return max(0.0, 1.0 - busy_time(intervals) / wall)
 
 
 def _under(event, name: str, exact: bool = False) -> bool:
