@@ -372,7 +372,15 @@ def tiled_kernel(Q, K, V, Seq_lens, Out, scale, stride_qb, stride_qh, stride_kb,
         heads = kv + rows * tl.num_programs(1)
     else:
         heads = kv * GROUP + rows
-    q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + cols[None, :]
+    if MISTAKE == "heads_by_d":  # Q and Out read as packed [B, Hq, D]
+        head_step = D
+    else:
+        head_step = stride_qh
+    if MISTAKE == "keys_by_d":  # K and V read as packed [..., S_MAX, D]
+        key_step = D
+    else:
+        key_step = stride_ks
+    q_ptrs = Q + b * stride_qb + heads[:, None] * head_step + cols[None, :]
     q = tl.load(q_ptrs) * scale  # fold the scale into the query once
     run_max = tl.zeros([GROUP], tl.float32) - float("inf")
     run_sum = tl.zeros([GROUP], tl.float32)
@@ -384,8 +392,8 @@ def tiled_kernel(Q, K, V, Seq_lens, Out, scale, stride_qb, stride_qh, stride_kb,
     for first in range(0, stop, BLOCK_N):
         pos = first + tl.arange(0, BLOCK_N)
         inside = pos < length
-        base = K + b * stride_kb + kv * stride_kh + pos[:, None] * stride_ks + cols[None, :]
-        vbase = V + b * stride_kb + kv * stride_kh + pos[:, None] * stride_ks + cols[None, :]
+        base = K + b * stride_kb + kv * stride_kh + pos[:, None] * key_step + cols[None, :]
+        vbase = V + b * stride_kb + kv * stride_kh + pos[:, None] * key_step + cols[None, :]
         if MISTAKE == "no_mask":
             keys = tl.load(base)
             vals = tl.load(vbase)
@@ -413,7 +421,7 @@ def tiled_kernel(Q, K, V, Seq_lens, Out, scale, stride_qb, stride_qh, stride_kb,
         run_max = new_max
     if MISTAKE != "divide":
         run_out = run_out / run_sum[:, None]
-    tl.store(Out + b * stride_qb + heads[:, None] * stride_qh + cols[None, :], run_out)
+    tl.store(Out + b * stride_qb + heads[:, None] * head_step + cols[None, :], run_out)
 
 
 def _tiled(mistake: str) -> Bound:
@@ -430,7 +438,8 @@ def test_tiled_decode_accepts_right_kernel(kernels_on):
     "mistake, hint",
     [("tail", "reads whole tiles only"), ("no_mask", "reads past seq_len"), ("scores_only", "NaN padding leaks"),
      ("loads_only", "a score of 0 still gets weight"), ("acc", "multiply it by alpha"), ("l", "l is not"),
-     ("divide", "divide it by l"), ("interleaved", "consecutive heads")],  # fmt: skip
+     ("divide", "divide it by l"), ("interleaved", "consecutive heads"),
+     ("keys_by_d", "step the keys and values by stride_ks"), ("heads_by_d", "Step the heads of Q and Out by stride_qh")],  # fmt: skip
 )
 def test_tiled_decode_rejects_wrong_kernels(mistake, hint):
     with pytest.raises(ExerciseError, match=hint):

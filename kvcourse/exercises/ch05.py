@@ -106,8 +106,64 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 
 def _on_kernel_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Copies of hidden-case tensors where this process's kernels run, for the learner's kernel to read and write."""
-    return [handed(t, kernel_device()) for t in tensors]
+    """Copies of hidden-case tensors where this process's kernels run, for the learner's kernel to read and write.
+
+    A strided view is copied with its whole buffer and rebuilt with the same strides and offset: a plain copy
+    would pack it, and the layout the case was drawn to test (padding, interleaving) would be gone.
+    """
+    device = kernel_device()
+    return [handed(_buffer(t), device).as_strided(t.shape, t.stride(), t.storage_offset()) for t in tensors]
+
+
+def _buffer(t: torch.Tensor) -> torch.Tensor:
+    """The whole buffer under ``t`` (every element of its storage), as a flat tensor sharing it."""
+    return t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+
+
+def _laid_out(t: torch.Tensor, order: tuple[int, ...], pad: int, fill: torch.Tensor | float) -> torch.Tensor:
+    """A view holding ``t``'s values whose dimensions are stored outermost first in ``order`` (the last dimension
+    stays last and contiguous), each innermost row followed by ``pad`` elements that belong to no position.
+
+    ``fill`` (a tensor of the buffer's shape, or a number) is what those elements hold: stale numbers, so a kernel
+    that reads them by a hard-coded layout gets a wrong number rather than a crash.
+    """
+    shape = [t.shape[i] for i in order]
+    shape[-1] += pad
+    buf = fill.reshape(shape).to(t.dtype) if isinstance(fill, torch.Tensor) else torch.full(shape, fill, dtype=t.dtype,
+                                                                                             device=t.device)
+    view = buf[..., : t.shape[-1]].permute([order.index(i) for i in range(t.dim())])
+    view.copy_(t)
+    return view
+
+
+def _stale(gen: torch.Generator, t: torch.Tensor, order: tuple[int, ...], pad: int) -> torch.Tensor:
+    """Stale numbers for the buffer :func:`_laid_out` makes for ``t``."""
+    return torch.randn(math.prod(t.shape[i] for i in order[:-1]) * (t.shape[-1] + pad), generator=gen, device="cpu") * 3
+
+
+def _interleaved(k: torch.Tensor, v: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as two views of one buffer, side by side at dimension ``dim`` (FlashInfer keeps its paged pool as
+    ``[num_blocks, 2, block_size, H, D]``): neither is contiguous, both have the same strides."""
+    both = torch.stack([k, v], dim=dim)
+    return both.select(dim, 0), both.select(dim, 1)
+
+
+def _restrided(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``t``'s buffer read with other strides: what a kernel that hard-codes a layout reads."""
+    return t.as_strided(t.shape, stride, t.storage_offset())
+
+
+def _stored_as(values: torch.Tensor, out: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """What ``out`` (a NaN-filled buffer's view) holds after a kernel stores ``values`` with ``stride`` instead of
+    its own strides (nothing else in the buffer written)."""
+    buf = torch.full_like(_buffer(out), float("nan"), dtype=values.dtype)
+    buf.as_strided(out.shape, stride, out.storage_offset()).copy_(values)
+    return buf.as_strided(out.shape, out.stride(), out.storage_offset())
+
+
+def _nan_laid_out_as(t: torch.Tensor) -> torch.Tensor:
+    """An output buffer with ``t``'s layout (its strides and its padding), all NaN."""
+    return torch.full_like(_buffer(t), float("nan")).as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def _per_sequence(q, k, v, lens, scale, extra: int = 0) -> torch.Tensor:
@@ -538,6 +594,14 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
     def mistake(name):
         return lambda q, k, v, lens, group, block_n: _tiled_as(q, k, v, lens, group, block_n, scale, name)
 
+    def keys_by_d(q, k, v, lens, group, block_n):  # positions TILED_D apart, whatever stride_ks says
+        kd, vd = (_restrided(t, (*t.stride()[:2], TILED_D, 1)) for t in (k, v))
+        return _tiled_as(q, kd, vd, lens, group, block_n, scale)
+
+    def heads_by_d(q, k, v, lens, group, block_n):  # query heads TILED_D apart in Q and in Out
+        by_d = (q.stride(0), TILED_D, 1)
+        return _stored_as(_tiled_as(_restrided(q, by_d), k, v, lens, group, block_n, scale), q, by_d)
+
     diagnosis = Diagnosis([
         ("The loop reads whole tiles only, so the last Seq_len % BLOCK_N positions (and every sequence shorter than "
          "one tile) are dropped: loop over range(0, seq_len, BLOCK_N) and mask the last tile's lanes n >= seq_len.",
@@ -554,15 +618,30 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
         ("acc holds an unnormalised sum: divide it by l at the end.", mistake("divide")),
         ("Query head h reads KV head h // GROUP: program kv serves the consecutive heads kv * GROUP + g, not "
          "kv + g * Hkv.", mistake("interleaved")),
+        ("Right while K and V are packed [B, Hkv, S_MAX, D], wrong here: position n sits n * stride_ks elements "
+         "into its head, not n * D. In a padded cache, a token-major one, or one with K and V side by side, "
+         "stride_ks is not D: step the keys and values by stride_ks.", keys_by_d),
+        ("Right while Q and Out are packed [B, Hq, D], wrong here: query head h sits h * stride_qh elements into "
+         "its row, not h * D (this Q's heads are padded). Step the heads of Q and Out by stride_qh.", heads_by_d),
     ], "Compare with softmax attention of each query head over its KV head's first seq_len positions: check the "
-       "pointers (stride_qh for query heads, stride_kh and stride_ks for the cache), the masks, and the update order "
-       "m_new, alpha, p, l, acc.", _same)  # fmt: skip
-    cases = [(2, 16, [1, 16, 17, 47], "nan", False), (4, 16, [33, 5, 48], "stale", True),
-             (1, 8, [9, 24, 3], "nan", True), (2, 8, [40, 8, 15], "stale", False)]  # fmt: skip
+       "pointers (stride_qb and stride_qh for Q and Out, stride_kb, stride_kh and stride_ks for K and V), the masks, "
+       "and the update order m_new, alpha, p, l, acc.", _same)  # fmt: skip
+    # How K/V and Q/Out are laid out in memory: the strides the kernel is given must be the ones it uses.
+    kv_layouts = {
+        "packed": None,
+        "token-major": ((0, 2, 1, 3), 0),  # [B, S_MAX, Hkv, D] underneath: stride_ks = Hkv * D, stride_kh = D
+        "padded rows": ((0, 1, 2, 3), 8),  # every position's D values followed by 8 unused ones
+        "K and V side by side": 3,  # one [B, Hkv, S_MAX, 2, D] buffer: stride_ks = 2 * D
+    }
+    cases = [(2, 16, [1, 16, 17, 47], "nan", False, "packed", False),
+             (4, 16, [33, 5, 48], "stale", True, "token-major", True),
+             (1, 8, [9, 24, 3], "nan", True, "padded rows", False),
+             (2, 8, [40, 8, 15], "stale", False, "K and V side by side", True)]  # fmt: skip
     cases += [(rng.choice([1, 2, 4]), rng.choice([8, 16]), [rng.randint(1, 48) for _ in range(3)],
-               rng.choice(["nan", "stale"]), rng.random() < 0.5)]  # fmt: skip
+               rng.choice(["nan", "stale"]), rng.random() < 0.5, rng.choice(list(kv_layouts)), rng.random() < 0.5)]  # fmt: skip
     s_max = 48  # a multiple of every BLOCK_N: even an unmasked tile stays inside the cache
-    for group, block_n, lens, pad, growing in cases:
+    stale = case_generator("ch05.check_tiled_decode.layout", seed)  # the layouts' unused elements
+    for group, block_n, lens, pad, growing, kv_layout, padded_heads in cases:
         hq = TILED_HKV * group
         q = torch.randn(len(lens), hq, TILED_D, generator=gen, device="cpu")
         k = torch.randn(len(lens), TILED_HKV, s_max, TILED_D, generator=gen, device="cpu")
@@ -574,16 +653,21 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
         k = torch.where(outside, k * 3 if pad == "stale" else float("nan"), k)
         v = torch.where(outside, v + 2 if pad == "stale" else float("nan"), v)
         want = _tiled_as(q, k, v, lens, group, block_n, scale)
-        args = _on_kernel_device(q, k, v, torch.tensor(lens, dtype=torch.int32, device="cpu"),
-                                 torch.full_like(q, float("nan")))  # fmt: skip
-        q_d, k_d = args[0], args[1]
-        _launch("tiled_decode_kernel", kernel, (len(lens), TILED_HKV), *args, scale, q_d.stride(0), q_d.stride(1),
-                k_d.stride(0), k_d.stride(1), k_d.stride(2), GROUP=group, BLOCK_N=block_n, D=TILED_D,
-                inputs=("Q", "K", "V", "Seq_lens"))  # fmt: skip
+        layout = kv_layouts[kv_layout]
+        if isinstance(layout, int):
+            k, v = _interleaved(k, v, layout)
+        elif layout:
+            k, v = (_laid_out(t, *layout, _stale(stale, t, *layout)) for t in (k, v))
+        if padded_heads:  # Q's heads 8 elements apart, as Out's: stride_qh = D + 8
+            q = _laid_out(q, (0, 1, 2), 8, _stale(stale, q, (0, 1, 2), 8))
+        args = _on_kernel_device(q, k, v, torch.tensor(lens, dtype=torch.int32, device="cpu"), _nan_laid_out_as(q))
+        _launch("tiled_decode_kernel", kernel, (len(lens), TILED_HKV), *args, scale, *q.stride()[:2], *k.stride()[:3],
+                GROUP=group, BLOCK_N=block_n, D=TILED_D, inputs=("Q", "K", "V", "Seq_lens"))  # fmt: skip
         out = on_host(args[-1])
         if not _right(out, want):
             what = f"GROUP={group}, BLOCK_N={block_n}, seq_lens {lens}, {pad} padding" + (
-                ", scores rising along the sequence" if growing else "")
+                ", scores rising along the sequence" if growing else "") + f", K/V {kv_layout} (strides {k.stride()})"
+            what += f", Q and Out with padded heads (strides {q.stride()})" if padded_heads else ""
             diagnosis.record(f"tiled_decode_kernel with {what}", (q, k, v, lens, group, block_n), out, want,
                              extra=f"; {tensor_diff(out, want)}")  # fmt: skip
     diagnosis.raise_if_wrong()
