@@ -205,7 +205,15 @@ def paged_kernel(Q, K_cache, V_cache, Block_tables, Seq_lens, Out, scale, stride
     kv_head = h // GROUP
     seq_len = tl.load(Seq_lens + b)
     d = tl.arange(0, D)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + d)
+    if MISTAKE == "q_heads_by_d":  # Q and Out read as packed [B, Hq, D]
+        q_row = b * stride_qb + h * D + d
+    else:
+        q_row = b * stride_qb + h * stride_qh + d
+    if MISTAKE == "head_by_d":  # each token's KV heads read as packed
+        head_offset = kv_head * D
+    else:
+        head_offset = kv_head * stride_kh
+    q = tl.load(Q + q_row)
     m = tl.full([1], float("-inf"), tl.float32)
     l = tl.full([1], 0.0, tl.float32)
     acc = tl.full([D], 0.0, tl.float32)
@@ -222,9 +230,11 @@ def paged_kernel(Q, K_cache, V_cache, Block_tables, Seq_lens, Out, scale, stride
             row = block * stride_kb
         elif MISTAKE == "unscaled":
             row = block * stride_kt + (n % BLOCK_SIZE) * stride_kt
+        elif MISTAKE == "packed_blocks":  # right only for one packed [num_blocks, BLOCK_SIZE, Hkv, D] pool
+            row = block * BLOCK_SIZE * stride_kt + (n % BLOCK_SIZE) * stride_kt
         else:
             row = block * stride_kb + (n % BLOCK_SIZE) * stride_kt
-        ptr = row[:, None] + kv_head * stride_kh + d[None, :]
+        ptr = row[:, None] + head_offset + d[None, :]
         k = tl.load(K_cache + ptr, mask=ok[:, None], other=0.0)
         v = tl.load(V_cache + ptr, mask=ok[:, None], other=0.0)
         s = tl.where(ok, tl.sum(q[None, :] * k, 1) * scale, float("-inf"))
@@ -234,7 +244,7 @@ def paged_kernel(Q, K_cache, V_cache, Block_tables, Seq_lens, Out, scale, stride
         l = l * alpha + tl.sum(p, 0)
         acc = acc * alpha + tl.sum(p[:, None] * v, 0)
         m = m_new
-    tl.store(Out + b * stride_qb + h * stride_qh + d, acc / l)
+    tl.store(Out + q_row, acc / l)
 
 
 def _paged(mistake: str) -> Bound:
@@ -249,7 +259,9 @@ def test_paged_offsets_accepts_right_kernel(kernels_on):
 @pytest.mark.parametrize(
     "mistake, hint",
     [("contiguous", "look up the physical block"), ("no_offset", "add the offset"),
-     ("unscaled", "multiply it by the block stride"), ("row0", "sequence 0's table")],  # fmt: skip
+     ("unscaled", "multiply it by the block stride"), ("row0", "sequence 0's table"),
+     ("packed_blocks", "a block starts at block \\* stride_kb"), ("head_by_d", "not h \\* D \\(a head-major pool"),
+     ("q_heads_by_d", "Step the heads of Q and Out by stride_qh")],  # fmt: skip
 )
 def test_paged_offsets_rejects_wrong_kernels(mistake, hint):
     with pytest.raises(ExerciseError, match=hint):

@@ -18,6 +18,7 @@ one, in Triton's interpreter on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -307,18 +308,27 @@ def check_online_softmax(kernel, seed: int = 0) -> CheckResult:
 PAGED_D = 16
 
 
-def _read_as(case, block_size: int, slots_of: Callable) -> torch.Tensor:
-    """Attention computed with the K/V slots ``slots_of(b, positions)`` (NaN where that reads a NaN slot)."""
+def _read_as(case, rows_of: Callable, head_stride: int | None = None, q: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention computed as a kernel reads the pool: position ``n`` of sequence ``b``, KV head ``h``, at element
+    ``rows_of(tables, b, n, stride_kb, stride_kt) + h * head_stride + d`` of the pool's buffer (``head_stride``
+    defaults to ``stride_kh``), the query ``q`` (default ``case.q``). NaN where that reads a NaN slot.
+    """
     tables = case.block_tables.clamp_min(0).long()
     hkv, d = case.k_cache.shape[2:]
-    flat_k, flat_v = case.k_cache.reshape(-1, hkv, d), case.v_cache.reshape(-1, hkv, d)
-    group = case.q.shape[1] // hkv
+    stride_kb, stride_kt, stride_kh = case.k_cache.stride()[:3]
+    heads = torch.arange(hkv, device="cpu") * (stride_kh if head_stride is None else head_stride)
+    q = case.q if q is None else q
+    group = q.shape[1] // hkv
     rows = []
     for b, n in enumerate(case.seq_lens.tolist()):
-        idx = slots_of(tables, b, torch.arange(n, device=tables.device)).clamp(0, flat_k.shape[0] - 1)
-        k = flat_k[idx].repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
-        v = flat_v[idx].repeat_interleave(group, dim=1).transpose(0, 1)
-        rows.append(_attend(case.q[b], k, v, 1 / math.sqrt(d)))
+        row = rows_of(tables, b, torch.arange(n, device="cpu"), stride_kb, stride_kt)
+        offsets = row[:, None, None] + heads[None, :, None] + torch.arange(d, device="cpu")  # [n, Hkv, D]
+        k, v = (
+            _buffer(c)[(c.storage_offset() + offsets).clamp(0, _buffer(c).numel() - 1)]
+            .repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+            for c in (case.k_cache, case.v_cache)
+        )  # fmt: skip
+        rows.append(_attend(q[b], k, v, 1 / math.sqrt(d)))
     return torch.stack(rows)
 
 
@@ -326,8 +336,9 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
     """``paged_decode_kernel(Q, K_cache, V_cache, Block_tables, Seq_lens, Out, scale, stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh, stride_bt, GROUP, BLOCK_SIZE, BLOCK_N, D)``, grid ``(B, Hq)``.
 
-    ``Q, Out [B, Hq, D]``; ``K_cache, V_cache [num_blocks, BLOCK_SIZE, Hkv, D]`` with strides
-    ``stride_kb, stride_kt, stride_kh, 1``; ``Block_tables`` int32 ``[B, max_blocks]``; fp32 data.
+    ``Q, Out [B, Hq, D]`` with strides ``stride_qb, stride_qh, 1``; ``K_cache, V_cache [num_blocks, BLOCK_SIZE,
+    Hkv, D]`` with strides ``stride_kb, stride_kt, stride_kh, 1`` (the same for both; the pool need not be one
+    packed array); ``Block_tables`` int32 ``[B, max_blocks]``, rows ``stride_bt`` apart; fp32 data.
     """
     _expect_kernel(kernel, "paged_decode_kernel")
     rng = case_rng("ch05.check_paged_offsets", seed)
@@ -339,14 +350,35 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
         "unscaled": "A block id counts blocks, not tokens: multiply it by the block stride (stride_kb), not by the "
                     "token stride.",
         "row0": "Every sequence reads sequence 0's table: row b of Block_tables starts at b * stride_bt.",
+        "packed_blocks": "Right while the pool is one packed [num_blocks, BLOCK_SIZE, Hkv, D] array, wrong here: "
+                         "block * BLOCK_SIZE * stride_kt is where a block starts only then. In a head-major pool, or "
+                         "one that keeps K and V side by side in each block, blocks are stride_kb elements apart: "
+                         "a block starts at block * stride_kb.",
+        "head_by_d": "Right while each token's KV heads are packed, wrong here: KV head h starts h * stride_kh "
+                     "elements into the token's row, not h * D (a head-major pool, or padded rows).",
+        "q_heads_by_d": "Right while Q and Out are packed [B, Hq, D], wrong here: query head h sits h * stride_qh "
+                        "elements into its row, not h * D (this Q's heads are padded). Step the heads of Q and Out "
+                        "by stride_qh.",
     }  # fmt: skip
+    # How the pool and Q/Out are laid out in memory: the strides the kernel is given must be the ones it uses.
+    pool_layouts = {
+        "packed": None,
+        "head-major": ((0, 2, 1, 3), 0),  # [num_blocks, Hkv, BLOCK_SIZE, D] underneath: stride_kt = D
+        "padded rows": ((0, 1, 2, 3), 8),  # every head's D values followed by 8 unused ones
+        "K and V side by side": 1,  # one [num_blocks, 2, BLOCK_SIZE, Hkv, D] buffer, as FlashInfer keeps it
+    }
+    layout_rng = case_rng("ch05.check_paged_offsets.layout", seed)
+    stale = case_generator("ch05.check_paged_offsets.layout", seed)  # the layouts' unused elements
     cases = []
-    for block_size, nan in ((4, False), (16, False), (1, True), (8, True)) + tuple(
-        (rng.choice([2, 4, 8, 16]), rng.random() < 0.5) for _ in range(2)
-    ):
+    for (block_size, nan), layout, padded in zip(
+        ((4, False), (16, False), (1, True), (8, True))
+        + tuple((rng.choice([2, 4, 8, 16]), rng.random() < 0.5) for _ in range(2)),
+        ["head-major", "packed", "K and V side by side", "padded rows"] + layout_rng.sample(list(pool_layouts), 2),
+        [False, False, True, True] + [layout_rng.random() < 0.5 for _ in range(2)],
+    ):  # fmt: skip
         others = sorted((rng.randint(1, 39) for _ in range(rng.randint(1, 3))), reverse=True)
         # Sequence 0 is the longest, so even a kernel that reads row 0 for everyone stays inside the table.
-        cases.append((block_size, nan, [40, *others]))
+        cases.append((block_size, nan, [40, *others], layout, padded))
 
     def make(block_size, nan, lens, case_seed):
         case = random_paged_case(case_seed, lens, num_q_heads=4, num_kv_heads=2, head_dim=PAGED_D,
@@ -358,36 +390,67 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
                 cache[stale] = torch.randn(int(stale.sum()), generator=g, device="cpu") * 3
         return case
 
+    def lay_out(case, layout: str, padded: bool):
+        """The case with its pool laid out as ``layout`` and, if ``padded``, Q's heads and the table's rows padded."""
+        k, v = case.k_cache, case.v_cache
+        how = pool_layouts[layout]
+        if isinstance(how, int):
+            k, v = _interleaved(k, v, how)
+        elif how:
+            k, v = (_laid_out(t, *how, _stale(stale, t, *how)) for t in (k, v))
+        q, tables = case.q, case.block_tables
+        if padded:  # Q's heads 8 elements apart (so are Out's), the table's rows 3 entries apart
+            q = _laid_out(q, (0, 1, 2), 8, _stale(stale, q, (0, 1, 2), 8))
+            tables = _laid_out(tables, (0, 1), 3, -1)
+        return dataclasses.replace(case, q=q, k_cache=k, v_cache=v, block_tables=tables)
+
     def variant(name):
-        slots = {
-            "contiguous": lambda t, b, n, bs: n,
-            "no_offset": lambda t, b, n, bs: t[b, n // bs] * bs,
-            "unscaled": lambda t, b, n, bs: t[b, n // bs] + n % bs,
-            "row0": lambda t, b, n, bs: t[0, n // bs] * bs + n % bs,
-        }[name]
-        return lambda case, bs: _read_as(case, bs, lambda t, b, n: slots(t, b, n, bs))
+        rows = {
+            "contiguous": lambda t, b, n, bs, skb, skt: n * skt,
+            "no_offset": lambda t, b, n, bs, skb, skt: t[b, n // bs] * skb,
+            "unscaled": lambda t, b, n, bs, skb, skt: (t[b, n // bs] + n % bs) * skt,
+            "row0": lambda t, b, n, bs, skb, skt: t[0, n // bs] * skb + n % bs * skt,
+            "packed_blocks": lambda t, b, n, bs, skb, skt: (t[b, n // bs] * bs + n % bs) * skt,
+        }
+
+        def right(t, b, n, bs, skb, skt):
+            return t[b, n // bs] * skb + n % bs * skt
+
+        if name == "head_by_d":
+            return lambda case, bs: _read_as(case, lambda *a: right(a[0], a[1], a[2], bs, *a[3:]), head_stride=PAGED_D)
+        if name == "q_heads_by_d":
+
+            def q_heads_by_d(case, bs):
+                by_d = (case.q.stride(0), PAGED_D, 1)
+                read = _read_as(case, lambda *a: right(a[0], a[1], a[2], bs, *a[3:]), q=_restrided(case.q, by_d))
+                return _stored_as(read, case.q, by_d)
+
+            return q_heads_by_d
+        return lambda case, bs: _read_as(case, lambda *a: rows[name](a[0], a[1], a[2], bs, *a[3:]))
 
     diagnosis = Diagnosis([(hint, variant(name)) for name, hint in hints.items()],
                           "The address of position n is block * stride_kb + (n % BLOCK_SIZE) * stride_kt "
-                          "+ kv_head * stride_kh.", _same)  # fmt: skip
-    for i, (block_size, nan, lens) in enumerate(cases):
+                          "+ kv_head * stride_kh, with block = Block_tables[b * stride_bt + n // BLOCK_SIZE].",
+                          _same)  # fmt: skip
+    for i, (block_size, nan, lens, layout, padded) in enumerate(cases):
         case = make(block_size, nan, lens, rng.randrange(2**31) + i)
         want = paged_decode_attention_ref(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+        case = lay_out(case, layout, padded)
         args = _on_kernel_device(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                 torch.full_like(case.q, float("nan")))  # fmt: skip
-        q, k_cache, tables = args[0], args[1], args[3]
-        _launch("paged_decode_kernel", kernel, (q.shape[0], q.shape[1]), *args, 1 / math.sqrt(PAGED_D), q.stride(0),
-                q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0), GROUP=2,
-                BLOCK_SIZE=block_size, BLOCK_N=16, D=PAGED_D,
-                inputs=("Q", "K_cache", "V_cache", "Block_tables", "Seq_lens"))  # fmt: skip
+                                 _nan_laid_out_as(case.q))  # fmt: skip
+        _launch("paged_decode_kernel", kernel, case.q.shape[:2], *args, 1 / math.sqrt(PAGED_D), *case.q.stride()[:2],
+                *case.k_cache.stride()[:3], case.block_tables.stride(0), GROUP=2, BLOCK_SIZE=block_size, BLOCK_N=16,
+                D=PAGED_D, inputs=("Q", "K_cache", "V_cache", "Block_tables", "Seq_lens"))  # fmt: skip
         out = on_host(args[-1])
         if not _right(out, want):
-            pad = "NaN" if nan else "stale numbers"
-            diagnosis.record(f"paged_decode_kernel with blocks of {block_size}, seq_lens {lens}, unused slots holding "
-                             f"{pad}", (case, block_size), out, want, extra=f"; {tensor_diff(out, want)}")  # fmt: skip
+            what = (f"blocks of {block_size}, seq_lens {lens}, unused slots holding {'NaN' if nan else 'stale numbers'}"
+                    f", pool layout {layout} (strides {case.k_cache.stride()})")
+            what += f", Q and Out with padded heads (strides {case.q.stride()})" if padded else ""
+            diagnosis.record(f"paged_decode_kernel with {what}", (case, block_size), out, want,
+                             extra=f"; {tensor_diff(out, want)}")  # fmt: skip
     diagnosis.raise_if_wrong()
     return passed("position n of sequence b lives at block_tables[b, n // BLOCK_SIZE] * stride_kb + "
-                  "(n % BLOCK_SIZE) * stride_kt: the slot mapping, inside the kernel.")  # fmt: skip
+                  "(n % BLOCK_SIZE) * stride_kt: the slot mapping, inside the kernel, whatever the pool's layout.")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -666,7 +729,7 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
         out = on_host(args[-1])
         if not _right(out, want):
             what = f"GROUP={group}, BLOCK_N={block_n}, seq_lens {lens}, {pad} padding" + (
-                ", scores rising along the sequence" if growing else "") + f", K/V {kv_layout} (strides {k.stride()})"
+                ", scores rising along the sequence" if growing else "") + f", K/V layout {kv_layout} (strides {k.stride()})"
             what += f", Q and Out with padded heads (strides {q.stride()})" if padded_heads else ""
             diagnosis.record(f"tiled_decode_kernel with {what}", (q, k, v, lens, group, block_n), out, want,
                              extra=f"; {tensor_diff(out, want)}")  # fmt: skip
