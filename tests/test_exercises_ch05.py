@@ -277,11 +277,15 @@ def merge_kernel(Partial, Lse, Out, Out_lse, NUM_SPLITS: tl.constexpr, BLOCK_S: 
     row = tl.program_id(0)
     split = tl.arange(0, BLOCK_S)
     col = tl.arange(0, D)
-    if MISTAKE == "split_mask":
-        lse = tl.load(Lse + row * NUM_SPLITS + split)
+    if MISTAKE == "row_stride":  # rows taken to be BLOCK_S splits long
+        first = row * BLOCK_S
     else:
-        lse = tl.load(Lse + row * NUM_SPLITS + split, mask=split < NUM_SPLITS, other=float("-inf"))
-    ptrs = Partial + row * NUM_SPLITS * D + split[:, None] * D + col[None, :]
+        first = row * NUM_SPLITS
+    if MISTAKE == "split_mask":
+        lse = tl.load(Lse + first + split)
+    else:
+        lse = tl.load(Lse + first + split, mask=split < NUM_SPLITS, other=float("-inf"))
+    ptrs = Partial + first * D + split[:, None] * D + col[None, :]
     if MISTAKE == "empty":
         parts = tl.load(ptrs, mask=(split < NUM_SPLITS)[:, None], other=0.0)
     elif MISTAKE == "split_mask":
@@ -327,7 +331,8 @@ def test_merge_splits_accepts_right_kernel(kernels_on):
     "mistake, hint",
     [("empty", "0 x NaN is NaN"), ("split_mask", "read the next row's splits"), ("no_max", "exp\\(lse\\) overflows"),
      ("mean", "the same weight"), ("exp2", "natural logarithms"), ("unnormalised", "without the division"),
-     ("lse_max", "the maximum M alone"), ("lse_sum", "logs of sums do not add")],  # fmt: skip
+     ("lse_max", "the maximum M alone"), ("lse_sum", "logs of sums do not add"),
+     ("row_stride", "BLOCK_S is the width of the tile you load")],  # fmt: skip
 )
 def test_merge_splits_rejects_wrong_kernels(mistake, hint):
     with pytest.raises(ExerciseError, match=hint):

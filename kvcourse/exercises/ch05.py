@@ -462,16 +462,17 @@ MERGE_D, MERGE_HEADS = 16, 2
 def _merge_case(gen, lens: list[int], num_splits: int, shift: float):
     """Stage 1's results for ``len(lens)`` sequences x MERGE_HEADS heads, as the merge kernel receives them.
 
-    Returns ``(partial, lse, want_out, want_lse, rows)``: fp32 buffers ``partial [rows + 1, num_splits, D]`` and
-    ``lse [rows + 1, num_splits]`` (one spare row of NaN: buffers are sized for a bigger batch), and the float64
-    answer for the ``rows`` real rows. Split ``i`` of a sequence of ``n`` tokens covers positions
+    Returns ``(partial, lse, want_out, want_lse, rows)``: fp32 buffers ``partial [rows + spare, num_splits, D]`` and
+    ``lse [rows + spare, num_splits]`` (spare rows of NaN: buffers are sized for a bigger batch, enough that a kernel
+    reading rows ``BLOCK_S`` splits apart stays inside them), and the float64 answer for the ``rows`` real rows. Split ``i`` of a sequence of ``n`` tokens covers positions
     ``i * ceil(n / num_splits) .. `` (the package's layout); an empty one has ``lse = -inf`` and a partial output
     never written (NaN). ``shift`` is added to every score: the answer does not move, every lse moves by it.
     """
     rows = len(lens) * MERGE_HEADS
     host = dict(dtype=torch.float64, device="cpu")
-    partial = torch.full((rows + 1, num_splits, MERGE_D), float("nan"), **host)
-    lse = torch.full((rows + 1, num_splits), float("nan"), **host)
+    allocated = max(rows + 1, -(-rows * triton.next_power_of_2(num_splits) // num_splits) + 1)
+    partial = torch.full((allocated, num_splits, MERGE_D), float("nan"), **host)
+    lse = torch.full((allocated, num_splits), float("nan"), **host)
     want_out = torch.empty(rows, MERGE_D, **host)
     want_lse = torch.empty(rows, **host)
     for b, n in enumerate(lens):
@@ -506,6 +507,10 @@ def _merge_as(partial, lse, rows, block_s, mistake: str = ""):
         flat_l = torch.cat([flat_l, flat_l.new_full((block_s,), float("nan"))])
         o = torch.stack([flat_o[r * num_splits : r * num_splits + block_s] for r in range(rows)]).double()
         l = torch.stack([flat_l[r * num_splits : r * num_splits + block_s] for r in range(rows)]).double()
+    elif mistake == "row_stride":  # row r's splits looked for BLOCK_S splits apart: right for powers of two only
+        flat_o, flat_l = partial.reshape(-1, MERGE_D), lse.reshape(-1)
+        o = torch.stack([flat_o[r * block_s : r * block_s + num_splits] for r in range(rows)]).double()
+        l = torch.stack([flat_l[r * block_s : r * block_s + num_splits] for r in range(rows)]).double()
     else:
         o, l = partial[:rows].double(), lse[:rows].double()
     empty = torch.isneginf(l)
@@ -565,6 +570,9 @@ def check_merge_splits(kernel, seed: int = 0) -> CheckResult:
         ("Right until the log-sum-exps are large (or very negative): exp(lse) overflows float32 past 88. Subtract "
          "their maximum M first: w_i = exp(lse_i - M), which is at most 1.",
          lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "no_max")),
+        ("Right when NUM_SPLITS is a power of two, wrong otherwise: row r's splits start r * NUM_SPLITS elements "
+         "into Lse (r * NUM_SPLITS * D into Partial). BLOCK_S is the width of the tile you load, not the length of a "
+         "row in memory.", lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "row_stride")),
         ("Every split got the same weight: a split's share of the row is its share of the softmax denominator, "
          "w_i = exp(lse_i - M), not 1 / (number of splits).", lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "mean")),
         ("The lse are natural logarithms (m + log l): weigh with tl.exp(lse_i - M), not tl.exp2 (the package's "
