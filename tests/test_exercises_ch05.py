@@ -456,7 +456,8 @@ def test_tiled_decode_accepts_right_kernel(kernels_on):
     [("tail", "reads whole tiles only"), ("no_mask", "reads past seq_len"), ("scores_only", "NaN padding leaks"),
      ("loads_only", "a score of 0 still gets weight"), ("acc", "multiply it by alpha"), ("l", "l is not"),
      ("divide", "divide it by l"), ("interleaved", "consecutive heads"),
-     ("keys_by_d", "step the keys and values by stride_ks"), ("heads_by_d", "Step the heads of Q and Out by stride_qh")],  # fmt: skip
+     ("keys_by_d", "step the keys and values by stride_ks"),
+     ("heads_by_d", "Step the heads of Q and Out by stride_qh")],  # fmt: skip
 )
 def test_tiled_decode_rejects_wrong_kernels(mistake, hint):
     with pytest.raises(ExerciseError, match=hint):
@@ -545,3 +546,16 @@ def mask_zeroes(Q, K, V, Seq_lens, Out, scale, BLOCK_S: tl.constexpr, D: tl.cons
 def test_a_kernel_that_zeroes_its_value_input_and_output_gets_no_credit():
     with pytest.raises(ExerciseError):
         ch05.check_masked_decode(mask_zeroes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts a packed kernel gets wrong (issue 47): every seed draws them
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # the packed kernel reduces tiles of NaN: no NumPy noise shown
+def test_other_seeds_still_lay_kv_out_so_that_a_packed_layout_is_caught():
+    assert ch05.check_paged_offsets(_paged("none"), seed=3)
+    with pytest.raises(ExerciseError, match=r"a block starts at block \* stride_kb"):
+        ch05.check_paged_offsets(_paged("packed_blocks"), seed=3)
+    assert ch05.check_tiled_decode(_tiled("none"), seed=3)
+    with pytest.raises(ExerciseError, match="step the keys and values by stride_ks"):
+        ch05.check_tiled_decode(_tiled("keys_by_d"), seed=3)

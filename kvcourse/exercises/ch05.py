@@ -9,7 +9,9 @@ whole kernel from its signature, one counts bytes.
 6. :func:`check_kv_bytes` -- bytes of K and V one decode step reads, and so its fastest possible time.
 
 Each kernel check launches the learner's ``@triton.jit`` kernel (with the signature the exercise gives)
-on hidden cases seeded from the check's ``seed`` argument, and compares it with torch. Wrong outputs are
+on hidden cases seeded from the check's ``seed`` argument, and compares it with torch. The kernels that take
+strides get tensors laid out more than one way (views with padding, token-major or head-major, K and V side by
+side in one buffer), so a kernel that hard-codes a packed layout is caught. Wrong outputs are
 compared with the typical mistakes, computed in torch (:class:`~kvcourse.exercises._core.Diagnosis`),
 to say which one they look like. The cases are drawn and answered on the CPU, then copied to where
 kernels run (:func:`~kvcourse.kernels.triton_runtime.kernel_device`): compiled on a GPU, or, without
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -72,7 +75,10 @@ def _launch(name: str, kernel, grid: tuple[int, ...], *args, inputs: tuple[str, 
     before = [a.clone() for a in args[: len(inputs)]]
 
     def run():
-        with np.errstate(all="ignore"):  # a wrong kernel may overflow: the check reports it, NumPy need not
+        # A wrong kernel may overflow, or reduce a tile of NaN it should not have read (the interpreter's NumPy
+        # warns "All-NaN slice"): the check reports the wrong output, NumPy need not.
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
             try:
                 kernel[grid](*args, **constexprs)
             except Exception as exc:  # the interpreter wraps what a kernel raises; a stub's "not written yet" shows
@@ -450,7 +456,8 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
                              extra=f"; {tensor_diff(out, want)}")  # fmt: skip
     diagnosis.raise_if_wrong()
     return passed("position n of sequence b lives at block_tables[b, n // BLOCK_SIZE] * stride_kb + "
-                  "(n % BLOCK_SIZE) * stride_kt: the slot mapping, inside the kernel, whatever the pool's layout.")  # fmt: skip
+                  "(n % BLOCK_SIZE) * stride_kt: the slot mapping, inside the kernel, whatever the pool's "
+                  "layout.")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,9 +471,10 @@ def _merge_case(gen, lens: list[int], num_splits: int, shift: float):
 
     Returns ``(partial, lse, want_out, want_lse, rows)``: fp32 buffers ``partial [rows + spare, num_splits, D]`` and
     ``lse [rows + spare, num_splits]`` (spare rows of NaN: buffers are sized for a bigger batch, enough that a kernel
-    reading rows ``BLOCK_S`` splits apart stays inside them), and the float64 answer for the ``rows`` real rows. Split ``i`` of a sequence of ``n`` tokens covers positions
-    ``i * ceil(n / num_splits) .. `` (the package's layout); an empty one has ``lse = -inf`` and a partial output
-    never written (NaN). ``shift`` is added to every score: the answer does not move, every lse moves by it.
+    reading rows ``BLOCK_S`` splits apart stays inside them), and the float64 answer for the ``rows`` real rows.
+    Split ``i`` of a sequence of ``n`` tokens covers positions ``i * ceil(n / num_splits) .. `` (the package's
+    layout); an empty one has ``lse = -inf`` and a partial output never written (NaN). ``shift`` is added to every
+    score: the answer does not move, every lse moves by it.
     """
     rows = len(lens) * MERGE_HEADS
     host = dict(dtype=torch.float64, device="cpu")
@@ -654,8 +662,9 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
     GROUP, BLOCK_N, D)``, grid ``(B, Hkv)``: one program per (sequence, KV head) for the ``GROUP`` query heads
     ``kv * GROUP .. kv * GROUP + GROUP - 1`` that read it.
 
-    ``Q, Out [B, Hq, D]``, ``K, V [B, Hkv, S_MAX, D]`` (strides as named, ``D`` contiguous), fp32; sequence ``b``
-    owns positions ``0 .. Seq_lens[b] - 1``, the slots after it hold stale numbers or NaN.
+    ``Q, Out [B, Hq, D]``, ``K, V [B, Hkv, S_MAX, D]`` (strides as named, shared by Q and Out and by K and V; only
+    ``D`` is contiguous: the cases include token-major, padded and interleaved K/V, and Q/Out with padded heads), fp32;
+    sequence ``b`` owns positions ``0 .. Seq_lens[b] - 1``, the slots after it hold stale numbers or NaN.
     """
     _expect_kernel(kernel, "tiled_decode_kernel")
     rng = case_rng("ch05.check_tiled_decode", seed)
@@ -709,7 +718,8 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
              (1, 8, [9, 24, 3], "nan", True, "padded rows", False),
              (2, 8, [40, 8, 15], "stale", False, "K and V side by side", True)]  # fmt: skip
     cases += [(rng.choice([1, 2, 4]), rng.choice([8, 16]), [rng.randint(1, 48) for _ in range(3)],
-               rng.choice(["nan", "stale"]), rng.random() < 0.5, rng.choice(list(kv_layouts)), rng.random() < 0.5)]  # fmt: skip
+               rng.choice(["nan", "stale"]), rng.random() < 0.5, rng.choice(list(kv_layouts)),
+               rng.random() < 0.5)]  # fmt: skip
     s_max = 48  # a multiple of every BLOCK_N: even an unmasked tile stays inside the cache
     stale = case_generator("ch05.check_tiled_decode.layout", seed)  # the layouts' unused elements
     for group, block_n, lens, pad, growing, kv_layout, padded_heads in cases:
@@ -737,7 +747,8 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
         out = on_host(args[-1])
         if not _right(out, want):
             what = f"GROUP={group}, BLOCK_N={block_n}, seq_lens {lens}, {pad} padding" + (
-                ", scores rising along the sequence" if growing else "") + f", K/V layout {kv_layout} (strides {k.stride()})"
+                ", scores rising along the sequence" if growing else "")
+            what += f", K/V layout {kv_layout} (strides {k.stride()})"
             what += f", Q and Out with padded heads (strides {q.stride()})" if padded_heads else ""
             diagnosis.record(f"tiled_decode_kernel with {what}", (q, k, v, lens, group, block_n), out, want,
                              extra=f"; {tensor_diff(out, want)}")  # fmt: skip
