@@ -136,8 +136,10 @@ def _laid_out(t: torch.Tensor, order: tuple[int, ...], pad: int, fill: torch.Ten
     """
     shape = [t.shape[i] for i in order]
     shape[-1] += pad
-    buf = fill.reshape(shape).to(t.dtype) if isinstance(fill, torch.Tensor) else torch.full(shape, fill, dtype=t.dtype,
-                                                                                             device=t.device)
+    if isinstance(fill, torch.Tensor):
+        buf = fill.reshape(shape).to(t.dtype)
+    else:
+        buf = torch.full(shape, fill, dtype=t.dtype, device=t.device)
     view = buf[..., : t.shape[-1]].permute([order.index(i) for i in range(t.dim())])
     view.copy_(t)
     return view
@@ -145,7 +147,8 @@ def _laid_out(t: torch.Tensor, order: tuple[int, ...], pad: int, fill: torch.Ten
 
 def _stale(gen: torch.Generator, t: torch.Tensor, order: tuple[int, ...], pad: int) -> torch.Tensor:
     """Stale numbers for the buffer :func:`_laid_out` makes for ``t``."""
-    return torch.randn(math.prod(t.shape[i] for i in order[:-1]) * (t.shape[-1] + pad), generator=gen, device="cpu") * 3
+    size = math.prod(t.shape[i] for i in order[:-1]) * (t.shape[-1] + pad)
+    return torch.randn(size, generator=gen, device="cpu") * 3
 
 
 def _interleaved(k: torch.Tensor, v: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -374,7 +377,7 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
         "K and V side by side": 1,  # one [num_blocks, 2, BLOCK_SIZE, Hkv, D] buffer, as FlashInfer keeps it
     }
     layout_rng = case_rng("ch05.check_paged_offsets.layout", seed)
-    stale = case_generator("ch05.check_paged_offsets.layout", seed)  # the layouts' unused elements
+    filler = case_generator("ch05.check_paged_offsets.layout", seed)  # the layouts' unused elements
     cases = []
     for (block_size, nan), layout, padded in zip(
         ((4, False), (16, False), (1, True), (8, True))
@@ -403,36 +406,28 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
         if isinstance(how, int):
             k, v = _interleaved(k, v, how)
         elif how:
-            k, v = (_laid_out(t, *how, _stale(stale, t, *how)) for t in (k, v))
+            k, v = (_laid_out(t, *how, _stale(filler, t, *how)) for t in (k, v))
         q, tables = case.q, case.block_tables
         if padded:  # Q's heads 8 elements apart (so are Out's), the table's rows 3 entries apart
-            q = _laid_out(q, (0, 1, 2), 8, _stale(stale, q, (0, 1, 2), 8))
+            q = _laid_out(q, (0, 1, 2), 8, _stale(filler, q, (0, 1, 2), 8))
             tables = _laid_out(tables, (0, 1), 3, -1)
         return dataclasses.replace(case, q=q, k_cache=k, v_cache=v, block_tables=tables)
 
     def variant(name):
-        rows = {
-            "contiguous": lambda t, b, n, bs, skb, skt: n * skt,
-            "no_offset": lambda t, b, n, bs, skb, skt: t[b, n // bs] * skb,
-            "unscaled": lambda t, b, n, bs, skb, skt: (t[b, n // bs] + n % bs) * skt,
-            "row0": lambda t, b, n, bs, skb, skt: t[0, n // bs] * skb + n % bs * skt,
-            "packed_blocks": lambda t, b, n, bs, skb, skt: (t[b, n // bs] * bs + n % bs) * skt,
-        }
+        """What a kernel with mistake ``name`` computes for a case (``right`` for the others' addresses)."""
 
-        def right(t, b, n, bs, skb, skt):
-            return t[b, n // bs] * skb + n % bs * skt
+        def compute(case, bs):
+            def row(t, b, n, skb, skt):  # the element offset of position n's token row in the pool
+                block = t[0 if name == "row0" else b, n // bs]
+                return {"contiguous": n * skt, "no_offset": block * skb, "unscaled": (block + n % bs) * skt,
+                        "packed_blocks": (block * bs + n % bs) * skt}.get(name, block * skb + n % bs * skt)  # fmt: skip
 
-        if name == "head_by_d":
-            return lambda case, bs: _read_as(case, lambda *a: right(a[0], a[1], a[2], bs, *a[3:]), head_stride=PAGED_D)
-        if name == "q_heads_by_d":
-
-            def q_heads_by_d(case, bs):
+            if name == "q_heads_by_d":
                 by_d = (case.q.stride(0), PAGED_D, 1)
-                read = _read_as(case, lambda *a: right(a[0], a[1], a[2], bs, *a[3:]), q=_restrided(case.q, by_d))
-                return _stored_as(read, case.q, by_d)
+                return _stored_as(_read_as(case, row, q=_restrided(case.q, by_d)), case.q, by_d)
+            return _read_as(case, row, head_stride=PAGED_D if name == "head_by_d" else None)
 
-            return q_heads_by_d
-        return lambda case, bs: _read_as(case, lambda *a: rows[name](a[0], a[1], a[2], bs, *a[3:]))
+        return compute
 
     diagnosis = Diagnosis([(hint, variant(name)) for name, hint in hints.items()],
                           "The address of position n is block * stride_kb + (n % BLOCK_SIZE) * stride_kt "
@@ -721,7 +716,7 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
                rng.choice(["nan", "stale"]), rng.random() < 0.5, rng.choice(list(kv_layouts)),
                rng.random() < 0.5)]  # fmt: skip
     s_max = 48  # a multiple of every BLOCK_N: even an unmasked tile stays inside the cache
-    stale = case_generator("ch05.check_tiled_decode.layout", seed)  # the layouts' unused elements
+    filler = case_generator("ch05.check_tiled_decode.layout", seed)  # the layouts' unused elements
     for group, block_n, lens, pad, growing, kv_layout, padded_heads in cases:
         hq = TILED_HKV * group
         q = torch.randn(len(lens), hq, TILED_D, generator=gen, device="cpu")
@@ -738,9 +733,9 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
         if isinstance(layout, int):
             k, v = _interleaved(k, v, layout)
         elif layout:
-            k, v = (_laid_out(t, *layout, _stale(stale, t, *layout)) for t in (k, v))
+            k, v = (_laid_out(t, *layout, _stale(filler, t, *layout)) for t in (k, v))
         if padded_heads:  # Q's heads 8 elements apart, as Out's: stride_qh = D + 8
-            q = _laid_out(q, (0, 1, 2), 8, _stale(stale, q, (0, 1, 2), 8))
+            q = _laid_out(q, (0, 1, 2), 8, _stale(filler, q, (0, 1, 2), 8))
         args = _on_kernel_device(q, k, v, torch.tensor(lens, dtype=torch.int32, device="cpu"), _nan_laid_out_as(q))
         _launch("tiled_decode_kernel", kernel, (len(lens), TILED_HKV), *args, scale, *q.stride()[:2], *k.stride()[:3],
                 GROUP=group, BLOCK_N=block_n, D=TILED_D, inputs=("Q", "K", "V", "Seq_lens"))  # fmt: skip
