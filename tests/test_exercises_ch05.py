@@ -205,7 +205,15 @@ def paged_kernel(Q, K_cache, V_cache, Block_tables, Seq_lens, Out, scale, stride
     kv_head = h // GROUP
     seq_len = tl.load(Seq_lens + b)
     d = tl.arange(0, D)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + d)
+    if MISTAKE == "q_heads_by_d":  # Q and Out read as packed [B, Hq, D]
+        q_row = b * stride_qb + h * D + d
+    else:
+        q_row = b * stride_qb + h * stride_qh + d
+    if MISTAKE == "head_by_d":  # each token's KV heads read as packed
+        head_offset = kv_head * D
+    else:
+        head_offset = kv_head * stride_kh
+    q = tl.load(Q + q_row)
     m = tl.full([1], float("-inf"), tl.float32)
     l = tl.full([1], 0.0, tl.float32)
     acc = tl.full([D], 0.0, tl.float32)
@@ -222,9 +230,11 @@ def paged_kernel(Q, K_cache, V_cache, Block_tables, Seq_lens, Out, scale, stride
             row = block * stride_kb
         elif MISTAKE == "unscaled":
             row = block * stride_kt + (n % BLOCK_SIZE) * stride_kt
+        elif MISTAKE == "packed_blocks":  # right only for one packed [num_blocks, BLOCK_SIZE, Hkv, D] pool
+            row = block * BLOCK_SIZE * stride_kt + (n % BLOCK_SIZE) * stride_kt
         else:
             row = block * stride_kb + (n % BLOCK_SIZE) * stride_kt
-        ptr = row[:, None] + kv_head * stride_kh + d[None, :]
+        ptr = row[:, None] + head_offset + d[None, :]
         k = tl.load(K_cache + ptr, mask=ok[:, None], other=0.0)
         v = tl.load(V_cache + ptr, mask=ok[:, None], other=0.0)
         s = tl.where(ok, tl.sum(q[None, :] * k, 1) * scale, float("-inf"))
@@ -234,7 +244,7 @@ def paged_kernel(Q, K_cache, V_cache, Block_tables, Seq_lens, Out, scale, stride
         l = l * alpha + tl.sum(p, 0)
         acc = acc * alpha + tl.sum(p[:, None] * v, 0)
         m = m_new
-    tl.store(Out + b * stride_qb + h * stride_qh + d, acc / l)
+    tl.store(Out + q_row, acc / l)
 
 
 def _paged(mistake: str) -> Bound:
@@ -249,7 +259,9 @@ def test_paged_offsets_accepts_right_kernel(kernels_on):
 @pytest.mark.parametrize(
     "mistake, hint",
     [("contiguous", "look up the physical block"), ("no_offset", "add the offset"),
-     ("unscaled", "multiply it by the block stride"), ("row0", "sequence 0's table")],  # fmt: skip
+     ("unscaled", "multiply it by the block stride"), ("row0", "sequence 0's table"),
+     ("packed_blocks", "a block starts at block \\* stride_kb"), ("head_by_d", "not h \\* D \\(a head-major pool"),
+     ("q_heads_by_d", "Step the heads of Q and Out by stride_qh")],  # fmt: skip
 )
 def test_paged_offsets_rejects_wrong_kernels(mistake, hint):
     with pytest.raises(ExerciseError, match=hint):
@@ -265,11 +277,15 @@ def merge_kernel(Partial, Lse, Out, Out_lse, NUM_SPLITS: tl.constexpr, BLOCK_S: 
     row = tl.program_id(0)
     split = tl.arange(0, BLOCK_S)
     col = tl.arange(0, D)
-    if MISTAKE == "split_mask":
-        lse = tl.load(Lse + row * NUM_SPLITS + split)
+    if MISTAKE == "row_stride":  # rows taken to be BLOCK_S splits long
+        first = row * BLOCK_S
     else:
-        lse = tl.load(Lse + row * NUM_SPLITS + split, mask=split < NUM_SPLITS, other=float("-inf"))
-    ptrs = Partial + row * NUM_SPLITS * D + split[:, None] * D + col[None, :]
+        first = row * NUM_SPLITS
+    if MISTAKE == "split_mask":
+        lse = tl.load(Lse + first + split)
+    else:
+        lse = tl.load(Lse + first + split, mask=split < NUM_SPLITS, other=float("-inf"))
+    ptrs = Partial + first * D + split[:, None] * D + col[None, :]
     if MISTAKE == "empty":
         parts = tl.load(ptrs, mask=(split < NUM_SPLITS)[:, None], other=0.0)
     elif MISTAKE == "split_mask":
@@ -315,7 +331,8 @@ def test_merge_splits_accepts_right_kernel(kernels_on):
     "mistake, hint",
     [("empty", "0 x NaN is NaN"), ("split_mask", "read the next row's splits"), ("no_max", "exp\\(lse\\) overflows"),
      ("mean", "the same weight"), ("exp2", "natural logarithms"), ("unnormalised", "without the division"),
-     ("lse_max", "the maximum M alone"), ("lse_sum", "logs of sums do not add")],  # fmt: skip
+     ("lse_max", "the maximum M alone"), ("lse_sum", "logs of sums do not add"),
+     ("row_stride", "BLOCK_S is the width of the tile you load")],  # fmt: skip
 )
 def test_merge_splits_rejects_wrong_kernels(mistake, hint):
     with pytest.raises(ExerciseError, match=hint):
@@ -372,7 +389,15 @@ def tiled_kernel(Q, K, V, Seq_lens, Out, scale, stride_qb, stride_qh, stride_kb,
         heads = kv + rows * tl.num_programs(1)
     else:
         heads = kv * GROUP + rows
-    q_ptrs = Q + b * stride_qb + heads[:, None] * stride_qh + cols[None, :]
+    if MISTAKE == "heads_by_d":  # Q and Out read as packed [B, Hq, D]
+        head_step = D
+    else:
+        head_step = stride_qh
+    if MISTAKE == "keys_by_d":  # K and V read as packed [..., S_MAX, D]
+        key_step = D
+    else:
+        key_step = stride_ks
+    q_ptrs = Q + b * stride_qb + heads[:, None] * head_step + cols[None, :]
     q = tl.load(q_ptrs) * scale  # fold the scale into the query once
     run_max = tl.zeros([GROUP], tl.float32) - float("inf")
     run_sum = tl.zeros([GROUP], tl.float32)
@@ -384,8 +409,8 @@ def tiled_kernel(Q, K, V, Seq_lens, Out, scale, stride_qb, stride_qh, stride_kb,
     for first in range(0, stop, BLOCK_N):
         pos = first + tl.arange(0, BLOCK_N)
         inside = pos < length
-        base = K + b * stride_kb + kv * stride_kh + pos[:, None] * stride_ks + cols[None, :]
-        vbase = V + b * stride_kb + kv * stride_kh + pos[:, None] * stride_ks + cols[None, :]
+        base = K + b * stride_kb + kv * stride_kh + pos[:, None] * key_step + cols[None, :]
+        vbase = V + b * stride_kb + kv * stride_kh + pos[:, None] * key_step + cols[None, :]
         if MISTAKE == "no_mask":
             keys = tl.load(base)
             vals = tl.load(vbase)
@@ -413,7 +438,7 @@ def tiled_kernel(Q, K, V, Seq_lens, Out, scale, stride_qb, stride_qh, stride_kb,
         run_max = new_max
     if MISTAKE != "divide":
         run_out = run_out / run_sum[:, None]
-    tl.store(Out + b * stride_qb + heads[:, None] * stride_qh + cols[None, :], run_out)
+    tl.store(Out + b * stride_qb + heads[:, None] * head_step + cols[None, :], run_out)
 
 
 def _tiled(mistake: str) -> Bound:
@@ -430,7 +455,9 @@ def test_tiled_decode_accepts_right_kernel(kernels_on):
     "mistake, hint",
     [("tail", "reads whole tiles only"), ("no_mask", "reads past seq_len"), ("scores_only", "NaN padding leaks"),
      ("loads_only", "a score of 0 still gets weight"), ("acc", "multiply it by alpha"), ("l", "l is not"),
-     ("divide", "divide it by l"), ("interleaved", "consecutive heads")],  # fmt: skip
+     ("divide", "divide it by l"), ("interleaved", "consecutive heads"),
+     ("keys_by_d", "step the keys and values by stride_ks"),
+     ("heads_by_d", "Step the heads of Q and Out by stride_qh")],  # fmt: skip
 )
 def test_tiled_decode_rejects_wrong_kernels(mistake, hint):
     with pytest.raises(ExerciseError, match=hint):
@@ -519,3 +546,16 @@ def mask_zeroes(Q, K, V, Seq_lens, Out, scale, BLOCK_S: tl.constexpr, D: tl.cons
 def test_a_kernel_that_zeroes_its_value_input_and_output_gets_no_credit():
     with pytest.raises(ExerciseError):
         ch05.check_masked_decode(mask_zeroes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts a packed kernel gets wrong (issue 47): every seed draws them
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # the packed kernel reduces tiles of NaN: no NumPy noise shown
+def test_other_seeds_still_lay_kv_out_so_that_a_packed_layout_is_caught():
+    assert ch05.check_paged_offsets(_paged("none"), seed=3)
+    with pytest.raises(ExerciseError, match=r"a block starts at block \* stride_kb"):
+        ch05.check_paged_offsets(_paged("packed_blocks"), seed=3)
+    assert ch05.check_tiled_decode(_tiled("none"), seed=3)
+    with pytest.raises(ExerciseError, match="step the keys and values by stride_ks"):
+        ch05.check_tiled_decode(_tiled("keys_by_d"), seed=3)

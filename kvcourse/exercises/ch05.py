@@ -9,7 +9,9 @@ whole kernel from its signature, one counts bytes.
 6. :func:`check_kv_bytes` -- bytes of K and V one decode step reads, and so its fastest possible time.
 
 Each kernel check launches the learner's ``@triton.jit`` kernel (with the signature the exercise gives)
-on hidden cases seeded from the check's ``seed`` argument, and compares it with torch. Wrong outputs are
+on hidden cases seeded from the check's ``seed`` argument, and compares it with torch. The kernels that take
+strides get tensors laid out more than one way (views with padding, token-major or head-major, K and V side by
+side in one buffer), so a kernel that hard-codes a packed layout is caught. Wrong outputs are
 compared with the typical mistakes, computed in torch (:class:`~kvcourse.exercises._core.Diagnosis`),
 to say which one they look like. The cases are drawn and answered on the CPU, then copied to where
 kernels run (:func:`~kvcourse.kernels.triton_runtime.kernel_device`): compiled on a GPU, or, without
@@ -18,7 +20,9 @@ one, in Triton's interpreter on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -71,7 +75,10 @@ def _launch(name: str, kernel, grid: tuple[int, ...], *args, inputs: tuple[str, 
     before = [a.clone() for a in args[: len(inputs)]]
 
     def run():
-        with np.errstate(all="ignore"):  # a wrong kernel may overflow: the check reports it, NumPy need not
+        # A wrong kernel may overflow, or reduce a tile of NaN it should not have read (the interpreter's NumPy
+        # warns "All-NaN slice"): the check reports the wrong output, NumPy need not.
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
             try:
                 kernel[grid](*args, **constexprs)
             except Exception as exc:  # the interpreter wraps what a kernel raises; a stub's "not written yet" shows
@@ -106,8 +113,67 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 
 def _on_kernel_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Copies of hidden-case tensors where this process's kernels run, for the learner's kernel to read and write."""
-    return [handed(t, kernel_device()) for t in tensors]
+    """Copies of hidden-case tensors where this process's kernels run, for the learner's kernel to read and write.
+
+    A strided view is copied with its whole buffer and rebuilt with the same strides and offset: a plain copy
+    would pack it, and the layout the case was drawn to test (padding, interleaving) would be gone.
+    """
+    device = kernel_device()
+    return [handed(_buffer(t), device).as_strided(t.shape, t.stride(), t.storage_offset()) for t in tensors]
+
+
+def _buffer(t: torch.Tensor) -> torch.Tensor:
+    """The whole buffer under ``t`` (every element of its storage), as a flat tensor sharing it."""
+    return t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+
+
+def _laid_out(t: torch.Tensor, order: tuple[int, ...], pad: int, fill: torch.Tensor | float) -> torch.Tensor:
+    """A view holding ``t``'s values whose dimensions are stored outermost first in ``order`` (the last dimension
+    stays last and contiguous), each innermost row followed by ``pad`` elements that belong to no position.
+
+    ``fill`` (a tensor of the buffer's shape, or a number) is what those elements hold: stale numbers, so a kernel
+    that reads them by a hard-coded layout gets a wrong number rather than a crash.
+    """
+    shape = [t.shape[i] for i in order]
+    shape[-1] += pad
+    if isinstance(fill, torch.Tensor):
+        buf = fill.reshape(shape).to(t.dtype)
+    else:
+        buf = torch.full(shape, fill, dtype=t.dtype, device=t.device)
+    view = buf[..., : t.shape[-1]].permute([order.index(i) for i in range(t.dim())])
+    view.copy_(t)
+    return view
+
+
+def _stale(gen: torch.Generator, t: torch.Tensor, order: tuple[int, ...], pad: int) -> torch.Tensor:
+    """Stale numbers for the buffer :func:`_laid_out` makes for ``t``."""
+    size = math.prod(t.shape[i] for i in order[:-1]) * (t.shape[-1] + pad)
+    return torch.randn(size, generator=gen, device="cpu") * 3
+
+
+def _interleaved(k: torch.Tensor, v: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as two views of one buffer, side by side at dimension ``dim`` (FlashInfer keeps its paged pool as
+    ``[num_blocks, 2, block_size, H, D]``): neither is contiguous, both have the same strides."""
+    both = torch.stack([k, v], dim=dim)
+    return both.select(dim, 0), both.select(dim, 1)
+
+
+def _restrided(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``t``'s buffer read with other strides: what a kernel that hard-codes a layout reads."""
+    return t.as_strided(t.shape, stride, t.storage_offset())
+
+
+def _stored_as(values: torch.Tensor, out: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """What ``out`` (a NaN-filled buffer's view) holds after a kernel stores ``values`` with ``stride`` instead of
+    its own strides (nothing else in the buffer written)."""
+    buf = torch.full_like(_buffer(out), float("nan"), dtype=values.dtype)
+    buf.as_strided(out.shape, stride, out.storage_offset()).copy_(values)
+    return buf.as_strided(out.shape, out.stride(), out.storage_offset())
+
+
+def _nan_laid_out_as(t: torch.Tensor) -> torch.Tensor:
+    """An output buffer with ``t``'s layout (its strides and its padding), all NaN."""
+    return torch.full_like(_buffer(t), float("nan")).as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def _per_sequence(q, k, v, lens, scale, extra: int = 0) -> torch.Tensor:
@@ -251,18 +317,27 @@ def check_online_softmax(kernel, seed: int = 0) -> CheckResult:
 PAGED_D = 16
 
 
-def _read_as(case, block_size: int, slots_of: Callable) -> torch.Tensor:
-    """Attention computed with the K/V slots ``slots_of(b, positions)`` (NaN where that reads a NaN slot)."""
+def _read_as(case, rows_of: Callable, head_stride: int | None = None, q: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention computed as a kernel reads the pool: position ``n`` of sequence ``b``, KV head ``h``, at element
+    ``rows_of(tables, b, n, stride_kb, stride_kt) + h * head_stride + d`` of the pool's buffer (``head_stride``
+    defaults to ``stride_kh``), the query ``q`` (default ``case.q``). NaN where that reads a NaN slot.
+    """
     tables = case.block_tables.clamp_min(0).long()
     hkv, d = case.k_cache.shape[2:]
-    flat_k, flat_v = case.k_cache.reshape(-1, hkv, d), case.v_cache.reshape(-1, hkv, d)
-    group = case.q.shape[1] // hkv
+    stride_kb, stride_kt, stride_kh = case.k_cache.stride()[:3]
+    heads = torch.arange(hkv, device="cpu") * (stride_kh if head_stride is None else head_stride)
+    q = case.q if q is None else q
+    group = q.shape[1] // hkv
     rows = []
     for b, n in enumerate(case.seq_lens.tolist()):
-        idx = slots_of(tables, b, torch.arange(n, device=tables.device)).clamp(0, flat_k.shape[0] - 1)
-        k = flat_k[idx].repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
-        v = flat_v[idx].repeat_interleave(group, dim=1).transpose(0, 1)
-        rows.append(_attend(case.q[b], k, v, 1 / math.sqrt(d)))
+        row = rows_of(tables, b, torch.arange(n, device="cpu"), stride_kb, stride_kt)
+        offsets = row[:, None, None] + heads[None, :, None] + torch.arange(d, device="cpu")  # [n, Hkv, D]
+        k, v = (
+            _buffer(c)[(c.storage_offset() + offsets).clamp(0, _buffer(c).numel() - 1)]
+            .repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+            for c in (case.k_cache, case.v_cache)
+        )  # fmt: skip
+        rows.append(_attend(q[b], k, v, 1 / math.sqrt(d)))
     return torch.stack(rows)
 
 
@@ -270,8 +345,9 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
     """``paged_decode_kernel(Q, K_cache, V_cache, Block_tables, Seq_lens, Out, scale, stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh, stride_bt, GROUP, BLOCK_SIZE, BLOCK_N, D)``, grid ``(B, Hq)``.
 
-    ``Q, Out [B, Hq, D]``; ``K_cache, V_cache [num_blocks, BLOCK_SIZE, Hkv, D]`` with strides
-    ``stride_kb, stride_kt, stride_kh, 1``; ``Block_tables`` int32 ``[B, max_blocks]``; fp32 data.
+    ``Q, Out [B, Hq, D]`` with strides ``stride_qb, stride_qh, 1``; ``K_cache, V_cache [num_blocks, BLOCK_SIZE,
+    Hkv, D]`` with strides ``stride_kb, stride_kt, stride_kh, 1`` (the same for both; the pool need not be one
+    packed array); ``Block_tables`` int32 ``[B, max_blocks]``, rows ``stride_bt`` apart; fp32 data.
     """
     _expect_kernel(kernel, "paged_decode_kernel")
     rng = case_rng("ch05.check_paged_offsets", seed)
@@ -283,14 +359,35 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
         "unscaled": "A block id counts blocks, not tokens: multiply it by the block stride (stride_kb), not by the "
                     "token stride.",
         "row0": "Every sequence reads sequence 0's table: row b of Block_tables starts at b * stride_bt.",
+        "packed_blocks": "Right while the pool is one packed [num_blocks, BLOCK_SIZE, Hkv, D] array, wrong here: "
+                         "block * BLOCK_SIZE * stride_kt is where a block starts only then. In a head-major pool, or "
+                         "one that keeps K and V side by side in each block, blocks are stride_kb elements apart: "
+                         "a block starts at block * stride_kb.",
+        "head_by_d": "Right while each token's KV heads are packed, wrong here: KV head h starts h * stride_kh "
+                     "elements into the token's row, not h * D (a head-major pool, or padded rows).",
+        "q_heads_by_d": "Right while Q and Out are packed [B, Hq, D], wrong here: query head h sits h * stride_qh "
+                        "elements into its row, not h * D (this Q's heads are padded). Step the heads of Q and Out "
+                        "by stride_qh.",
     }  # fmt: skip
+    # How the pool and Q/Out are laid out in memory: the strides the kernel is given must be the ones it uses.
+    pool_layouts = {
+        "packed": None,
+        "head-major": ((0, 2, 1, 3), 0),  # [num_blocks, Hkv, BLOCK_SIZE, D] underneath: stride_kt = D
+        "padded rows": ((0, 1, 2, 3), 8),  # every head's D values followed by 8 unused ones
+        "K and V side by side": 1,  # one [num_blocks, 2, BLOCK_SIZE, Hkv, D] buffer, as FlashInfer keeps it
+    }
+    layout_rng = case_rng("ch05.check_paged_offsets.layout", seed)
+    filler = case_generator("ch05.check_paged_offsets.layout", seed)  # the layouts' unused elements
     cases = []
-    for block_size, nan in ((4, False), (16, False), (1, True), (8, True)) + tuple(
-        (rng.choice([2, 4, 8, 16]), rng.random() < 0.5) for _ in range(2)
-    ):
+    for (block_size, nan), layout, padded in zip(
+        ((4, False), (16, False), (1, True), (8, True))
+        + tuple((rng.choice([2, 4, 8, 16]), rng.random() < 0.5) for _ in range(2)),
+        ["head-major", "packed", "K and V side by side", "padded rows"] + layout_rng.sample(list(pool_layouts), 2),
+        [False, False, True, True] + [layout_rng.random() < 0.5 for _ in range(2)],
+    ):  # fmt: skip
         others = sorted((rng.randint(1, 39) for _ in range(rng.randint(1, 3))), reverse=True)
         # Sequence 0 is the longest, so even a kernel that reads row 0 for everyone stays inside the table.
-        cases.append((block_size, nan, [40, *others]))
+        cases.append((block_size, nan, [40, *others], layout, padded))
 
     def make(block_size, nan, lens, case_seed):
         case = random_paged_case(case_seed, lens, num_q_heads=4, num_kv_heads=2, head_dim=PAGED_D,
@@ -302,36 +399,60 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
                 cache[stale] = torch.randn(int(stale.sum()), generator=g, device="cpu") * 3
         return case
 
+    def lay_out(case, layout: str, padded: bool):
+        """The case with its pool laid out as ``layout`` and, if ``padded``, Q's heads and the table's rows padded."""
+        k, v = case.k_cache, case.v_cache
+        how = pool_layouts[layout]
+        if isinstance(how, int):
+            k, v = _interleaved(k, v, how)
+        elif how:
+            k, v = (_laid_out(t, *how, _stale(filler, t, *how)) for t in (k, v))
+        q, tables = case.q, case.block_tables
+        if padded:  # Q's heads 8 elements apart (so are Out's), the table's rows 3 entries apart
+            q = _laid_out(q, (0, 1, 2), 8, _stale(filler, q, (0, 1, 2), 8))
+            tables = _laid_out(tables, (0, 1), 3, -1)
+        return dataclasses.replace(case, q=q, k_cache=k, v_cache=v, block_tables=tables)
+
     def variant(name):
-        slots = {
-            "contiguous": lambda t, b, n, bs: n,
-            "no_offset": lambda t, b, n, bs: t[b, n // bs] * bs,
-            "unscaled": lambda t, b, n, bs: t[b, n // bs] + n % bs,
-            "row0": lambda t, b, n, bs: t[0, n // bs] * bs + n % bs,
-        }[name]
-        return lambda case, bs: _read_as(case, bs, lambda t, b, n: slots(t, b, n, bs))
+        """What a kernel with mistake ``name`` computes for a case (``right`` for the others' addresses)."""
+
+        def compute(case, bs):
+            def row(t, b, n, skb, skt):  # the element offset of position n's token row in the pool
+                block = t[0 if name == "row0" else b, n // bs]
+                return {"contiguous": n * skt, "no_offset": block * skb, "unscaled": (block + n % bs) * skt,
+                        "packed_blocks": (block * bs + n % bs) * skt}.get(name, block * skb + n % bs * skt)  # fmt: skip
+
+            if name == "q_heads_by_d":
+                by_d = (case.q.stride(0), PAGED_D, 1)
+                return _stored_as(_read_as(case, row, q=_restrided(case.q, by_d)), case.q, by_d)
+            return _read_as(case, row, head_stride=PAGED_D if name == "head_by_d" else None)
+
+        return compute
 
     diagnosis = Diagnosis([(hint, variant(name)) for name, hint in hints.items()],
                           "The address of position n is block * stride_kb + (n % BLOCK_SIZE) * stride_kt "
-                          "+ kv_head * stride_kh.", _same)  # fmt: skip
-    for i, (block_size, nan, lens) in enumerate(cases):
+                          "+ kv_head * stride_kh, with block = Block_tables[b * stride_bt + n // BLOCK_SIZE].",
+                          _same)  # fmt: skip
+    for i, (block_size, nan, lens, layout, padded) in enumerate(cases):
         case = make(block_size, nan, lens, rng.randrange(2**31) + i)
         want = paged_decode_attention_ref(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+        case = lay_out(case, layout, padded)
         args = _on_kernel_device(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                 torch.full_like(case.q, float("nan")))  # fmt: skip
-        q, k_cache, tables = args[0], args[1], args[3]
-        _launch("paged_decode_kernel", kernel, (q.shape[0], q.shape[1]), *args, 1 / math.sqrt(PAGED_D), q.stride(0),
-                q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.stride(0), GROUP=2,
-                BLOCK_SIZE=block_size, BLOCK_N=16, D=PAGED_D,
-                inputs=("Q", "K_cache", "V_cache", "Block_tables", "Seq_lens"))  # fmt: skip
+                                 _nan_laid_out_as(case.q))  # fmt: skip
+        _launch("paged_decode_kernel", kernel, case.q.shape[:2], *args, 1 / math.sqrt(PAGED_D), *case.q.stride()[:2],
+                *case.k_cache.stride()[:3], case.block_tables.stride(0), GROUP=2, BLOCK_SIZE=block_size, BLOCK_N=16,
+                D=PAGED_D, inputs=("Q", "K_cache", "V_cache", "Block_tables", "Seq_lens"))  # fmt: skip
         out = on_host(args[-1])
         if not _right(out, want):
-            pad = "NaN" if nan else "stale numbers"
-            diagnosis.record(f"paged_decode_kernel with blocks of {block_size}, seq_lens {lens}, unused slots holding "
-                             f"{pad}", (case, block_size), out, want, extra=f"; {tensor_diff(out, want)}")  # fmt: skip
+            what = (f"blocks of {block_size}, seq_lens {lens}, unused slots holding {'NaN' if nan else 'stale numbers'}"
+                    f", pool layout {layout} (strides {case.k_cache.stride()})")
+            what += f", Q and Out with padded heads (strides {case.q.stride()})" if padded else ""
+            diagnosis.record(f"paged_decode_kernel with {what}", (case, block_size), out, want,
+                             extra=f"; {tensor_diff(out, want)}")  # fmt: skip
     diagnosis.raise_if_wrong()
     return passed("position n of sequence b lives at block_tables[b, n // BLOCK_SIZE] * stride_kb + "
-                  "(n % BLOCK_SIZE) * stride_kt: the slot mapping, inside the kernel.")  # fmt: skip
+                  "(n % BLOCK_SIZE) * stride_kt: the slot mapping, inside the kernel, whatever the pool's "
+                  "layout.")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,16 +464,18 @@ MERGE_D, MERGE_HEADS = 16, 2
 def _merge_case(gen, lens: list[int], num_splits: int, shift: float):
     """Stage 1's results for ``len(lens)`` sequences x MERGE_HEADS heads, as the merge kernel receives them.
 
-    Returns ``(partial, lse, want_out, want_lse, rows)``: fp32 buffers ``partial [rows + 1, num_splits, D]`` and
-    ``lse [rows + 1, num_splits]`` (one spare row of NaN: buffers are sized for a bigger batch), and the float64
-    answer for the ``rows`` real rows. Split ``i`` of a sequence of ``n`` tokens covers positions
-    ``i * ceil(n / num_splits) .. `` (the package's layout); an empty one has ``lse = -inf`` and a partial output
-    never written (NaN). ``shift`` is added to every score: the answer does not move, every lse moves by it.
+    Returns ``(partial, lse, want_out, want_lse, rows)``: fp32 buffers ``partial [rows + spare, num_splits, D]`` and
+    ``lse [rows + spare, num_splits]`` (spare rows of NaN: buffers are sized for a bigger batch, enough that a kernel
+    reading rows ``BLOCK_S`` splits apart stays inside them), and the float64 answer for the ``rows`` real rows.
+    Split ``i`` of a sequence of ``n`` tokens covers positions ``i * ceil(n / num_splits) .. `` (the package's
+    layout); an empty one has ``lse = -inf`` and a partial output never written (NaN). ``shift`` is added to every
+    score: the answer does not move, every lse moves by it.
     """
     rows = len(lens) * MERGE_HEADS
     host = dict(dtype=torch.float64, device="cpu")
-    partial = torch.full((rows + 1, num_splits, MERGE_D), float("nan"), **host)
-    lse = torch.full((rows + 1, num_splits), float("nan"), **host)
+    allocated = max(rows + 1, -(-rows * triton.next_power_of_2(num_splits) // num_splits) + 1)
+    partial = torch.full((allocated, num_splits, MERGE_D), float("nan"), **host)
+    lse = torch.full((allocated, num_splits), float("nan"), **host)
     want_out = torch.empty(rows, MERGE_D, **host)
     want_lse = torch.empty(rows, **host)
     for b, n in enumerate(lens):
@@ -387,6 +510,10 @@ def _merge_as(partial, lse, rows, block_s, mistake: str = ""):
         flat_l = torch.cat([flat_l, flat_l.new_full((block_s,), float("nan"))])
         o = torch.stack([flat_o[r * num_splits : r * num_splits + block_s] for r in range(rows)]).double()
         l = torch.stack([flat_l[r * num_splits : r * num_splits + block_s] for r in range(rows)]).double()
+    elif mistake == "row_stride":  # row r's splits looked for BLOCK_S splits apart: right for powers of two only
+        flat_o, flat_l = partial.reshape(-1, MERGE_D), lse.reshape(-1)
+        o = torch.stack([flat_o[r * block_s : r * block_s + num_splits] for r in range(rows)]).double()
+        l = torch.stack([flat_l[r * block_s : r * block_s + num_splits] for r in range(rows)]).double()
     else:
         o, l = partial[:rows].double(), lse[:rows].double()
     empty = torch.isneginf(l)
@@ -446,6 +573,9 @@ def check_merge_splits(kernel, seed: int = 0) -> CheckResult:
         ("Right until the log-sum-exps are large (or very negative): exp(lse) overflows float32 past 88. Subtract "
          "their maximum M first: w_i = exp(lse_i - M), which is at most 1.",
          lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "no_max")),
+        ("Right when NUM_SPLITS is a power of two, wrong otherwise: row r's splits start r * NUM_SPLITS elements "
+         "into Lse (r * NUM_SPLITS * D into Partial). BLOCK_S is the width of the tile you load, not the length of a "
+         "row in memory.", lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "row_stride")),
         ("Every split got the same weight: a split's share of the row is its share of the softmax denominator, "
          "w_i = exp(lse_i - M), not 1 / (number of splits).", lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "mean")),
         ("The lse are natural logarithms (m + log l): weigh with tl.exp(lse_i - M), not tl.exp2 (the package's "
@@ -527,8 +657,9 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
     GROUP, BLOCK_N, D)``, grid ``(B, Hkv)``: one program per (sequence, KV head) for the ``GROUP`` query heads
     ``kv * GROUP .. kv * GROUP + GROUP - 1`` that read it.
 
-    ``Q, Out [B, Hq, D]``, ``K, V [B, Hkv, S_MAX, D]`` (strides as named, ``D`` contiguous), fp32; sequence ``b``
-    owns positions ``0 .. Seq_lens[b] - 1``, the slots after it hold stale numbers or NaN.
+    ``Q, Out [B, Hq, D]``, ``K, V [B, Hkv, S_MAX, D]`` (strides as named, shared by Q and Out and by K and V; only
+    ``D`` is contiguous: the cases include token-major, padded and interleaved K/V, and Q/Out with padded heads), fp32;
+    sequence ``b`` owns positions ``0 .. Seq_lens[b] - 1``, the slots after it hold stale numbers or NaN.
     """
     _expect_kernel(kernel, "tiled_decode_kernel")
     rng = case_rng("ch05.check_tiled_decode", seed)
@@ -537,6 +668,14 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
 
     def mistake(name):
         return lambda q, k, v, lens, group, block_n: _tiled_as(q, k, v, lens, group, block_n, scale, name)
+
+    def keys_by_d(q, k, v, lens, group, block_n):  # positions TILED_D apart, whatever stride_ks says
+        kd, vd = (_restrided(t, (*t.stride()[:2], TILED_D, 1)) for t in (k, v))
+        return _tiled_as(q, kd, vd, lens, group, block_n, scale)
+
+    def heads_by_d(q, k, v, lens, group, block_n):  # query heads TILED_D apart in Q and in Out
+        by_d = (q.stride(0), TILED_D, 1)
+        return _stored_as(_tiled_as(_restrided(q, by_d), k, v, lens, group, block_n, scale), q, by_d)
 
     diagnosis = Diagnosis([
         ("The loop reads whole tiles only, so the last Seq_len % BLOCK_N positions (and every sequence shorter than "
@@ -554,15 +693,31 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
         ("acc holds an unnormalised sum: divide it by l at the end.", mistake("divide")),
         ("Query head h reads KV head h // GROUP: program kv serves the consecutive heads kv * GROUP + g, not "
          "kv + g * Hkv.", mistake("interleaved")),
+        ("Right while K and V are packed [B, Hkv, S_MAX, D], wrong here: position n sits n * stride_ks elements "
+         "into its head, not n * D. In a padded cache, a token-major one, or one with K and V side by side, "
+         "stride_ks is not D: step the keys and values by stride_ks.", keys_by_d),
+        ("Right while Q and Out are packed [B, Hq, D], wrong here: query head h sits h * stride_qh elements into "
+         "its row, not h * D (this Q's heads are padded). Step the heads of Q and Out by stride_qh.", heads_by_d),
     ], "Compare with softmax attention of each query head over its KV head's first seq_len positions: check the "
-       "pointers (stride_qh for query heads, stride_kh and stride_ks for the cache), the masks, and the update order "
-       "m_new, alpha, p, l, acc.", _same)  # fmt: skip
-    cases = [(2, 16, [1, 16, 17, 47], "nan", False), (4, 16, [33, 5, 48], "stale", True),
-             (1, 8, [9, 24, 3], "nan", True), (2, 8, [40, 8, 15], "stale", False)]  # fmt: skip
+       "pointers (stride_qb and stride_qh for Q and Out, stride_kb, stride_kh and stride_ks for K and V), the masks, "
+       "and the update order m_new, alpha, p, l, acc.", _same)  # fmt: skip
+    # How K/V and Q/Out are laid out in memory: the strides the kernel is given must be the ones it uses.
+    kv_layouts = {
+        "packed": None,
+        "token-major": ((0, 2, 1, 3), 0),  # [B, S_MAX, Hkv, D] underneath: stride_ks = Hkv * D, stride_kh = D
+        "padded rows": ((0, 1, 2, 3), 8),  # every position's D values followed by 8 unused ones
+        "K and V side by side": 3,  # one [B, Hkv, S_MAX, 2, D] buffer: stride_ks = 2 * D
+    }
+    cases = [(2, 16, [1, 16, 17, 47], "nan", False, "packed", False),
+             (4, 16, [33, 5, 48], "stale", True, "token-major", True),
+             (1, 8, [9, 24, 3], "nan", True, "padded rows", False),
+             (2, 8, [40, 8, 15], "stale", False, "K and V side by side", True)]  # fmt: skip
     cases += [(rng.choice([1, 2, 4]), rng.choice([8, 16]), [rng.randint(1, 48) for _ in range(3)],
-               rng.choice(["nan", "stale"]), rng.random() < 0.5)]  # fmt: skip
+               rng.choice(["nan", "stale"]), rng.random() < 0.5, rng.choice(list(kv_layouts)),
+               rng.random() < 0.5)]  # fmt: skip
     s_max = 48  # a multiple of every BLOCK_N: even an unmasked tile stays inside the cache
-    for group, block_n, lens, pad, growing in cases:
+    filler = case_generator("ch05.check_tiled_decode.layout", seed)  # the layouts' unused elements
+    for group, block_n, lens, pad, growing, kv_layout, padded_heads in cases:
         hq = TILED_HKV * group
         q = torch.randn(len(lens), hq, TILED_D, generator=gen, device="cpu")
         k = torch.randn(len(lens), TILED_HKV, s_max, TILED_D, generator=gen, device="cpu")
@@ -574,16 +729,22 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
         k = torch.where(outside, k * 3 if pad == "stale" else float("nan"), k)
         v = torch.where(outside, v + 2 if pad == "stale" else float("nan"), v)
         want = _tiled_as(q, k, v, lens, group, block_n, scale)
-        args = _on_kernel_device(q, k, v, torch.tensor(lens, dtype=torch.int32, device="cpu"),
-                                 torch.full_like(q, float("nan")))  # fmt: skip
-        q_d, k_d = args[0], args[1]
-        _launch("tiled_decode_kernel", kernel, (len(lens), TILED_HKV), *args, scale, q_d.stride(0), q_d.stride(1),
-                k_d.stride(0), k_d.stride(1), k_d.stride(2), GROUP=group, BLOCK_N=block_n, D=TILED_D,
-                inputs=("Q", "K", "V", "Seq_lens"))  # fmt: skip
+        layout = kv_layouts[kv_layout]
+        if isinstance(layout, int):
+            k, v = _interleaved(k, v, layout)
+        elif layout:
+            k, v = (_laid_out(t, *layout, _stale(filler, t, *layout)) for t in (k, v))
+        if padded_heads:  # Q's heads 8 elements apart, as Out's: stride_qh = D + 8
+            q = _laid_out(q, (0, 1, 2), 8, _stale(filler, q, (0, 1, 2), 8))
+        args = _on_kernel_device(q, k, v, torch.tensor(lens, dtype=torch.int32, device="cpu"), _nan_laid_out_as(q))
+        _launch("tiled_decode_kernel", kernel, (len(lens), TILED_HKV), *args, scale, *q.stride()[:2], *k.stride()[:3],
+                GROUP=group, BLOCK_N=block_n, D=TILED_D, inputs=("Q", "K", "V", "Seq_lens"))  # fmt: skip
         out = on_host(args[-1])
         if not _right(out, want):
             what = f"GROUP={group}, BLOCK_N={block_n}, seq_lens {lens}, {pad} padding" + (
                 ", scores rising along the sequence" if growing else "")
+            what += f", K/V layout {kv_layout} (strides {k.stride()})"
+            what += f", Q and Out with padded heads (strides {q.stride()})" if padded_heads else ""
             diagnosis.record(f"tiled_decode_kernel with {what}", (q, k, v, lens, group, block_n), out, want,
                              extra=f"; {tensor_diff(out, want)}")  # fmt: skip
     diagnosis.raise_if_wrong()
