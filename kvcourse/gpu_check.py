@@ -1,7 +1,7 @@
 """``python -m kvcourse.gpu_check`` (``make gpu-check``): what to run first on a machine with an NVIDIA GPU.
 
 Without a GPU, chapter 5's kernels run in Triton's CPU interpreter and are *compiled* for sm_75/80/90
-(:mod:`kvcourse.kernels.compile_check`), and device bugs are caught by running the package with torch's
+(:mod:`kvcourse.bench.compile_check`), and device bugs are caught by running the package with torch's
 default device set to ``meta`` (``tests/test_meta_device.py``). This command is the proof on a GPU. It
 runs, each job in its own process:
 

@@ -26,7 +26,6 @@ from ..lazy import lazy_exports
 _EXPORTS = {  # name -> the submodule that defines it, imported when the name is first read
     "slot_mapping": "..batch",
     "BlockManager": ".block_manager",
-    "CopyOnWrite": ".block_manager",
     "NoFreeBlocksError": ".block_manager",
     "PagedKVCache": ".cache",
     "allocate_slots": ".cache",
@@ -38,6 +37,7 @@ _EXPORTS = {  # name -> the submodule that defines it, imported when the name is
     "CachedBlock": ".block_hash",
     "hash_block_tokens": ".block_hash",
     "Admission": ".pool",
+    "CopyOnWrite": ".pool",
     "KVPool": ".pool",
     "PagedKVPool": ".pool",
     "PrefixCachingPool": ".pool",
