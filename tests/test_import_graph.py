@@ -119,3 +119,96 @@ def test_the_package_imports_without_circles():
 def test_results_does_not_import_the_kernels():
     # the committed results are data: the tools that read them import results, never the other way
     assert not any(m.startswith("kvcourse.kernels") for m in import_graph()["kvcourse.results"])
+
+
+# ---------------------------------------------------------------------------------------------
+# No tricks in the packages' __init__: one lazy-export helper, names written once, none a submodule's
+# ---------------------------------------------------------------------------------------------
+def _packages() -> list[Path]:
+    return sorted(PACKAGE_DIR.rglob("__init__.py"))
+
+
+def _lazy_dicts(tree: ast.Module) -> list[ast.expr]:
+    """The dicts a package hands to ``lazy_exports`` (by name, or unpacked into one: ``{**a, **b}``)."""
+    assigned = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+                for t in node.targets if isinstance(t, ast.Name)}  # fmt: skip
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "lazy_exports" and len(node.args) > 1:
+            arg = node.args[1]
+            parts = [v for k, v in zip(arg.keys, arg.values) if k is None] if isinstance(arg, ast.Dict) else [arg]
+            found += [assigned.get(p.id) if isinstance(p, ast.Name) else p for p in parts]
+    return [d for d in found if d is not None]
+
+
+def _exported_names(init: Path) -> set[str]:
+    """What a package's ``__init__`` binds for its users: names it defines, assigns or imports from a module
+    (``from . import sub`` binds the submodule itself, so it is not counted), and the names it hands to
+    ``lazy_exports``."""
+    tree = ast.parse(init.read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names |= {a.asname or a.name for a in node.names}
+    for d in _lazy_dicts(tree):
+        if isinstance(d, ast.Dict):
+            names |= {k.value for k in d.keys if isinstance(k, ast.Constant)}
+        elif isinstance(d, ast.Call) and d.args and isinstance(d.args[0], (ast.List, ast.Tuple)):  # dict.fromkeys
+            names |= {e.value for e in d.args[0].elts if isinstance(e, ast.Constant)}
+    return {n for n in names if not n.startswith("__")}
+
+
+def test_no_package_exports_a_name_that_is_also_its_submodule():
+    # Importing the submodule would set the package's attribute to the module, hiding the export
+    # (kvcourse.generate, the function, beside kvcourse/generate.py, needed a module class swapped to hide it).
+    clashes = []
+    for init in _packages():
+        submodules = {p.stem for p in init.parent.glob("*.py")} | {p.parent.name for p in init.parent.glob("*/__init__.py")}
+        clashes += [f"{_module_name(init, PACKAGE_DIR)}.{n}" for n in sorted(_exported_names(init) & submodules)]
+    assert not clashes, f"exported names that are also submodules: {clashes}"
+
+
+def test_one_lazy_export_helper():
+    # A module's __getattr__ (PEP 562) is written once, inside kvcourse.lazy.lazy_exports; every package
+    # gets its own from there, none writes one by hand (kvcourse.kernels kept a copy).
+    by_hand = [
+        str(path.relative_to(PACKAGE_DIR.parent))
+        for path in sorted(PACKAGE_DIR.rglob("*.py"))
+        if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in ast.parse(path.read_text()).body)
+    ]
+    assert by_hand == []
+    helper = next(n for n in ast.parse((PACKAGE_DIR / "lazy.py").read_text()).body if getattr(n, "name", "") == "lazy_exports")
+    assert any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in ast.walk(helper))
+    source = (PACKAGE_DIR / "lazy.py").read_text()
+    assert "__class__" not in source, "lazy_exports must not swap a module's class"
+
+
+def test_lazy_packages_write_their_exported_names_once():
+    # A package that exports on first use derives `__all__` from what it hands lazy_exports, never a second
+    # list typed by hand.
+    typed_twice = []
+    for init in _packages():
+        tree = ast.parse(init.read_text(encoding="utf-8"))
+        if not _lazy_dicts(tree):
+            continue
+        for node in tree.body:
+            if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+                    and isinstance(node.value, (ast.List, ast.Tuple))):  # fmt: skip
+                typed_twice.append(_module_name(init, PACKAGE_DIR))
+    assert not typed_twice, f"packages whose __all__ repeats their lazy exports by hand: {typed_twice}"
+
+
+def test_lazy_packages_export_what_they_list():
+    import kvcourse
+    import kvcourse.kernels
+    import kvcourse.paged
+    import kvcourse.serving
+
+    for package in (kvcourse, kvcourse.paged, kvcourse.serving):
+        assert package.__all__ == sorted(package._EXPORTS) and set(package.__all__) <= set(dir(package))
+    assert set(kvcourse.kernels.__all__) == set(kvcourse.kernels._REFERENCES)
+    assert callable(kvcourse.generate) and not hasattr(kvcourse, "_exports")

@@ -37,7 +37,6 @@ device and no ``TRITON_INTERPRET`` of your own -> ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
@@ -45,18 +44,23 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (see the module doc)
 
-from .reference import (
-    causal_attention,
-    decode_attention_ref,
-    paged_attention,
-    paged_decode_attention_ref,
-    paged_prefill_attention_ref,
-    position_masked_attention,
-    repeat_kv,
-    reshape_and_cache_ref,
-)
+from ..lazy import lazy_exports
 
-# name -> the module that defines it; imported (with Triton) only when the name is first used
+# name -> the module that defines it, imported when the name is first read: the references need only torch
+_REFERENCES = dict.fromkeys(
+    [
+        "causal_attention",
+        "decode_attention_ref",
+        "paged_attention",
+        "paged_decode_attention_ref",
+        "paged_prefill_attention_ref",
+        "position_masked_attention",
+        "repeat_kv",
+        "reshape_and_cache_ref",
+    ],
+    ".reference",
+)
+# the Triton kernels import Triton with their module
 _TRITON_NAMES = {
     "decode_attention": ".triton_decode",
     "paged_decode_attention": ".triton_paged",
@@ -73,26 +77,5 @@ _TRITON_NAMES = {
     "interpreting": ".triton_runtime",
     "kernel_runs": ".triton_runtime",
 }
-
-__all__ = [
-    "causal_attention",
-    "decode_attention_ref",
-    "paged_attention",
-    "paged_decode_attention_ref",
-    "paged_prefill_attention_ref",
-    "position_masked_attention",
-    "repeat_kv",
-    "reshape_and_cache_ref",
-]  # the Triton names are left out, so `from kvcourse.kernels import *` works without Triton
-
-
-def __getattr__(name: str):
-    if name in _TRITON_NAMES:
-        value = getattr(importlib.import_module(_TRITON_NAMES[name], __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_TRITON_NAMES))
+__getattr__, __dir__ = lazy_exports(__name__, {**_REFERENCES, **_TRITON_NAMES})
+__all__ = sorted(_REFERENCES)  # the Triton names are left out, so `from kvcourse.kernels import *` works without Triton
