@@ -179,7 +179,9 @@ def test_the_preset_follows_the_device(bench):
 def test_hf_cb_config_asks_only_for_fields_this_transformers_has(bench):
     from transformers import ContinuousBatchingConfig
 
-    cb, asked = bench.hf_cb_config(bench.Shape(max_num_seqs=64, max_num_batched_tokens=2048), 100, cuda_graphs=True)
+    import hf_serving  # the Hugging Face runs beside bench_serving's (the bench fixture put benchmarks/ on the path)
+
+    cb, asked = hf_serving.hf_cb_config(hf_serving.Shape(max_num_seqs=64, max_num_batched_tokens=2048), 100, cuda_graphs=True)
     assert isinstance(cb, ContinuousBatchingConfig) and cb.page_size == 16 and cb.num_blocks == 100
     assert cb.max_batch_tokens == 2048 and cb.max_requests_per_batch == 64 and cb.use_cuda_graph is True
     assert asked["not_in_this_version"] == [] and "use_async_batching" not in asked["asked"]  # the GPU: HF decides
