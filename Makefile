@@ -171,7 +171,7 @@ test-kernels-native: setup
 	$(PY) -m pytest tests/test_kernels_native.py -m native_full -q -p no:cacheprovider
 
 compile-report: setup
-	TRITON_INTERPRET=0 TRITON_DEFAULT_FP_FUSION=1 $(PY) -m kvcourse.kernels.compile_check --choices --json benchmarks/results/compile-report-$$(date +%F).json
+	TRITON_INTERPRET=0 TRITON_DEFAULT_FP_FUSION=1 $(PY) -m kvcourse.bench.compile_check --choices --json benchmarks/results/compile-report-$$(date +%F).json
 
 # The first thing to run on a machine with a GPU; results with provenance in benchmarks/results/.
 # No `setup`: a GPU machine keeps its own torch and Triton (the pins here are CPU wheels), so this runs

@@ -43,7 +43,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-from bench_serving import TEXT, left_padded, load_hf, make_workload, pool_blocks
+from bench_serving import TEXT, make_workload
+from hf_serving import left_padded, load_hf, pool_blocks
 from machine import OtherCPU, finish, machine_info, quiet_median
 
 import kvcourse

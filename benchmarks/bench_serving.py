@@ -12,7 +12,8 @@ work), all arriving at time 0, served on SmolLM2-135M:
   every row decoded until the batch's longest output is done (:mod:`kvcourse.serving.baselines`);
 * ``continuous``      -- the engine, ``max_num_seqs = --batch-size``, whole prompts only;
 * ``continuous_chunked`` -- the same with chunked prefill under a budget of 256 tokens per step;
-* ``hf_padded``       -- Hugging Face ``generate`` on left-padded batches of ``--batch-size``, greedy.
+* ``hf_padded``       -- Hugging Face ``generate`` on left-padded batches of ``--batch-size``, greedy
+  (``hf_serving.py``, which the GPU engine benchmark's Hugging Face runs share).
 
 Reported per mode: output tokens/s (all output tokens over the time to serve the whole trace) and
 p50/p99 of TTFT (arrival to first token, queueing included) and TPOT. Then the same on the first 16
@@ -27,15 +28,15 @@ import argparse
 import math
 import os
 import platform
-import time
 
 import numpy as np
 import torch
+from hf_serving import pool_blocks, run_hf_padded, summary
 from machine import finish, machine_info
 
 import kvcourse
 from kvcourse import SamplingParams
-from kvcourse.serving import Engine, RequestMetrics, latency_summary
+from kvcourse.serving import Engine
 from kvcourse.serving.baselines import serve_static
 
 TEXT = (
@@ -57,16 +58,6 @@ def make_workload(tok, num: int, seed: int) -> tuple[list[list[int]], list[int]]
     return [ids[s : s + n] for s, n in zip(starts, prompt_lens)], [int(n) for n in output_lens]
 
 
-def summary(metrics: list[RequestMetrics]) -> dict:
-    s = latency_summary(metrics)
-    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}
-
-
-def pool_blocks(prompts, output_lens, block_size: int = 16) -> int:
-    """Blocks for every request of the workload at once: no request ever waits for memory."""
-    return sum(-(-(len(p) + n) // block_size) for p, n in zip(prompts, output_lens))
-
-
 def run_engine(model, prompts, params, batch_size, chunked: bool) -> dict:
     blocks = pool_blocks(prompts, [sp.max_new_tokens for sp in params])
     eng = Engine(model, num_blocks=blocks, block_size=16, max_num_seqs=batch_size,
@@ -81,64 +72,6 @@ def run_static(model, prompts, params, batch_size) -> dict:
     run = serve_static(model, prompts, params, batch_size)
     out = summary(run.metrics)
     out.update(steps=len(run.events), padded_tokens=sum(n for e in run.events for *_, n, k in e.scheduled if k == "pad"))
-    return out
-
-
-def load_hf():
-    """Hugging Face's copy of the same weights (read from the same GGUF, offline), in fp32."""
-    import transformers
-
-    path = kvcourse.gguf_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return hf.eval()
-
-
-def left_padded(prompts) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` of one batch, prompts padded on the left with token 0."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return input_ids, mask
-
-
-def run_hf(prompts, output_lens, batch_size) -> dict:
-    """Hugging Face ``generate`` on left-padded batches; per-token times from a streamer."""
-    import transformers
-    from transformers.generation.streamers import BaseStreamer
-
-    hf = load_hf()
-
-    class Clock(BaseStreamer):
-        def __init__(self):
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
-    metrics = []
-    t0 = time.perf_counter()
-    for first in range(0, len(prompts), batch_size):
-        batch = range(first, min(first + batch_size, len(prompts)))
-        input_ids, mask = left_padded([prompts[i] for i in batch])
-        longest = max(output_lens[i] for i in batch)
-        clock = Clock()
-        config = transformers.GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-                                               pad_token_id=0, eos_token_id=None)  # fmt: skip
-        start = time.perf_counter()
-        with torch.inference_mode():
-            hf.generate(input_ids=input_ids, attention_mask=mask, generation_config=config, streamer=clock)
-        steps = clock.times[1:]  # the first put is the prompt
-        for i in batch:
-            n = output_lens[i]
-            m = RequestMetrics(0.0, 0, len(prompts[i]), first_scheduled_time=start - t0,
-                               first_token_time=steps[0] - t0, finish_time=steps[n - 1] - t0)  # fmt: skip
-            m.num_output_tokens = m.max_sample_tokens = n
-            metrics.append(m)
-    out = summary(metrics)
-    out["transformers"] = transformers.__version__
     return out
 
 
@@ -172,7 +105,7 @@ def main() -> None:
         "continuous_chunked": lambda p, sp: run_engine(model, p, sp, args.batch_size, chunked=True),
     }
     if not args.skip_hf:
-        modes["hf_padded"] = lambda p, sp: run_hf(p, [s.max_new_tokens for s in sp], args.batch_size)
+        modes["hf_padded"] = lambda p, sp: run_hf_padded(p, [s.max_new_tokens for s in sp], args.batch_size)
     header = f"{'mode':20s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s} {'time':>7s}"
     print(f"{args.requests} requests, {sum(output_lens)} output tokens, {res['threads']} threads, {res['processor']}")
     print(header)

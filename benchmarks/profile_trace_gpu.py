@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_engine_gpu import BLOCK, Shape, load_ours, log, pilot_workload, slug, sync, uniform_trace  # noqa: E402
-from bench_serving import pool_blocks  # noqa: E402
+from bench_engine_gpu import load_ours, log, slug, uniform_trace  # noqa: E402
+from hf_serving import BLOCK, Shape, pilot_workload, pool_blocks, sync  # noqa: E402
 
 from kvcourse import SamplingParams  # noqa: E402
 from kvcourse.batch import ForwardBatch  # noqa: E402

@@ -11,11 +11,11 @@ _EXPORTS = {  # name -> the submodule that defines it, imported when the name is
     "CacheOverflowError": ".cache",
     "KVCache": ".cache",
     "QuantizedKVCache": ".compression",
-    "GenerationResult": ".generate",
-    "generate": ".generate",
-    "generate_paged": ".generate",
-    "stream_generate": ".generate",
-    "timed_generate": ".generate",
+    "GenerationResult": ".generation",
+    "generate": ".generation",
+    "generate_paged": ".generation",
+    "stream_generate": ".generation",
+    "timed_generate": ".generation",
     "causal_attention": ".kernels.reference",
     "decode_attention_ref": ".kernels.reference",
     "gguf_path": ".loader",
@@ -27,6 +27,7 @@ _EXPORTS = {  # name -> the submodule that defines it, imported when the name is
     "SequenceStatus": ".sequence",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)
 
 try:
     import torch as _torch
@@ -40,25 +41,3 @@ if _torch is not None:
 from . import results  # the committed benchmark results, shipped as package data
 
 __version__ = "0.1.0"
-
-__all__ = [
-    "CacheOverflowError",
-    "ForwardBatch",
-    "GenerationResult",
-    "KVCache",
-    "LlamaConfig",
-    "LlamaModel",
-    "QuantizedKVCache",
-    "SamplingParams",
-    "SeqSlice",
-    "Sequence",
-    "SequenceStatus",
-    "causal_attention",
-    "decode_attention_ref",
-    "generate",
-    "generate_paged",
-    "gguf_path",
-    "load_pretrained",
-    "stream_generate",
-    "timed_generate",
-]

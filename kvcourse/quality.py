@@ -187,7 +187,7 @@ def greedy_agreement(
 
     Pass ``reference`` (the full cache's outputs) to reuse it across several caches.
     """
-    from .generate import generate
+    from .generation import generate
 
     if reference is None:
         reference = [generate(model, p, max_new_tokens) for p in prompts]

@@ -221,7 +221,7 @@ def test_kv_cache_update_refuses_a_bool_layer_and_a_cast():
 
 
 def test_quantizing_an_inf_is_refused_not_turned_into_nans():
-    from kvcourse.compression.quantize import quantize
+    from kvcourse.compression.quantization import quantize
     from kvcourse.kernels.int8 import quantize_int8
 
     x = torch.ones(2, 64)

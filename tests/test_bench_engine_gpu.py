@@ -1,9 +1,9 @@
 """``benchmarks/bench_engine_gpu.py`` (issue 29): its smoke run on the CPU, and the bookkeeping a GPU run relies on.
 
-Only a GPU run measures anything (``make gpu-check`` runs it within 90 s). Here: the whole script runs
-end to end in its CPU smoke mode (tiny sizes, two layers, the kernels in Triton's interpreter) and writes
-every section, target and agreement count; and its pieces (nano-vllm's draws, the budget, the targets,
-the comparison of outputs) are checked in-process, where they cost nothing.
+Only a GPU run measures anything (``make gpu-check`` runs its ``lease`` preset, about 90 s). Here: the whole
+script runs end to end in its ``smoke`` preset on the CPU (tiny sizes, two layers, the kernels in Triton's
+interpreter) and writes every section, target and agreement count; and its pieces (nano-vllm's draws, the
+presets, the targets, the comparison of outputs) are checked in-process, where they cost nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ BENCH = ROOT / "benchmarks"
 
 @pytest.fixture(scope="module")
 def bench(request):
-    """The benchmark as a module (its neighbours, bench_serving and machine, importable as it expects)."""
+    """The benchmark as a module (its neighbours, hf_serving and machine, importable as it expects)."""
     sys.path.insert(0, str(BENCH))
     request.addfinalizer(lambda: sys.path.remove(str(BENCH)))
     import bench_engine_gpu
@@ -42,12 +42,13 @@ def run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: make gpu-check runs the real thing")
 def test_the_cpu_smoke_run_writes_every_section(tmp_path):
     start = time.perf_counter()
-    proc = run_script(["benchmarks/bench_engine_gpu.py", "--device", "cpu", "--quick", "--out", str(tmp_path)], 600)
+    proc = run_script(["benchmarks/bench_engine_gpu.py", "--device", "cpu", "--preset", "smoke", "--out", str(tmp_path)],
+                      600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob("gpu-engine-cpu-*.json")
     res = json.loads(path.read_text())
     assert res["errors"] == []
-    assert res["smoke"] and res["device"] == "cpu" and res["dtype"] == "float32"
+    assert res["smoke"] and res["device"] == "cpu" and res["dtype"] == "float32" and res["preset"] == "smoke"
     assert res["model"] == {"name": "SmolLM2-135M-Instruct (GGUF)", "layers": 2, "of_layers": 30, "truncated": True}
     assert res["provenance"]["commit"] and res["provenance"]["torch"] == torch.__version__
     for key in ("nano_vllm", "issue_trace", "step_profile", "agreement"):
@@ -103,7 +104,7 @@ def test_bench_engine_dispatches_device_cuda():
     # The issue's command goes to the GPU benchmark, which refuses plainly without a GPU.
     if torch.cuda.is_available():  # pragma: no cover
         pytest.skip("a GPU is present")
-    proc = run_script(["benchmarks/bench_engine.py", "--device", "cuda", "--requests", "8"], 120)
+    proc = run_script(["benchmarks/bench_engine.py", "--device", "cuda", "--preset", "full"], 120)
     assert proc.returncode == 2 and "no CUDA GPU here" in proc.stderr and "bench_engine_gpu.py" in proc.stderr
 
 
@@ -153,27 +154,34 @@ def test_targets_read_this_runs_numbers(bench):
     assert all(x["value"] is None and x["met"] is None for x in t.values())
 
 
-def test_the_budget_skips_optional_runs_and_records_errors(bench):
-    budget = bench.Budget(10.0, torch.device("cuda"))
-    assert budget.limited and 9 < budget.left() <= 10
-    ran = []
-    out = bench.attempt("optional", lambda dl: ran.append(dl) or {}, budget, estimate=60.0, required=False)
-    assert not ran and "budget" in out["skipped"] and budget.notes
-    out = bench.attempt("required", lambda dl: ran.append(dl) or {"tok_s": 1.0}, budget, estimate=60.0, required=True)
-    assert out == {"tok_s": 1.0} and ran[0] is not None and ran[0] > time.perf_counter()  # it got a deadline
-    out = bench.attempt("broken", lambda dl: 1 / 0, budget, estimate=0.0, required=True)
+def test_presets_are_fixed_and_runs_are_guarded(bench):
+    # The sizes come from a preset, never from the time left: lease is full with fewer of (a)'s requests
+    # and no comparisons, and its runs stop at a fixed timeout.
+    full, lease, smoke = (bench.PRESETS[k] for k in ("full", "lease", "smoke"))
+    assert (full.requests, full.trace_requests, full.batches, full.comparisons, full.run_timeout_s) == (
+        128, 96, (1, 16, 64), True, None)  # fmt: skip
+    assert lease == bench.dataclasses.replace(full, requests=32, comparisons=False, run_timeout_s=60.0)
+    assert smoke.comparisons and max(smoke.batches) < 64 and smoke.requests < lease.requests
+    out = bench.attempt("broken", lambda dl: 1 / 0, None)
     assert out["error"].startswith("ZeroDivisionError")
-    assert bench.fit_requests(budget, 20.0, 2.0, 8, 128) == 10 and bench.fit_requests(budget, 1.0, 2.0, 8, 128) == 8
-    budget.observe("engine-graphs", {"tok_s": 5000.0, "setup_s": 2.0})
-    assert budget.estimate("engine-graphs", 10_000) == pytest.approx(4.0)  # measured: no margin
-    unlimited = bench.Budget(None, torch.device("cpu"))
-    assert unlimited.deadline() is None and bench.fit_requests(unlimited, 0.0, 1.0, 8, 128) == 128
+    ran = []
+    assert bench.attempt("ok", lambda dl: ran.append(dl) or {"tok_s": 1.0}, 5.0) == {"tok_s": 1.0} and ran == [5.0]
+
+
+def test_the_preset_follows_the_device(bench):
+    assert bench.parse(["--device", "cpu"]).preset == "smoke" and bench.parse(["--device", "cpu"]).layers == 2
+    with pytest.raises(SystemExit):
+        bench.parse(["--device", "cpu", "--preset", "lease"])  # a CPU runs the smoke preset only
+    with pytest.raises(SystemExit):
+        bench.parse(["--device", "cpu", "--layers", "0"])
 
 
 def test_hf_cb_config_asks_only_for_fields_this_transformers_has(bench):
     from transformers import ContinuousBatchingConfig
 
-    cb, asked = bench.hf_cb_config(bench.Shape(max_num_seqs=64, max_num_batched_tokens=2048), 100, cuda_graphs=True)
+    import hf_serving  # the Hugging Face runs beside bench_serving's (the bench fixture put benchmarks/ on the path)
+
+    cb, asked = hf_serving.hf_cb_config(hf_serving.Shape(max_num_seqs=64, max_num_batched_tokens=2048), 100, cuda_graphs=True)
     assert isinstance(cb, ContinuousBatchingConfig) and cb.page_size == 16 and cb.num_blocks == 100
     assert cb.max_batch_tokens == 2048 and cb.max_requests_per_batch == 64 and cb.use_cuda_graph is True
     assert asked["not_in_this_version"] == [] and "use_async_batching" not in asked["asked"]  # the GPU: HF decides

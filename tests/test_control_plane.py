@@ -109,7 +109,7 @@ CONTROL_MODULES = ["kvcourse/control/__init__.py", "kvcourse/control/playground.
                    "kvcourse/paged/pool.py", "kvcourse/serving/scheduler.py"]  # fmt: skip
 DATA_PLANE = ("torch", "triton", "numpy", "kvcourse.model", "kvcourse.batch", "kvcourse.backends", "kvcourse.kernels",
               "kvcourse.paged.kv_store", "kvcourse.paged.cache", "kvcourse.serving.engine",
-              "kvcourse.serving.model_runner", "kvcourse.sampling", "kvcourse.generate")  # fmt: skip
+              "kvcourse.serving.model_runner", "kvcourse.sampling", "kvcourse.generation")  # fmt: skip
 
 
 @pytest.mark.parametrize("path", CONTROL_MODULES)
@@ -136,8 +136,8 @@ def test_control_plane_modules_import_nothing_of_the_data_plane_at_module_level(
 
 def test_lazy_packages_import_names_on_first_use_and_keep_exports_over_submodules():
     """``import kvcourse`` imports no torch until a name that needs it is read; ``kvcourse.generate`` stays the
-    function even after its submodule ``kvcourse/generate.py`` is imported (the import system sets the
-    package attribute to the module, as an eager ``__init__`` used to undo)."""
+    function after the submodule that defines it, ``kvcourse/generation.py``, is imported (no submodule
+    shares an exported name, so the import system never sets the package's attribute to a module)."""
     code = BLOCK_TORCH + """
 import kvcourse, kvcourse.paged, kvcourse.serving
 print(set(kvcourse.paged.__all__) <= set(dir(kvcourse.paged)))
@@ -146,6 +146,6 @@ print(kvcourse.paged.BlockManager.__name__, kvcourse.serving.Scheduler.__name__)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["True", "BlockManager", "Scheduler"]
-    code = "import kvcourse.generate, kvcourse, inspect; print(inspect.isfunction(kvcourse.generate))"
+    code = "import kvcourse.generation, kvcourse, inspect; print(inspect.isfunction(kvcourse.generate))"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.stdout.strip() == "True", proc.stderr[-2000:]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvcourse.compression.dropping import DroppingKVCache, select_tokens
-from kvcourse.compression.quantize import fake_quantize
+from kvcourse.compression.quantization import fake_quantize
 from kvcourse.compression.window import ring_slot
 from kvcourse.exercises import ExerciseError, ch08
 

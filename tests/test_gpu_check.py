@@ -29,9 +29,10 @@ def test_jobs_cover_every_chapter_and_name_files_that_exist(tmp_path):
     assert str(tmp_path) in todo[0].command  # the benchmark writes beside the check's JSON
     engine = todo[1].command
     assert engine[1:4] == ["benchmarks/bench_engine_gpu.py", "--device", "cuda"] and str(tmp_path) in engine
-    assert engine[engine.index("--budget") + 1] == str(gpu_check.ENGINE_BENCH_BUDGET_S) == "90"
-    assert todo[1].timeout_s and todo[1].timeout_s > gpu_check.ENGINE_BENCH_BUDGET_S  # a hang cannot eat the run
-    assert "--quick" in gpu_check.jobs(gpu_check.ROOT, tmp_path, quick_bench=True)[1].command
+    assert engine[engine.index("--preset") + 1] == "lease"  # fixed sizes, made to fit the run
+    assert todo[1].timeout_s == gpu_check.ENGINE_BENCH_TIMEOUT_S  # a hang cannot eat the run
+    quick = gpu_check.jobs(gpu_check.ROOT, tmp_path, quick_bench=True)[1].command
+    assert quick[quick.index("--preset") + 1] == "smoke"
     kernels = gpu_check.kernel_test_files(gpu_check.ROOT)
     assert {"tests/test_kernels.py", "tests/test_kernels_native.py", "tests/test_exercises_ch05.py"} <= set(kernels)
     files = gpu_check.device_test_files(gpu_check.ROOT)

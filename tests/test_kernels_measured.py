@@ -1,4 +1,4 @@
-"""kvcourse.kernels.measured: the committed GPU runs of the kernel benchmark, read, checked and plotted."""
+"""kvcourse.bench.measured: the committed GPU runs of the kernel benchmark, read, checked and plotted."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ matplotlib.use("Agg")
 
 import pytest
 
-from kvcourse.kernels import measured
-from kvcourse.kernels.measured import KernelBench, check_kernel_bench, load_kernel_bench, plot_bandwidth
+from kvcourse.bench import measured
+from kvcourse.bench.measured import KernelBench, check_kernel_bench, load_kernel_bench, plot_bandwidth
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = "kernels-nvidia-h200-2026-11-26.json"

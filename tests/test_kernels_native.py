@@ -1,7 +1,7 @@
 """Chapter 5's kernels and a layer's fused small ops compiled for real NVIDIA GPUs (sm_75, sm_80, sm_90) on this CPU.
 
 Triton compiles to PTX and ``ptxas`` (shipped in the triton wheel) to machine code without a GPU
-(:mod:`kvcourse.kernels.compile_check`). Each check runs in a subprocess with ``TRITON_INTERPRET=0``
+(:mod:`kvcourse.bench.compile_check`). Each check runs in a subprocess with ``TRITON_INTERPRET=0``
 and a fresh ``TRITON_CACHE_DIR``: ``import kvcourse`` settles interpret mode for its whole process,
 and a cold cache proves the compiles happen here. The quick sweep (the course model's and a
 Llama-3-8B-like head's launches) runs in ``make test``; the full sweep (GQA groups 1/3/4/8, head
@@ -32,7 +32,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 def _sweep(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvcourse.kernels.compile_check", "--json", str(out), *args],
+        [sys.executable, "-m", "kvcourse.bench.compile_check", "--json", str(out), *args],
         env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, f"compile check failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -87,7 +87,7 @@ def test_kernels_compile_for_t4_a100_h100_without_spills(tmp_path):
 def test_spills_are_detected(tmp_path):
     """The check can fail: the T4 launch used before tile_config knew the GPU (64-wide tiles, 4 warps) spills."""
     script = (
-        "from kvcourse.kernels import compile_check as cc\n"
+        "from kvcourse.bench import compile_check as cc\n"
         "import dataclasses, torch, json\n"
         "cfg = cc.Config('paged', torch.float16, (9, 3), 64, tiles=(64, 4, 2))\n"
         "r = cc.check(cfg, cc.TARGETS[0])\n"
@@ -104,7 +104,7 @@ def test_spills_are_detected(tmp_path):
 
 def test_compile_check_refuses_the_interpreter(tmp_path):
     env = dict(_env(tmp_path), TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "kvcourse.kernels.compile_check", "--quick"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "kvcourse.bench.compile_check", "--quick"], env=env,
                           capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
     assert proc.returncode == 2 and "TRITON_INTERPRET=0" in proc.stderr
 
@@ -122,7 +122,7 @@ def test_the_int8_kernel_needs_no_conversion_unit_and_loads_16_bytes_at_a_time(t
     vectors like fp16's (unvectorised loads were a suspect; they are not the cause), the first version's plain
     conversion became ``I2F`` instructions, and :func:`~kvcourse.kernels.triton_paged.int8_to_float` needs none."""
     out = tmp_path / "instructions.json"
-    proc = subprocess.run([sys.executable, "-m", "kvcourse.kernels.instructions", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "kvcourse.bench.instructions", "--json", str(out)],
                           env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]

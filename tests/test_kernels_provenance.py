@@ -1,4 +1,4 @@
-"""kvcourse.kernels.provenance: the report of where kernels ran, and the GPU-measurement plot, say what happened."""
+"""kvcourse.bench.provenance: the report of where kernels ran, and the GPU-measurement plot, say what happened."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ matplotlib.use("Agg")
 import pytest
 import torch
 
-from kvcourse.kernels import provenance, reshape_and_cache
-from kvcourse.kernels import triton_runtime
+from kvcourse.bench import provenance
+from kvcourse.kernels import reshape_and_cache, triton_runtime
 
 
 @pytest.fixture

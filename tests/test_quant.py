@@ -5,7 +5,7 @@ import torch
 
 import kvcourse
 from kvcourse import QuantizedKVCache
-from kvcourse.compression.quantize import dequantize, fake_quantize, pack_codes, quantize, unpack_codes
+from kvcourse.compression.quantization import dequantize, fake_quantize, pack_codes, quantize, unpack_codes
 from tests.pinned_kv import KVPins, PinnedUpdates
 from tests.tolerances import assert_logits_close, decided_steps, top1_margins
 

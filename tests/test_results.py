@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvcourse import results
+from kvcourse.bench.measured import check_result
 from kvcourse.compression.results import RESULTS_FILE, load_results
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +60,7 @@ def test_no_chapter_reads_results_from_the_network_or_the_checkout():
 
 
 def test_every_committed_result_of_a_known_kind_is_valid():
-    kinds = {name: results.check(name) for name in results.find()}
+    kinds = {name: check_result(name) for name in results.find()}
     assert kinds["kernels-nvidia-h200-2026-11-26.json"] == "kernels"
     assert kinds["cpu-serving-2026-11-22.json"] == "other"
 
@@ -84,7 +85,7 @@ def test_a_tampered_result_is_refused(monkeypatch):
     data["rows"][0]["gbps"] *= 2
     monkeypatch.setattr(results, "load", lambda name: data)
     with pytest.raises(ValueError, match=r"rows\[0\] .*gbps .* is not bytes / ms"):
-        results.check("kernels-nvidia-h200-2026-11-26.json")
+        check_result("kernels-nvidia-h200-2026-11-26.json")
     monkeypatch.setattr(results, "load", lambda name: {"check": "gpu", "steps": [{"step": "x", "notebooks": [{}]}]})
     with pytest.raises(ValueError, match="gpu-check-x.json: .*needs 'notebook'"):
-        results.check("gpu-check-x.json")
+        check_result("gpu-check-x.json")

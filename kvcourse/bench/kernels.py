@@ -28,7 +28,7 @@ compile, or that fell back to the torch reference, is refused: its row says so a
 benchmark refuses: the interpreter measures Python, not memory. ``--smoke`` then runs one tiny shape
 through the same code for correctness only and prints no speed.
 
-Runs committed so far (:mod:`kvcourse.kernels.measured` reads and plots them; chapter 5 quotes them): an
+Runs committed so far (:mod:`kvcourse.bench.measured` reads and plots them; chapter 5 quotes them): an
 NVIDIA H200, ``kvcourse/results/kernels-nvidia-h200-2026-11-26.json`` (FlexAttention not timed; the file
 records which targets were met). No T4 or A100 has run it.
 """
@@ -49,8 +49,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..kernels.measured import ONE_BYTE_KV
 from ..kernels.roofline import decode_attention_bytes, peak_for
+from .measured import ONE_BYTE_KV
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 BATCHES = (1, 8, 32, 64, 128)

@@ -1,6 +1,6 @@
 """Chapter 8's compressed caches: fewer bytes per token, each at a measured cost in quality.
 
-* :mod:`.quantize` -- integer (per token, per channel), fp8 and 16-bit formats, scales counted;
+* :mod:`.quantization` -- integer (per token, per channel), fp8 and 16-bit formats, scales counted;
 * :mod:`.quantized_cache` -- :class:`QuantizedKVCache`: per-token and KIVI-style quantized K/V;
 * :mod:`.window` -- :class:`SinkKVCache`: a sliding window as a ring buffer, with attention sinks;
 * :mod:`.dropping` -- :class:`DroppingKVCache`: keep the tokens attention uses (H2O, SnapKV);
@@ -15,7 +15,7 @@ and dropping caches also report ``key_positions``: they hold only some of the pa
 from .dropping import (DroppingKVCache, compressed_continuation_logits, generate_compressed, prefill, prefill_prompt,
                        select_tokens)
 from .paged_int8 import Int8PagedKVStore
-from .quantize import FORMATS, QuantizedTensor, dequantize, fake_quantize, quantize
+from .quantization import FORMATS, QuantizedTensor, dequantize, fake_quantize, quantize
 from .quantized_cache import SCHEMES, QuantizedKVCache
 from .window import SinkKVCache, ring_slot, simulate_window_logits, window_mask
 

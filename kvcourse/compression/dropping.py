@@ -220,7 +220,7 @@ def generate_compressed(model, prompt, budget: int | None, method: str = "snapkv
     tokens after it. ``prefilled``: ``prefill_prompt(model, prompt)``, done once for several budgets
     (copied, not changed).
     """
-    from ..generate import generate
+    from ..generation import generate
 
     check_int("max_new_tokens", max_new_tokens, min=1)
     cache, first = prefill_prompt(model, prompt) if prefilled is None else copy.deepcopy(prefilled)

@@ -26,7 +26,7 @@ import torch
 from ..cache import CacheOverflowError, check_update
 from ..checks import check_bool, check_int
 from ..utils import check_config
-from .quantize import QuantizedTensor, dequantize, quantize
+from .quantization import QuantizedTensor, dequantize, quantize
 
 __all__ = ["QuantizedKVCache", "SCHEMES"]
 

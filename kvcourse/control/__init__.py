@@ -14,9 +14,9 @@ model, the K/V pools, the kernels, :func:`~kvcourse.paged.apply_transfers` -- is
 """
 
 from ..paged.block_hash import CachedBlock, hash_block_tokens
-from ..paged.block_manager import BlockManager, CopyOnWrite, NoFreeBlocksError
+from ..paged.block_manager import BlockManager, NoFreeBlocksError
 from ..paged.offload import BlockTransfer, HostBlockPool, OffloadedBlock
-from ..paged.pool import Admission, KVPool, PagedKVPool, PrefixCachingPool
+from ..paged.pool import Admission, CopyOnWrite, KVPool, PagedKVPool, PrefixCachingPool
 from ..paged.prefix_cache import FreeBlockQueue, PrefixCachingBlockManager
 from ..paged.radix import RadixCache, longest_prefix_first
 from ..sequence import SamplingParams, Sequence, SequenceStatus

@@ -486,7 +486,7 @@ def _lookup_watched(lookup: Callable, *args):
 
 
 def _lookup_in_the_engine(find_longest_cache_hit: Callable, model, seed: int) -> None:
-    from ..generate import generate
+    from ..generation import generate
 
     rounds = _engine_rounds(seed)
     want_outs, want_hits = _serve(model, rounds, None)  # kvcourse's own lookup

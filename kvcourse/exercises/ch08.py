@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compression import window as _window
 from ..compression.dropping import DroppingKVCache, select_tokens
-from ..compression.quantize import fake_quantize
+from ..compression.quantization import fake_quantize
 from ..mla import LatentCache, MLAConfig, MultiHeadLatentAttention
 from ._core import (
     call_learner,

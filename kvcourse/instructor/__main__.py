@@ -8,7 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from .grade import CHAPTER, finite_seconds, grade_directory, notebooks_under, rows_of, write_csv
+from .chapters import CHAPTER
+from .grade import finite_seconds, grade_directory, notebooks_under, rows_of, write_csv
 from .student import student_copy
 
 

@@ -22,8 +22,9 @@ from pathlib import Path
 
 from ..exercises.catalog import EXERCISES, NOTEBOOKS
 
-__all__ = ["Chapter", "Assignment", "assign", "chapter_number", "reference_chapters"]
+__all__ = ["CHAPTER", "Chapter", "Assignment", "assign", "chapter_number", "reference_chapters"]
 
+CHAPTER = re.compile(r"^\d\d_.*\.ipynb$")  # the book's chapter notebooks: 01_naive_generation.ipynb, ...
 _NUMBER = re.compile(r"(?<!\d)(\d\d)_")
 
 
@@ -63,7 +64,6 @@ def reference_chapters(book: Path | None = None, chapters: list[str] | None = No
     if book is not None:
         import nbformat
 
-        from .grade import CHAPTER
         from .notebook import find_exercises
 
         for path in sorted(book.glob("*.ipynb")):

@@ -24,7 +24,6 @@ import copy
 import csv
 import math
 import os
-import re
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -34,10 +33,9 @@ from ..exercises.catalog import EXERCISES
 from .notebook import Exercise, cell_source, find_exercises
 
 __all__ = ["Row", "NotebookResult", "grade_notebook", "grade_directory", "write_csv", "exercise_cells", "rows_of",
-           "submissions", "notebooks_under", "chapter_names", "default_jobs", "thread_budget", "budget_threads", "finite_seconds",
-           "CHAPTER"]
+           "submissions", "notebooks_under", "chapter_names", "default_jobs", "thread_budget", "budget_threads",
+           "finite_seconds"]
 
-CHAPTER = re.compile(r"^\d\d_.*\.ipynb$")  # the book's chapter notebooks: 01_naive_generation.ipynb, ...
 _WORKER_BYTES = 4 * 2**30  # a grading worker: its notebook's kernel, the checker, a sandbox server (model in each)
 
 

@@ -43,7 +43,7 @@ def package_dir() -> Path:
 
 
 # What checks import inside their functions, not at the top of their module (tests/test_integrity.py lists them).
-_IMPORTED_BY_CHECKS = ("kvcourse.generate", "kvcourse.serving", "kvcourse.serving.engine", "kvcourse.utils")
+_IMPORTED_BY_CHECKS = ("kvcourse.generation", "kvcourse.serving", "kvcourse.serving.engine", "kvcourse.utils")
 
 
 def load_checks() -> list[str]:

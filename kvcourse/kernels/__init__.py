@@ -7,25 +7,23 @@
 * :mod:`.online_softmax` -- the online softmax and the split-KV merge, step by step in torch.
 * :mod:`.roofline` -- bytes moved by decode attention, and the GPUs' published peaks.
 * :mod:`.fused` -- a decoder layer's small ops in one call each (RMSNorm with its residual add, RoPE,
-  SiLU-and-mul): the torch versions, and the functions the model calls, which run the Triton kernels
-  of :mod:`.triton_fused` on a CUDA device (``fused.USE_TRITON = False`` turns them off).
+  SiLU-and-mul): the functions the model calls, which run the Triton kernels of :mod:`.triton_fused`
+  on a CUDA device (``fused.USE_TRITON = False`` turns them off) and their torch versions
+  (:mod:`.fused_torch`) anywhere else.
 
 The Triton kernels (chapter 5's, and the layer's fused ops), each beside the reference it must equal:
 
 * :mod:`.triton_decode` -- :func:`decode_attention`, one query per sequence on a contiguous cache;
 * :mod:`.triton_paged` -- :func:`paged_decode_attention` through block tables, split-KV, int8 reads;
 * :mod:`.triton_cache` -- :func:`reshape_and_cache`, the K/V write (float and int8);
-* :mod:`.triton_fused` -- a layer's small ops, one kernel each, equal to :mod:`.fused`'s torch versions:
+* :mod:`.triton_fused` -- a layer's small ops, one kernel each, equal to :mod:`.fused_torch`'s versions:
   :func:`rms_norm`, :func:`fused_add_rms_norm`, :func:`rotary_embedding`, :func:`silu_and_mul` (vLLM's
   names; these names of this package are the kernels themselves, on the GPU or in the interpreter);
 * :mod:`.triton_runtime` -- where Triton runs (GPU, or its CPU interpreter), the torch fallback, and
-  :func:`kernel_runs`: how every launch ran (compiled, interpreted, or fell back to torch);
-* :mod:`.compile_check` -- the kernels compiled for a T4, an A100 and an H100 without a GPU: registers,
-  spills, shared memory, tensor-core instructions or not.
-* :mod:`.provenance` -- where a page's kernel numbers came from: how every launch ran, and the committed
-  GPU measurements (or, where there are none, the floor that vendor peak bandwidth sets);
-* :mod:`.measured` -- the committed GPU runs of ``python -m kvcourse.bench kernels`` (the first: an
-  NVIDIA H200), read, checked and plotted against torch's SDPA, the vendor peak and a measured copy.
+  :func:`kernel_runs`: how every launch ran (compiled, interpreted, or fell back to torch).
+
+The tools that measure these kernels (compiled without a GPU, timed on one, and where a page's
+numbers came from) are in :mod:`kvcourse.bench`; no kernel imports them.
 
 The Triton names are loaded on first use, so ``import kvcourse`` works without Triton installed
 (chapters 1-4).
@@ -39,7 +37,6 @@ device and no ``TRITON_INTERPRET`` of your own -> ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
@@ -47,18 +44,23 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton (see the module doc)
 
-from .reference import (
-    causal_attention,
-    decode_attention_ref,
-    paged_attention,
-    paged_decode_attention_ref,
-    paged_prefill_attention_ref,
-    position_masked_attention,
-    repeat_kv,
-    reshape_and_cache_ref,
-)
+from ..lazy import lazy_exports
 
-# name -> the module that defines it; imported (with Triton) only when the name is first used
+# name -> the module that defines it, imported when the name is first read: the references need only torch
+_REFERENCES = dict.fromkeys(
+    [
+        "causal_attention",
+        "decode_attention_ref",
+        "paged_attention",
+        "paged_decode_attention_ref",
+        "paged_prefill_attention_ref",
+        "position_masked_attention",
+        "repeat_kv",
+        "reshape_and_cache_ref",
+    ],
+    ".reference",
+)
+# the Triton kernels import Triton with their module
 _TRITON_NAMES = {
     "decode_attention": ".triton_decode",
     "paged_decode_attention": ".triton_paged",
@@ -75,26 +77,5 @@ _TRITON_NAMES = {
     "interpreting": ".triton_runtime",
     "kernel_runs": ".triton_runtime",
 }
-
-__all__ = [
-    "causal_attention",
-    "decode_attention_ref",
-    "paged_attention",
-    "paged_decode_attention_ref",
-    "paged_prefill_attention_ref",
-    "position_masked_attention",
-    "repeat_kv",
-    "reshape_and_cache_ref",
-]  # the Triton names are left out, so `from kvcourse.kernels import *` works without Triton
-
-
-def __getattr__(name: str):
-    if name in _TRITON_NAMES:
-        value = getattr(importlib.import_module(_TRITON_NAMES[name], __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_TRITON_NAMES))
+__getattr__, __dir__ = lazy_exports(__name__, {**_REFERENCES, **_TRITON_NAMES})
+__all__ = sorted(_REFERENCES)  # the Triton names are left out, so `from kvcourse.kernels import *` works without Triton

@@ -18,7 +18,7 @@ its two constants as tensors, made once per device, and RoPE swaps halves with a
 **Where each runs.** On a CUDA device each function launches its Triton kernel (:mod:`.triton_fused`,
 imported on first use there, so ``import kvcourse`` never needs Triton); anywhere else (the CPU, the
 ``meta`` device, MPS) it runs its torch version, ``*_torch`` below, which is also what a kernel that
-cannot compile falls back to and what the kernel tests compare against. ``USE_TRITON`` switches the
+cannot compile falls back to and what the kernel tests compare against (they live in :mod:`.fused_torch`). ``USE_TRITON`` switches the
 kernels off::
 
     import kvcourse.kernels.fused as fused
@@ -30,12 +30,13 @@ machine without Triton installed, the torch versions run, with one warning.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
+
+# the torch versions live in their own module, which the Triton kernels fall back to without importing this one
+from .fused_torch import add_rms_norm_torch, rms_norm_torch, rope_torch, silu_and_mul_torch
 
 __all__ = [
     "add_rms_norm",
@@ -80,24 +81,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_torch(x, weight, eps)
 
 
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """:func:`rms_norm`'s torch version, on any device."""
-    x32 = x if x.dtype == torch.float32 else x.float()
-    inv_n, eps_t = _norm_constants(x.device, x.shape[-1], eps)
-    mean_sq_eps = torch.addcmul(eps_t, torch.mul(x32, x32).sum(-1, keepdim=True), inv_n)  # mean(x^2) + eps
-    normed = x32 * torch.rsqrt(mean_sq_eps)
-    return weight * (normed if x.dtype == torch.float32 else normed.to(x.dtype))
-
-
-@functools.cache
-def _norm_constants(device: torch.device, hidden: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``1 / hidden`` and ``eps`` as fp32 tensors on ``device``, made once (as ordinary tensors, even when
-    first asked for under ``torch.inference_mode``, so that code tracked by autograd may use them too)."""
-    with torch.inference_mode(False):
-        return (torch.tensor([1.0 / hidden], dtype=torch.float32, device=device),
-                torch.tensor([eps], dtype=torch.float32, device=device))  # fmt: skip
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next norm in one step: ``h = x + residual``; returns ``(rms_norm(h), h)``.
 
@@ -107,14 +90,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if kernels is not None:
         return kernels.fused_add_rms_norm(x, residual, weight, eps)
     return add_rms_norm_torch(x, residual, weight, eps)
-
-
-def add_rms_norm_torch(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`add_rms_norm`'s torch version, on any device."""
-    h = x + residual
-    return rms_norm_torch(h, weight, eps), h
 
 
 def rope_tables_signed(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,21 +114,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     return rope_torch(x, cos, signed_sin)
 
 
-def rope_torch(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """:func:`rope`'s torch version, on any device."""
-    halves = x.view(*x.shape[:-1], 2, x.shape[-1] // 2)
-    return torch.addcmul(x * cos, halves.flip(-2).view(x.shape), signed_sin)
-
-
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's middle: ``silu(gate) * up`` for ``gate_up = [gate | up]`` (the packed projection's output)."""
     kernels = _triton_kernels(gate_up)
     if kernels is not None:
         return kernels.silu_and_mul(gate_up)
     return silu_and_mul_torch(gate_up)
-
-
-def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
-    """:func:`silu_and_mul`'s torch version, on any device."""
-    half = gate_up.shape[-1] // 2
-    return F.silu(gate_up[..., :half]) * gate_up[..., half:]

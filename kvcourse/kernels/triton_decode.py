@@ -47,7 +47,7 @@ def tile_config(
     before the dots, which see the converted tiles), sit in shared memory per pipeline stage. Two stages
     of both within 32 KiB (half a T4's 64 KiB) gives ``BLOCK_N = 32`` at ``D = 128`` in fp16, 64 at
     ``D = 64``; ``tl.dot`` needs at least 16. Two exceptions, each measured by
-    :mod:`~kvcourse.kernels.compile_check` (registers per thread from the compiled cubins):
+    :mod:`~kvcourse.bench.compile_check` (registers per thread from the compiled cubins):
 
     * **sm_75 (T4)**: Triton lowers these dots to fused multiply-adds, not tensor cores, and an FMA dot
       keeps slices of both operands in registers. 64-wide tiles at 4 warps used all 255 registers and

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fused
+from . import fused_torch
 from .triton_runtime import check_kernel_device, interpreting, launch_or_fallback, tl, triton
 
 __all__ = ["fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
@@ -273,7 +273,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = launch_or_fallback(
         "rms_norm", x.device, config,
         lambda: _launch_rms_norm(rows, weight, float(eps)),
-        lambda: fused.rms_norm_torch(rows, weight, eps),
+        lambda: fused_torch.rms_norm_torch(rows, weight, eps),
     )  # fmt: skip
     return out.view(x.shape)
 
@@ -295,7 +295,7 @@ def fused_add_rms_norm(
     out, h = launch_or_fallback(
         "fused_add_rms_norm", x.device, config,
         lambda: _launch_fused_add_rms_norm(rows_x, rows_r, weight, float(eps)),
-        lambda: fused.add_rms_norm_torch(rows_x, rows_r, weight, eps),
+        lambda: fused_torch.add_rms_norm_torch(rows_x, rows_r, weight, eps),
     )  # fmt: skip
     return out.view(x.shape), h.view(x.shape)
 
@@ -343,7 +343,7 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tenso
     out = launch_or_fallback(
         "rotary_embedding", x.device, config,
         lambda: _launch_rotary_embedding(tokens, cos_rows, sin_rows),
-        lambda: fused.rope_torch(tokens, cos_rows, sin_rows),
+        lambda: fused_torch.rope_torch(tokens, cos_rows, sin_rows),
     )  # fmt: skip
     return out.view(x.shape)
 
@@ -359,6 +359,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = launch_or_fallback(
         "silu_and_mul", gate_up.device, config,
         lambda: _launch_silu_and_mul(rows),
-        lambda: fused.silu_and_mul_torch(rows),
+        lambda: fused_torch.silu_and_mul_torch(rows),
     )  # fmt: skip
     return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)

@@ -19,7 +19,7 @@ head, :mod:`.int8`) the kernel loads int8 values, converts them exactly to the q
 applies the scales where they cost least: ``q . (s_k k) = s_k (q . k)`` scales a score, and
 ``sum_n p_n (s_v,n v_n) = sum_n (p_n s_v,n) v_n`` scales a probability. Half the bytes of fp16 are read,
 but half the bytes did not mean half the time: on an NVIDIA H200 this int8 path was slower than fp16 at every
-shape of 32 or more sequences and 64k or more tokens (:mod:`.measured`; chapter 5 gives the hypotheses for why).
+shape of 32 or more sequences and 64k or more tokens (:mod:`kvcourse.bench.measured`; chapter 5 gives the hypotheses for why).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def int8_to_float(x, dtype: tl.constexpr):
     the float with those bits is 2**10 + x + 128, and subtracting 2**10 + 128 leaves x (integers below 2**11, so
     nothing rounds). Compiled for sm_90, the plain ``x.to(tl.float16)`` became 48 ``I2F.F16.S16`` in the paged
     kernel, a conversion-unit instruction that issues at a quarter of an fp32 add's rate or less; this way has none
-    (``python -m kvcourse.kernels.instructions``).
+    (``python -m kvcourse.bench.instructions``).
     """
     if dtype == tl.float16:  # two values per 32-bit register
         biased16 = (x.to(tl.uint8, bitcast=True).to(tl.int16) ^ 0x80) | 0x6400

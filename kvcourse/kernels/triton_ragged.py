@@ -47,7 +47,7 @@ def ragged_tile_config(head_dim: int, dtype: torch.dtype, capability: int | None
 
     A program here holds 64 query rows, four times the decode kernel's 16, so its score tile and its
     accumulator are four times larger. With the decode kernel's tiles (64 keys at ``D = 64``) the fp32
-    launches spilled on sm_80/90. :mod:`~kvcourse.kernels.compile_check`, run with Triton 3.9 (CI) and
+    launches spilled on sm_80/90. :mod:`~kvcourse.bench.compile_check`, run with Triton 3.9 (CI) and
     3.6 (the GPU machines), found these free of spills with both: 16 keys over 8 warps, 32 keys for
     fp16/bf16 on sm_90, and 4 warps for fp32 on sm_80 (8 warps kept an 8-byte stack frame with 3.6).
     """

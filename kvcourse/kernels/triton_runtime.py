@@ -4,8 +4,8 @@ Every ``triton_*`` module of :mod:`kvcourse.kernels` imports Triton through this
 decides how kernels run:
 
 * **On a CUDA GPU** Triton compiles each kernel to machine code the first time it is launched.
-  (They compile for sm_75, sm_80 and sm_90 on a CPU, see :mod:`~kvcourse.kernels.compile_check`; they
-  have run and been timed on one GPU, an NVIDIA H200 (sm_90), see :mod:`~kvcourse.kernels.measured`. On
+  (They compile for sm_75, sm_80 and sm_90 on a CPU, see :mod:`~kvcourse.bench.compile_check`; they
+  have run and been timed on one GPU, an NVIDIA H200 (sm_90), see :mod:`~kvcourse.bench.measured`. On
   sm_75 (a T4) and sm_80 they have only been compiled, never run.)
 * **Without a CUDA device** (a laptop, CI) ``import kvcourse`` has set ``TRITON_INTERPRET=1`` before
   anything imported Triton (:mod:`kvcourse.kernels` explains why it happens there). Triton then
@@ -124,7 +124,7 @@ def upcast(dtype: torch.dtype) -> bool:
     wrong numbers (triton issue 11584). Kernels load bf16 and compute in fp32 there; compiled, they
     keep bf16 operands with fp32 accumulation, as they do for fp16. Those dots become tensor-core
     ``mma`` instructions on sm_80 and newer; on sm_75 (a T4, which has no bf16 arithmetic) Triton
-    compiles them to fp32 FMA instructions (:mod:`~kvcourse.kernels.compile_check` reads the PTX).
+    compiles them to fp32 FMA instructions (:mod:`~kvcourse.bench.compile_check` reads the PTX).
     """
     return dtype == torch.bfloat16 and interpreting()
 

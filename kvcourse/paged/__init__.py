@@ -26,7 +26,6 @@ from ..lazy import lazy_exports
 _EXPORTS = {  # name -> the submodule that defines it, imported when the name is first read
     "slot_mapping": "..batch",
     "BlockManager": ".block_manager",
-    "CopyOnWrite": ".block_manager",
     "NoFreeBlocksError": ".block_manager",
     "PagedKVCache": ".cache",
     "allocate_slots": ".cache",
@@ -38,6 +37,7 @@ _EXPORTS = {  # name -> the submodule that defines it, imported when the name is
     "CachedBlock": ".block_hash",
     "hash_block_tokens": ".block_hash",
     "Admission": ".pool",
+    "CopyOnWrite": ".pool",
     "KVPool": ".pool",
     "PagedKVPool": ".pool",
     "PrefixCachingPool": ".pool",
@@ -47,26 +47,4 @@ _EXPORTS = {  # name -> the submodule that defines it, imported when the name is
     "longest_prefix_first": ".radix",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [
-    "Admission",
-    "BlockManager",
-    "BlockTransfer",
-    "CachedBlock",
-    "CopyOnWrite",
-    "FreeBlockQueue",
-    "HostBlockPool",
-    "KVPool",
-    "NoFreeBlocksError",
-    "OffloadedBlock",
-    "PagedKVCache",
-    "PagedKVPool",
-    "PagedKVStore",
-    "PrefixCachingBlockManager",
-    "PrefixCachingPool",
-    "RadixCache",
-    "allocate_slots",
-    "apply_transfers",
-    "hash_block_tokens",
-    "longest_prefix_first",
-    "slot_mapping",
-]
+__all__ = sorted(_EXPORTS)

@@ -31,29 +31,20 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..checks import check_int
 from .offload import BlockTransfer, HostBlockPool
-from .pool import Admission, num_tokens_to_admit
+from .pool import Admission, CopyOnWrite, num_tokens_to_admit
 
 if TYPE_CHECKING:
     from ..sequence import Sequence
 
-__all__ = ["BlockManager", "CopyOnWrite", "NoFreeBlocksError"]
+__all__ = ["BlockManager", "NoFreeBlocksError"]
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an operation needs more free blocks than remain. Nothing was changed."""
-
-
-@dataclass(frozen=True)
-class CopyOnWrite:
-    """A copy-on-write that happened: the caller must copy block ``src_block``'s K/V into ``dst_block``."""
-
-    src_block: int
-    dst_block: int
 
 
 def _check_count(name: str, value: object, minimum: int) -> int:

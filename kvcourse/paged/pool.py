@@ -16,14 +16,14 @@ error to learn that they did not fit.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence as SequenceABC
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # the pools never import torch, which kvcourse.sequence does
     from ..sequence import Sequence
-    from .block_manager import CopyOnWrite
     from .offload import BlockTransfer
 
-__all__ = ["Admission", "KVPool", "PagedKVPool", "PrefixCachingPool", "num_tokens_to_admit"]
+__all__ = ["Admission", "CopyOnWrite", "KVPool", "PagedKVPool", "PrefixCachingPool", "num_tokens_to_admit"]
 
 
 class Admission(NamedTuple):
@@ -32,6 +32,15 @@ class Admission(NamedTuple):
 
     num_cached_tokens: int
     num_new_tokens: int
+
+
+# here, beside the protocol whose append_slots returns it, so the block manager and the protocol need not import each other
+@dataclass(frozen=True)
+class CopyOnWrite:
+    """A copy-on-write that happened: the caller must copy block ``src_block``'s K/V into ``dst_block``."""
+
+    src_block: int
+    dst_block: int
 
 
 def num_tokens_to_admit(num_uncached: int, max_num_new_tokens: int, chunked: bool) -> int | None:

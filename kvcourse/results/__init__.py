@@ -6,10 +6,9 @@ with :mod:`importlib.resources`, in a clone, on a laptop and on Colab alike (pip
 the package), and a result committed later reaches learners with the next install: nothing is ever
 fetched over the network.
 
-:func:`check` validates a committed file of a kind the package reads: ``kernels-*.json`` (a GPU run of
-``python -m kvcourse.bench kernels``, chapter 5) with :func:`kvcourse.kernels.measured.check_kernel_bench`,
-``gpu-check-*.json`` with :func:`gpu_check_notebook_runs` (what the chapter headers quote as the time on a GPU).
-``tests/test_results.py`` runs it on every committed file.
+:func:`gpu_check_notebook_runs` reads what the chapter headers quote as the time on a GPU. The files are
+data: this package imports nothing of the package's own; the tools that check a kind of file import it
+(:func:`kvcourse.bench.measured.check_result`, which ``tests/test_results.py`` runs on every committed file).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import fnmatch
 import json
 from importlib import resources
 
-__all__ = ["check", "find", "gpu_check_notebook_runs", "load", "newest"]
+__all__ = ["find", "gpu_check_notebook_runs", "load", "newest"]
 
 
 def _folder():
@@ -46,7 +45,6 @@ def newest(pattern: str) -> str | None:
     """The last file name matching ``pattern`` (``cpu-serving-*.json``: the newest date), or None."""
     names = find(pattern)
     return names[-1] if names else None
-
 
 
 def gpu_check_notebook_runs(data: dict, name: str) -> list[dict]:
@@ -93,21 +91,3 @@ def gpu_check_notebook_runs(data: dict, name: str) -> list[dict]:
             runs.append(dict(notebook=notebook, device=prov["gpu"], torch=prov["torch"], date=str(prov["date"])[:10],
                              seconds=float(seconds), passed=passed, timed_out=timed_out))  # fmt: skip
     return runs
-
-
-def check(name: str) -> str:
-    """Validate one committed result file; return its kind (``"kernels"``, ``"gpu-check"`` or ``"other"``).
-
-    Raises ``ValueError`` naming the file and what is wrong when a file of a kind the package reads is
-    not what its writer writes. Other kinds are only parsed as JSON.
-    """
-    data = load(name)
-    if fnmatch.fnmatch(name, "kernels-*.json"):
-        from ..kernels.measured import check_kernel_bench
-
-        check_kernel_bench(data, name)
-        return "kernels"
-    if fnmatch.fnmatch(name, "gpu-check-*.json"):
-        gpu_check_notebook_runs(data, name)
-        return "gpu-check"
-    return "other"

@@ -32,17 +32,4 @@ _EXPORTS = {  # name -> the submodule that defines it, imported when the name is
     "latency_summary": ".stats",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
-__all__ = [
-    "Engine",
-    "ModelRunner",
-    "Request",
-    "RequestMetrics",
-    "ScheduledSeq",
-    "Scheduler",
-    "SchedulerOutput",
-    "StepEvent",
-    "StepRecorder",
-    "TokenOutput",
-    "latency_summary",
-    "preempt_newest",
-]
+__all__ = sorted(_EXPORTS)

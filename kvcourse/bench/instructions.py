@@ -1,6 +1,6 @@
 """What the paged decode kernel compiles to, instruction by instruction: the evidence a GPU-less session can gather.
 
-    TRITON_INTERPRET=0 python -m kvcourse.kernels.instructions [--json report.json]
+    TRITON_INTERPRET=0 python -m kvcourse.bench.instructions [--json report.json]
 
 On an NVIDIA H200 the int8 paged kernel read half of fp16's bytes and took about twice its time, flat at ~1,000
 GB/s on every shape (issue 30, :mod:`.measured`): not bandwidth-bound. Four suspects: unvectorised int8 loads,
@@ -109,17 +109,17 @@ def report(capabilities: tuple[int, ...] = (90, 80), dtypes=(torch.float16, torc
                                 cwd=Path(__file__).parent, check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         commit = None
-    return {"what": "static SASS instruction counts of _paged_decode_kernel (python -m kvcourse.kernels.instructions)",
+    return {"what": "static SASS instruction counts of _paged_decode_kernel (python -m kvcourse.bench.instructions)",
             "date": dt.date.today().isoformat(), "commit": commit, "machine": "compiled on a CPU, no GPU",
             "triton": triton.__version__, "torch": torch.__version__,
             "shape": "32 query / 8 KV heads, head_dim 128, blocks of 16, 1 split", "rows": rows}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcourse.kernels.instructions", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvcourse.bench.instructions", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
-    from .triton_runtime import interpreting
+    from ..kernels.triton_runtime import interpreting
 
     if interpreting():
         print("instructions needs Triton in compile mode: run it with TRITON_INTERPRET=0", file=sys.stderr)

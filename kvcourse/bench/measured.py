@@ -6,7 +6,7 @@ committed to :mod:`kvcourse.results`, so the chapter reads it offline, on a lapt
 
 * :func:`load_kernel_bench` reads one such file (the newest by default), checks that it is what the
   benchmark writes (every row timed as compiled code, its GB/s equal to its bytes over its time, its bytes
-  equal to :func:`~.roofline.decode_attention_bytes` for the shape), and returns a :class:`KernelBench`
+  equal to :func:`~kvcourse.kernels.roofline.decode_attention_bytes` for the shape), and returns a :class:`KernelBench`
   whose accessors (:meth:`KernelBench.gbps`, :meth:`KernelBench.ms`, :meth:`KernelBench.splits`) the page
   computes its prose from;
 * :func:`plot_bandwidth` draws the effective bandwidth of the paged kernel (split-KV as chosen, and one
@@ -16,15 +16,16 @@ committed to :mod:`kvcourse.results`, so the chapter reads it offline, on a lapt
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .. import results as committed
-from .roofline import decode_attention_bytes
+from ..kernels.roofline import decode_attention_bytes
 
-__all__ = ["ONE_BYTE_KV", "KernelBench", "check_kernel_bench", "compare_runs", "load_kernel_bench", "plot_bandwidth",
+__all__ = ["ONE_BYTE_KV", "KernelBench", "check_kernel_bench", "check_result", "compare_runs", "load_kernel_bench", "plot_bandwidth",
            "reproducible_from"]
 
 PATTERN = "kernels-*.json"
@@ -115,7 +116,7 @@ def check_kernel_bench(data: Mapping, name: str = "the result") -> None:
 
     Beyond the keys: a row of our kernels ran as compiled code (never the interpreter, never a torch
     fallback), its ``gbps`` is its ``bytes`` over its ``ms``, and its ``bytes`` are
-    :func:`~.roofline.decode_attention_bytes` of its shape, so every figure the chapter quotes is
+    :func:`~kvcourse.kernels.roofline.decode_attention_bytes` of its shape, so every figure the chapter quotes is
     recomputable from the file.
     """
     _need(data, ("benchmark", "provenance", "peak", "copy_bandwidth", "shape", "rows", "targets"), name)
@@ -162,6 +163,24 @@ def check_kernel_bench(data: Mapping, name: str = "the result") -> None:
             raise ValueError(f"{where}: gbps {r['gbps']} is not bytes / ms")
         if variant.startswith("paged") and not _SPLITS.fullmatch(r["note"]):
             raise ValueError(f"{where}: note {r['note']!r} does not record num_splits")
+
+
+def check_result(name: str) -> str:
+    """Validate one committed result file of :mod:`kvcourse.results`; return its kind (``"kernels"``,
+    ``"gpu-check"`` or ``"other"``).
+
+    Raises ``ValueError`` naming the file and what is wrong when a file of a kind the package reads is
+    not what its writer writes: a kernel run (:func:`check_kernel_bench`), or a gpu-check run
+    (:func:`kvcourse.results.gpu_check_notebook_runs`). Other kinds are only parsed as JSON.
+    """
+    data = committed.load(name)
+    if fnmatch.fnmatch(name, PATTERN):
+        check_kernel_bench(data, name)
+        return "kernels"
+    if fnmatch.fnmatch(name, "gpu-check-*.json"):
+        committed.gpu_check_notebook_runs(data, name)
+        return "gpu-check"
+    return "other"
 
 
 def load_kernel_bench(name: str | None = None) -> KernelBench:

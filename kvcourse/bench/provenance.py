@@ -2,7 +2,7 @@
 
 Chapter 5 ends by saying what ran where, and that report is bookkeeping a reader need not read as code:
 
-* :func:`launch_report` prints :func:`~.triton_runtime.kernel_runs` as a table (compiled for a GPU, in
+* :func:`launch_report` prints :func:`~kvcourse.kernels.triton_runtime.kernel_runs` as a table (compiled for a GPU, in
   Triton's CPU interpreter, or replaced by the torch reference) and returns one sentence that says so,
   naming every kernel that fell back. A fallback must never pass for the kernel.
 * :func:`plot_kernel_measurements` plots the newest committed ``kernels-*.json`` of ``python -m kvcourse.bench
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from .. import results as committed
-from .roofline import GPU_PEAKS, decode_attention_bytes
-from .triton_runtime import interpreting, kernel_runs
+from ..kernels.roofline import GPU_PEAKS, decode_attention_bytes
+from ..kernels.triton_runtime import interpreting, kernel_runs
 
 __all__ = ["launch_report", "plot_kernel_measurements"]
 

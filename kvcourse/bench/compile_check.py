@@ -1,6 +1,6 @@
 """Compile chapter 5's kernels and a layer's fused ops for NVIDIA GPUs without one, and read what came out.
 
-    TRITON_INTERPRET=0 python -m kvcourse.kernels.compile_check [--quick] [--json report.json]
+    TRITON_INTERPRET=0 python -m kvcourse.bench.compile_check [--quick] [--json report.json]
 
 Triton compiles in three steps that need no GPU: Python -> Triton IR -> LLVM IR -> PTX (the
 virtual ISA), then ``ptxas`` (shipped inside the triton wheel) turns the PTX into machine code
@@ -14,8 +14,8 @@ ask, for a T4 (sm_75), an A100 (sm_80) and an H100 (sm_90):
 * do the ``tl.dot``s become tensor-core instructions (``mma.sync``/``wgmma`` in the PTX) or plain
   fused multiply-adds (``fma``)?
 
-How: the wrappers' launch functions (:func:`~.triton_decode.decode`, :func:`~.triton_paged.paged_decode`,
-:func:`~.triton_cache.reshape_and_cache`'s launch, :mod:`.triton_fused`'s ``_launch_*``) run on small
+How: the wrappers' launch functions (:func:`~kvcourse.kernels.triton_decode.decode`, :func:`~kvcourse.kernels.triton_paged.paged_decode`,
+:func:`~kvcourse.kernels.triton_cache.reshape_and_cache`'s launch, :mod:`~kvcourse.kernels.triton_fused`'s ``_launch_*``) run on small
 CPU tensors with each kernel's ``run`` replaced by a recorder (:func:`recorded_launches`); each
 recorded launch goes through Triton's own argument binder and
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``; the cubin's registers and stack
@@ -70,7 +70,7 @@ NAMED_HEADS = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}
 # Other GQA groups (1, 8) the sweep compiles and reports, at both head dims.
 OTHER_HEADS = ((8, 8), (64, 8))
 
-# A layer's small ops (:mod:`.triton_fused`), compiled at the shapes of the models named here:
+# A layer's small ops (:mod:`~kvcourse.kernels.triton_fused`), compiled at the shapes of the models named here:
 # (hidden size, intermediate size, q heads, kv heads, head dim). RoPE rotates Q and K together (Hq + Hkv heads).
 NAMED_LAYERS = {"SmolLM2-135M": (576, 1536, 9, 3, 64)}
 FUSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
@@ -157,11 +157,11 @@ class Launch:
 
 
 def _kernels() -> tuple:
-    from . import triton_fused
-    from .triton_cache import _reshape_and_cache_kernel
-    from .triton_decode import _decode_kernel
-    from .triton_paged import _merge_splits_kernel, _paged_decode_kernel
-    from .triton_ragged import _ragged_paged_kernel
+    from ..kernels import triton_fused
+    from ..kernels.triton_cache import _reshape_and_cache_kernel
+    from ..kernels.triton_decode import _decode_kernel
+    from ..kernels.triton_paged import _merge_splits_kernel, _paged_decode_kernel
+    from ..kernels.triton_ragged import _ragged_paged_kernel
 
     fused = (triton_fused._rms_norm_kernel, triton_fused._fused_add_rms_norm_kernel,
              triton_fused._rotary_embedding_kernel, triton_fused._silu_and_mul_kernel)  # fmt: skip
@@ -197,7 +197,7 @@ def _tiles(tiles: tuple[int, int, int] | None) -> Iterator[None]:
     if tiles is None:
         yield
         return
-    from . import triton_decode, triton_paged
+    from ..kernels import triton_decode, triton_paged
 
     def chosen(head_dim, dtype, capability, kv_dtype=None, int8_conversion="bits"):
         block_n, warps, stages = tiles
@@ -213,10 +213,10 @@ def _tiles(tiles: tuple[int, int, int] | None) -> Iterator[None]:
 
 def launches_for(config: Config, target: Target | None) -> list[Launch]:
     """The kernel launches the wrappers make for ``config`` on ``target`` (None: the interpreter's)."""
-    from .triton_cache import _launch as cache_launch
-    from .triton_decode import decode
-    from .triton_paged import paged_decode
-    from .triton_ragged import ragged_paged
+    from ..kernels.triton_cache import _launch as cache_launch
+    from ..kernels.triton_decode import decode
+    from ..kernels.triton_paged import paged_decode
+    from ..kernels.triton_ragged import ragged_paged
 
     hq, hkv = config.heads
     d, dtype, cap = config.head_dim, config.dtype, target.capability if target else None
@@ -252,13 +252,13 @@ def launches_for(config: Config, target: Target | None) -> list[Launch]:
 
 
 def _launch_fused(config: Config) -> None:
-    """Launch one of :mod:`.triton_fused`'s kernels as its wrapper does, on ``config.tokens`` contiguous rows.
+    """Launch one of :mod:`~kvcourse.kernels.triton_fused`'s kernels as its wrapper does, on ``config.tokens`` contiguous rows.
 
     (A slice of a packed projection has another row stride, but Triton specialises an integer argument
     only on being 1 or a multiple of 16, and SmolLM2's widths (576, 960 for Q+K+V, 3072) are multiples
     of 16: the same machine code.)
     """
-    from . import triton_fused
+    from ..kernels import triton_fused
 
     n, dtype = config.tokens, config.dtype
     if config.op == "rotary_embedding":
@@ -364,8 +364,8 @@ def compile_launch(launch: Launch, target: Target) -> Compiled:
 # The sweep: which configurations each target sees
 # ---------------------------------------------------------------------------------------------
 def split_counts(num_kv_heads: int, target: Target) -> list[int]:
-    """The distinct split counts :func:`~.triton_paged.choose_num_splits` gives on ``target``."""
-    from .triton_paged import choose_num_splits
+    """The distinct split counts :func:`~kvcourse.kernels.triton_paged.choose_num_splits` gives on ``target``."""
+    from ..kernels.triton_paged import choose_num_splits
 
     shapes = itertools.product((1, 2, 4, 8, 16, 64), (256, 1024, 2048, 8192, 32768, 131072))
     return sorted({choose_num_splits(b, num_kv_heads, s, target.num_sms) for b, s in shapes})
@@ -441,7 +441,7 @@ CHOICES = (
 
 def choices() -> list[dict]:
     """Registers and spills of each alternative in :data:`CHOICES`, and which one ``tile_config`` now picks."""
-    from .triton_decode import tile_config
+    from ..kernels.triton_decode import tile_config
 
     rows = []
     for capability, config, options in CHOICES:
@@ -482,7 +482,7 @@ def check(config: Config, target: Target, cache: dict | None = None) -> Result:
 
     ``cache`` (launch key -> :class:`Compiled`) lets configurations that launch identical code share a compile.
     """
-    from .triton_runtime import is_compile_failure
+    from ..kernels.triton_runtime import is_compile_failure
 
     cache = {} if cache is None else cache
     compiled = []
@@ -519,7 +519,7 @@ def _any_backend():
 
 def _compile_job(job: tuple[Config, int, int]) -> Compiled | str:
     """In a worker process: compile launch ``index`` of ``config`` on the target; an error as a string."""
-    from .triton_runtime import is_compile_failure
+    from ..kernels.triton_runtime import is_compile_failure
 
     config, capability, index = job
     target = next(t for t in TARGETS if t.capability == capability)
@@ -614,7 +614,7 @@ def report(results: list[Result], quick: bool, choice_rows: list[dict] | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcourse.kernels.compile_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvcourse.bench.compile_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the named models only, fewer splits (make test)")
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--choices", action="store_true", help="also measure the tile alternatives (CHOICES)")
@@ -622,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capability", type=int, nargs="+", choices=[t.capability for t in TARGETS],
                         help="only these targets (default: all)")  # fmt: skip
     args = parser.parse_args(argv)
-    from .triton_runtime import interpreting
+    from ..kernels.triton_runtime import interpreting
 
     if interpreting():
         print("compile_check needs Triton in compile mode: run it with TRITON_INTERPRET=0 in the environment "
