@@ -8,7 +8,9 @@ are sized and timed by one set of rules:
   streamer (``bench_serving.py``'s ``hf_padded`` mode);
 * :func:`run_hf_generate` -- the same batches timed as a whole, on any device (``bench_engine_gpu.py``);
 * :func:`run_hf_cb` -- Hugging Face's continuous batching, warmed up and piloted untimed, sized by a
-  :class:`Shape` like the engine it is compared with (``bench_engine_gpu.py``);
+  :class:`Shape` like the engine it is compared with, in one of the configurations its documentation offers
+  (:data:`HF_CB_CONFIGS`; ``bench_engine_gpu.py`` tries each one this machine can run and compares the engine
+  with the fastest);
 * :func:`pool_blocks`, :func:`pilot_workload`, :func:`timed_result` -- how a workload sizes a server's
   pool, what warms it up, and what one timed run records, for the engine's runs too.
 """
@@ -171,17 +173,65 @@ def run_hf_generate(hf, prompts, lens, batch: int, deadline: float | None) -> di
 # ---- continuous batching ----------------------------------------------------------------------------------
 
 
-def hf_cb_config(shape: Shape, num_blocks: int, cuda_graphs: bool) -> tuple[object, dict]:
-    """Hugging Face's ``ContinuousBatchingConfig`` sized like the engine, with only the fields this
-    transformers version has (the GPU machine's may be older than ``constraints.txt``'s)."""
+@dataclass(frozen=True)
+class HfConfig:
+    """One way to run Hugging Face's continuous batching, as its documentation offers them."""
+
+    attn: str  # the model's attention implementation ("sdpa", "eager": continuous batching runs it as paged|eager)
+    overrides: dict  # ContinuousBatchingConfig fields beyond the sizing
+    gpu_only: bool = True  # CUDA graphs, async double buffering and torch.compile are for a GPU
+    needs: str | None = None  # a module the configuration imports
+    note: str = ""
+
+
+# The configurations ``ContinuousBatchingConfig``'s documentation (transformers 5.x) offers, each one knob away from
+# the first GPU runs' (``sdpa``: graphs on, Hugging Face deciding async batching, no torch.compile). Flash attention
+# (its ``flash_attn_with_kvcache`` decode fast path, ``max_blocks_per_request``) needs the ``flash_attn`` package, or
+# the ``kernels`` package fetching it from the Hub at run time: neither is on the GPU image, a compiled CUDA extension
+# cannot be carried there, and the machine has no network.
+HF_CB_CONFIGS = {
+    "sdpa": HfConfig("sdpa", {}, gpu_only=False, note="the first GPU runs' configuration"),
+    "eager": HfConfig("eager", {}, gpu_only=False, note="paged|eager attention"),
+    "sdpa+async": HfConfig("sdpa", {"use_async_batching": True}, note="double-buffered batches: the host prepares "
+                                                                       "the next while the GPU runs one"),
+    "sdpa+compile1": HfConfig("sdpa", {"default_compile_level": 1}, note="torch.compile, the lightest level"),
+    "sdpa+async+compile3": HfConfig("sdpa", {"use_async_batching": True, "default_compile_level": 3},
+                                    note="the most its documentation offers without flash attention (long warm-up)"),
+    "flash": HfConfig("flash_attention_2", {"max_blocks_per_request": 64}, needs="flash_attn",
+                      note="flash attention and its decode fast path"),
+}  # fmt: skip
+
+
+def runnable_configs(names: Sequence[str], cuda: bool) -> tuple[list[str], dict[str, str]]:
+    """Which of ``names`` this machine can run, and why each other one is skipped."""
+    import importlib.util
+
+    run, skipped = [], {}
+    for name in names:
+        config = HF_CB_CONFIGS[name]
+        if config.gpu_only and not cuda:
+            skipped[name] = "needs a CUDA GPU"
+        elif config.needs and importlib.util.find_spec(config.needs) is None:
+            skipped[name] = (f"needs the {config.needs} package, which is not installed here (on the GPU image it "
+                             f"cannot be carried: a compiled CUDA extension; nothing can be fetched)")  # fmt: skip
+        else:
+            run.append(name)
+    return run, skipped
+
+
+def hf_cb_config(shape: Shape, num_blocks: int, cuda_graphs: bool, overrides: dict | None = None) -> tuple[object, dict]:
+    """Hugging Face's ``ContinuousBatchingConfig`` sized like the engine (plus a configuration's ``overrides``), with
+    only the fields this transformers version has (the GPU machine's may be older than ``constraints.txt``'s)."""
     from transformers import ContinuousBatchingConfig
 
     wanted = dict(page_size=shape.block_size, num_blocks=num_blocks, max_batch_tokens=shape.max_num_batched_tokens,
                   max_requests_per_batch=shape.max_num_seqs, use_cuda_graph=cuda_graphs,
-                  # No torch.compile (minutes of compiling), no prefix sharing (the engine runs without its cache).
-                  default_compile_level=0, allow_block_sharing=False)  # fmt: skip
+                  # No torch.compile unless asked (minutes of compiling), no prefix sharing (the engine runs
+                  # without its cache), no silent switch to another attention than the configuration's.
+                  default_compile_level=0, allow_block_sharing=False, auto_switch_to_flash=False)  # fmt: skip
     if not cuda_graphs:  # on a CPU: no double buffering, no decode fast path (it needs flash attention on a GPU)
         wanted.update(use_async_batching=False, max_blocks_per_request=0)
+    wanted.update(overrides or {})
     fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
     if "page_size" not in fields and "block_size" in fields:  # before transformers 5.17 a page was a block
         wanted["block_size"] = wanted.pop("page_size")
@@ -203,9 +253,9 @@ def collect(manager, ids: list[str], deadline: float | None) -> dict:
     return results
 
 
-def run_hf_cb(hf, prompts, lens, shape: Shape, pilot: int, deadline: float | None) -> dict:
-    """Hugging Face continuous batching: started, warmed up and piloted untimed, then timed from the first
-    ``add_request`` to the last result.
+def run_hf_cb(hf, prompts, lens, shape: Shape, pilot: int, deadline: float | None, config: str = "sdpa") -> dict:
+    """Hugging Face continuous batching in configuration ``config`` (:data:`HF_CB_CONFIGS`): started, warmed up and
+    piloted untimed, then timed from the first ``add_request`` to the last result.
 
     With CUDA graphs, Hugging Face captures a graph for each padded batch shape the first time it meets
     one, so its first pass over a workload pays for captures our engine made at start-up
@@ -216,18 +266,25 @@ def run_hf_cb(hf, prompts, lens, shape: Shape, pilot: int, deadline: float | Non
 
     t0 = time.perf_counter()
     cuda = hf.device.type == "cuda"
-    cb, asked = hf_cb_config(shape, pool_blocks(prompts, lens, shape.block_size), cuda_graphs=cuda)
+    chosen = HF_CB_CONFIGS[config]
+    cb, asked = hf_cb_config(shape, pool_blocks(prompts, lens, shape.block_size), cuda_graphs=cuda,
+                             overrides=chosen.overrides)  # fmt: skip
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(lens))  # greedy, no EOS
-    manager = hf.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-    # The generation config already says "no EOS"; versions whose add_request takes it are told again.
-    no_eos = {"eos_token_id": -1} if "eos_token_id" in inspect.signature(manager.add_request).parameters else {}
-
-    def serve(ps, ns, until: float | None) -> tuple[list[str], dict]:
-        ids = [manager.add_request(p, max_new_tokens=n, **no_eos) for p, n in zip(ps, ns)]
-        return ids, collect(manager, ids, until)
-
-    warm_pass_s, timed_out = None, False
+    loaded_attn = hf.config._attn_implementation
+    if hasattr(hf, "destroy_cached_continuous_batching_manager"):  # a cached manager would keep the last config
+        hf.destroy_cached_continuous_batching_manager()
+    hf.set_attn_implementation(chosen.attn)
+    manager = None
     try:
+        manager = hf.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        # The generation config already says "no EOS"; versions whose add_request takes it are told again.
+        no_eos = {"eos_token_id": -1} if "eos_token_id" in inspect.signature(manager.add_request).parameters else {}
+
+        def serve(ps, ns, until: float | None) -> tuple[list[str], dict]:
+            ids = [manager.add_request(p, max_new_tokens=n, **no_eos) for p, n in zip(ps, ns)]
+            return ids, collect(manager, ids, until)
+
+        warm_pass_s, timed_out = None, False
         if hasattr(manager, "warmup"):
             manager.warmup()
         manager.start()
@@ -246,10 +303,13 @@ def run_hf_cb(hf, prompts, lens, shape: Shape, pilot: int, deadline: float | Non
         timed_out = timed_out or len(results) < len(prompts)
     finally:
         resolved = getattr(manager, "continuous_batching_config", None)
-        if manager.is_running():  # stop() on a manager whose thread never started raises, hiding the real error
+        if manager is not None and manager.is_running():  # stop() on a manager never started raises, hiding the error
             manager.stop(block=True)
-        if hasattr(manager, "destroy"):
+        if manager is not None and hasattr(manager, "destroy"):
             manager.destroy()
+        if hasattr(hf, "destroy_cached_continuous_batching_manager"):
+            hf.destroy_cached_continuous_batching_manager()
+        hf.set_attn_implementation(loaded_attn)  # the next configuration starts from the model as loaded
     outputs = [list(results[i].generated_tokens) if i in results else [] for i in ids] or [[] for _ in prompts]
     out = timed_result(outputs, lens, seconds, setup_s, timed_out)
     out["warm_pass_s"] = warm_pass_s
@@ -258,4 +318,15 @@ def run_hf_cb(hf, prompts, lens, shape: Shape, pilot: int, deadline: float | Non
         "page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "use_cuda_graph", "use_async_batching",
         "max_blocks_per_request") if hasattr(resolved, k)}}  # fmt: skip
     out["attn_implementation"] = attn
+    out["hf_config"] = config
     return out
+
+
+def best_hf_run(runs: dict[str, dict]) -> tuple[str | None, dict | None]:
+    """The fastest of Hugging Face's runs that served the whole workload (name and run), or ``(None, None)``."""
+    done = {name: r for name, r in runs.items()
+            if r.get("tok_s") and not r.get("timed_out") and not r.get("errors") and "error" not in r}  # fmt: skip
+    if not done:
+        return None, None
+    name = max(done, key=lambda n: done[n]["tok_s"])
+    return name, done[name]

@@ -57,7 +57,11 @@ def test_the_cpu_smoke_run_writes_every_section(tmp_path):
     # (a) every server ran the whole workload; the eager twin stood in for the graphs and served the decodes.
     nano = res["nano_vllm"]
     engines = {"engine_triton_graphs", "engine_triton_eager", "engine_paged_torch"}
-    assert set(nano["runs"]) == engines | {"hf_cb", "hf_generate"}
+    assert set(nano["runs"]) == engines | {"hf_cb", "hf_cb_eager", "hf_generate"}  # two HF configurations
+    assert nano["hf_configs"]["tried"] == ["sdpa", "eager"] and "CUDA" in nano["hf_configs"]["skipped"]["sdpa+async"]
+    assert nano["hf_configs"]["best"] in ("sdpa", "eager") and nano["runs"]["hf_cb_eager"]["hf_config"] == "eager"
+    whole = nano["whole_protocol"]  # the engine alone, on the preset's whole protocol, first
+    assert whole["finished"] == whole["requests"] == 4 and whole["tok_s"] > 0 and whole["graphs"] == "eager twin"
     for name, run in nano["runs"].items():
         assert run["tok_s"] > 0 and not run["timed_out"], name
         assert run["finished"] == run["requests"] == nano["requests"], name
@@ -89,14 +93,17 @@ def test_the_cpu_smoke_run_writes_every_section(tmp_path):
     assert nano["agreement"]["triton_vs_paged_torch"]["identical"] >= 0
     # (e) the targets: computed where measured, never claimed as the issue's conditions on a CPU.
     t = res["targets"]
-    assert set(t) == {"engine_over_hf_cb", "trace_tok_s", "decode_step_batch_64_ms"}
+    assert set(t) == {"decode_step_batch_64_ms", "trace_tok_s", "engine_over_hf_best", "hf_configs_tried",
+                      "gpu_idle_fraction_batch_64", "nano_vllm_requests"}
     for entry in t.values():
         assert set(entry) == {"value", "target", "met", "issue_conditions", "note"}
         assert entry["issue_conditions"] is False
-    assert t["engine_over_hf_cb"]["value"] == pytest.approx(nano["ratios"]["engine_over_hf_cb"], rel=1e-3)
-    assert isinstance(t["trace_tok_s"]["met"], bool) and t["trace_tok_s"]["target"] == 15 * 991
-    assert t["decode_step_batch_64_ms"]["met"] is None  # no batch-64 step with graphs on a CPU
-    assert "(e) engine_over_hf_cb" in proc.stdout  # the printed table
+    assert t["engine_over_hf_best"]["value"] == pytest.approx(nano["ratios"]["engine_over_hf_best"], rel=1e-3)
+    assert t["hf_configs_tried"]["value"] == 2 and t["hf_configs_tried"]["met"] is False  # the GPU-only ones skipped
+    assert isinstance(t["trace_tok_s"]["met"], bool) and t["trace_tok_s"]["target"] == 25_000
+    assert t["nano_vllm_requests"]["value"] == 4 and t["nano_vllm_requests"]["met"] is False
+    assert t["decode_step_batch_64_ms"]["met"] is None and t["gpu_idle_fraction_batch_64"]["met"] is None
+    assert "(e) engine_over_hf_best" in proc.stdout  # the printed table
     print(f"smoke run: {time.perf_counter() - start:.0f} s")
 
 
@@ -135,15 +142,20 @@ def test_agreement_counts_and_refuses_unfinished_runs(bench):
 def test_targets_read_this_runs_numbers(bench):
     res = {
         "dtype": "bfloat16",
-        "nano_vllm": {"ratios": {"engine_over_hf_cb": 1.6}},
+        "nano_vllm": {"ratios": {"engine_over_hf_best": 2.4},
+                      "hf_configs": {"tried": ["sdpa", "eager", "sdpa+async"], "skipped": {}, "best": "sdpa+async"},
+                      "whole_protocol": {"min_len": 100, "max_len": 1024, "finished": 256, "tok_s": 9e3}},
         "issue_trace": {"requests": 96, "trace_prompt": [16, 1024], "trace_output": [16, 256],
                         "runs": {"engine_triton_graphs": {"tok_s": 12000.0}}},
-        "step_profile": {"graphs_on": {"batches": {"64": {"step_ms_median": 2.5}}}},
+        "step_profile": {"graphs_on": {"batches": {"64": {"step_ms_median": 1.4,
+                                                          "profile": {"gpu_idle_fraction": 0.3}}}}},
     }  # fmt: skip
     t = bench.targets(res, full_model=True, cuda=True)
-    met = (t["engine_over_hf_cb"]["met"], t["trace_tok_s"]["met"], t["decode_step_batch_64_ms"]["met"])
-    assert met == (True, False, True)
-    assert t["trace_tok_s"]["target"] == 15 * 991 and all(x["issue_conditions"] for x in t.values())
+    met = {name: x["met"] for name, x in t.items()}
+    assert met == {"decode_step_batch_64_ms": True, "trace_tok_s": False, "engine_over_hf_best": True,
+                   "hf_configs_tried": True, "gpu_idle_fraction_batch_64": False, "nano_vllm_requests": True}
+    assert t["trace_tok_s"]["target"] == 25_000 and all(x["issue_conditions"] for x in t.values())
+    assert "sdpa+async" in t["engine_over_hf_best"]["note"]
     res["issue_trace"]["requests"] = 40  # a budget cut the trace short: measured, but not the issue's trace
     res["issue_trace"]["runs"]["engine_triton_graphs"]["timed_out"] = True
     t = bench.targets(res, full_model=True, cuda=True)
@@ -160,7 +172,10 @@ def test_presets_are_fixed_and_runs_are_guarded(bench):
     full, lease, smoke = (bench.PRESETS[k] for k in ("full", "lease", "smoke"))
     assert (full.requests, full.trace_requests, full.batches, full.comparisons, full.run_timeout_s) == (
         128, 96, (1, 16, 64), True, None)  # fmt: skip
-    assert lease == bench.dataclasses.replace(full, requests=32, comparisons=False, run_timeout_s=60.0)
+    assert lease == bench.dataclasses.replace(full, requests=32, comparisons=False, run_timeout_s=60.0,
+                                              hf_configs=("sdpa", "eager", "sdpa+async"))
+    assert full.protocol == lease.protocol == (256, 100, 1024)  # nano-vllm's whole protocol, in both
+    assert set(full.hf_configs) == set(bench.HF_CB_CONFIGS) and full.profile_repeats == lease.profile_repeats == 3
     assert smoke.comparisons and max(smoke.batches) < 64 and smoke.requests < lease.requests
     out = bench.attempt("broken", lambda dl: 1 / 0, None)
     assert out["error"].startswith("ZeroDivisionError")
@@ -185,3 +200,20 @@ def test_hf_cb_config_asks_only_for_fields_this_transformers_has(bench):
     assert isinstance(cb, ContinuousBatchingConfig) and cb.page_size == 16 and cb.num_blocks == 100
     assert cb.max_batch_tokens == 2048 and cb.max_requests_per_batch == 64 and cb.use_cuda_graph is True
     assert asked["not_in_this_version"] == [] and "use_async_batching" not in asked["asked"]  # the GPU: HF decides
+
+
+def test_hf_configurations_this_machine_cannot_run_are_skipped_saying_why(bench):
+    import hf_serving
+
+    run, skipped = hf_serving.runnable_configs(list(hf_serving.HF_CB_CONFIGS), cuda=False)
+    assert run == ["sdpa", "eager"]  # graphs, async batching and compile levels are for a GPU
+    assert all("CUDA" in why for name, why in skipped.items() if name != "flash")
+    run, skipped = hf_serving.runnable_configs(["sdpa", "flash"], cuda=True)
+    if "flash" in skipped:  # flash attention is not on this machine (nor on the GPU image)
+        assert run == ["sdpa"] and "flash_attn" in skipped["flash"]
+    cb, asked = hf_serving.hf_cb_config(hf_serving.Shape(64, 2048), 100, cuda_graphs=True,
+                                        overrides=hf_serving.HF_CB_CONFIGS["sdpa+async+compile3"].overrides)
+    assert cb.use_async_batching is True and cb.default_compile_level == 3 and cb.auto_switch_to_flash is False
+    runs = {"a": {"tok_s": 5.0}, "b": {"tok_s": 9.0, "timed_out": True}, "c": {"tok_s": 7.0}, "d": {"error": "x"}}
+    assert hf_serving.best_hf_run(runs) == ("c", {"tok_s": 7.0})  # the fastest that served everything
+    assert hf_serving.best_hf_run({"d": {"error": "x"}}) == (None, None)
