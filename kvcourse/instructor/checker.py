@@ -136,14 +136,14 @@ def references_of(check) -> list[list[str]]:
 
 
 def grade_exercise(spec: ExerciseSpec, cells: list[list[str]], timeout: float = 300,
-                   isolation: bool = True) -> Verdict:
+                   isolation: bool | None = None) -> Verdict:
     """Run ``cells`` (``[kind, name, source]``, the solution last) in a sandbox and ``spec``'s check on them.
 
     ``isolation``: the sandbox sees the file system read-only but for its own folder (:mod:`.isolation`);
-    where that cannot be had, :class:`.isolation.IsolationUnavailable` is raised unless it is False."""
+    None: its ``DEFAULT``, on. Where that cannot be had, :class:`.isolation.IsolationUnavailable` is raised."""
     from .isolation import require
 
-    require(isolation)
+    isolation = require(isolation)
     check = load_check(spec)
     given = list(dict.fromkeys([*spec.given, *(["model"] if MODEL in spec.args else [])]))  # the cell's check call names it
     context = _sandboxes(isolation)

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 
-__all__ = ["IsolationUnavailable", "command", "private_env", "require", "server_executable", "unavailable"]
+__all__ = ["DEFAULT", "IsolationUnavailable", "command", "private_env", "require", "server_executable", "unavailable"]
 
 
 class IsolationUnavailable(RuntimeError):
@@ -51,8 +51,11 @@ def private_env(folder: str) -> dict[str, str]:
     return env
 
 
-def command(argv: list[str], writable: list[str], env: dict[str, str] | None = None) -> list[str]:
-    """``argv`` as run under bwrap: a read-only view of everything but the folders in ``writable``."""
+def command(argv: list[str], writable: list[str], env: dict[str, str] | None = None,
+            readable: list[str] = ()) -> list[str]:
+    """``argv`` as run under bwrap: a read-only view of everything but the folders in ``writable``.
+
+    ``readable``: files and folders under ``/tmp`` it must still see (read-only), e.g. the notebook's folder."""
     if not argv:
         raise ValueError("argv must name a program to run")
     bwrap = shutil.which("bwrap")
@@ -61,6 +64,10 @@ def command(argv: list[str], writable: list[str], env: dict[str, str] | None = N
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     for device in sorted(glob.glob("/dev/nvidia*")):  # a kernel on a GPU machine uses CUDA
         args += ["--dev-bind", device, device]
+    for place in readable:
+        if not os.path.isabs(place) or not os.path.exists(place):
+            raise ValueError(f"readable must hold existing absolute paths, got {place!r}")
+        args += ["--ro-bind", place, place]
     for folder in writable:
         if not os.path.isabs(folder) or not os.path.isdir(folder):
             raise ValueError(f"writable must hold existing absolute folders, got {folder!r}")
@@ -96,15 +103,21 @@ def unavailable() -> str | None:
     return None
 
 
-def require(isolation: bool) -> None:
-    """Raise :class:`IsolationUnavailable` when ``isolation`` is asked for and this machine cannot give it."""
+DEFAULT = True  # what grading does when not told; only a test run on a machine without bwrap turns it off
+
+
+def require(isolation: bool | None) -> bool:
+    """Whether to isolate (``None``: :data:`DEFAULT`); :class:`IsolationUnavailable` when asked for and this
+    machine cannot give it."""
+    isolation = DEFAULT if isolation is None else isolation
     if not isinstance(isolation, bool):
-        raise TypeError(f"isolation must be True or False, got {isolation!r}")
+        raise TypeError(f"isolation must be True, False or None, got {isolation!r}")
     reason = unavailable() if isolation else None
     if reason:
         raise IsolationUnavailable(f"graded code cannot be isolated: {reason}; graded cells could write into the "
                                    "Python installation and your home. Install bubblewrap, or pass --no-isolation "
                                    "to grade anyway (in a throwaway container)")
+    return isolation
 
 
 def server_executable(writable: list[str], env: dict[str, str]) -> str:
@@ -114,7 +127,10 @@ def server_executable(writable: list[str], env: dict[str, str]) -> str:
     grader runs when it starts the server again."""
     folder = tempfile.mkdtemp(prefix="kvcourse-server-")
     path = os.path.join(folder, "python-isolated")
-    inside = command([sys.executable], writable, env)
+    # Each forked process re-imports the grader's main script, when it is one (``python grade_all.py``).
+    main = getattr(sys.modules["__main__"], "__file__", None)
+    readable = [os.path.abspath(main)] if main and os.path.isfile(main) else []
+    inside = command([sys.executable], writable, env, readable)
     with open(path, "w", encoding="utf-8") as f:
         f.write("#!/bin/sh\nexec " + " ".join(shlex.quote(a) for a in inside) + ' "$@"\n')
     os.chmod(path, 0o700)
