@@ -127,9 +127,11 @@ def server_executable(writable: list[str], env: dict[str, str]) -> str:
     grader runs when it starts the server again."""
     folder = tempfile.mkdtemp(prefix="kvcourse-server-")
     path = os.path.join(folder, "python-isolated")
-    # Each forked process re-imports the grader's main script, when it is one (``python grade_all.py``).
+    # Each forked process re-imports the grader's main script, when it is one (``python grade_all.py``): one in
+    # /tmp must stay visible there.
     main = getattr(sys.modules["__main__"], "__file__", None)
-    readable = [os.path.abspath(main)] if main and os.path.isfile(main) else []
+    main = os.path.abspath(main) if main and os.path.isfile(main) else ""
+    readable = [main] if main.startswith("/tmp/") else []
     inside = command([sys.executable], writable, env, readable)
     with open(path, "w", encoding="utf-8") as f:
         f.write("#!/bin/sh\nexec " + " ".join(shlex.quote(a) for a in inside) + ' "$@"\n')
