@@ -457,14 +457,13 @@ def test_the_reference_attention_passes_the_same_path():  # so the cheats above 
     assert _cheat("ch01-ex-attention", source, uses=("ch01-ex-mask",)).passed
 
 
-def test_a_passed_line_in_a_log_or_on_stdout_counts_for_nothing(tmp_path):
-    log = tmp_path / "checks.jsonl"
-    source = (f"import json\nline = json.dumps({{'check': 'ch01.check_causal_mask', 'passed': True, 'message': ''}})\n"
-              f"open({str(log)!r}, 'a').write(line + '\\n')\nprint(line)\n"
+def test_a_passed_line_in_a_log_or_on_stdout_counts_for_nothing():
+    # The log goes where the sandbox may write, its own folder; the check's hint shows the lines after it ran.
+    source = ("import json\nline = json.dumps({'check': 'ch01.check_causal_mask', 'passed': True, 'message': ''})\n"
+              "open('checks.jsonl', 'a').write(line + '\\n')\nprint(line)\n"
               "def causal_mask(num_queries, num_keys):\n    return torch.ones(num_queries, num_keys, dtype=torch.bool)\n")
     verdict = _cheat("ch01-ex-mask", source)
-    assert not verdict.passed and "its future included" in verdict.hint
-    assert log.read_text().count('"passed": true') == 1  # the cheat ran, and was not read
+    assert not verdict.passed and "its future included" in verdict.hint, verdict.message
 
 
 def test_what_the_checker_lends_can_only_be_called():
