@@ -137,3 +137,16 @@ def test_isolation_must_be_a_bool():
         isolation.require("yes")
     with pytest.raises(ValueError, match="writable"):
         isolation.command(["true"], ["relative/folder"])
+
+
+def test_every_test_the_instructors_page_names_exists():
+    # "What the grader guarantees": a line is backed by the test its source names (<!-- test: FILE::NAME -->).
+    import ast
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    named = re.findall(r"<!-- test: (tests/\w+\.py)::(\w+) -->", (root / "book" / "instructors.md").read_text())
+    assert ("tests/test_isolation.py", "test_a_submission_leaves_nothing_behind") in named
+    for path, name in named:
+        tree = ast.parse((root / path).read_text())
+        assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, f"{path}::{name} is no test"
