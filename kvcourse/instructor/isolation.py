@@ -58,20 +58,23 @@ def command(argv: list[str], writable: list[str], env: dict[str, str] | None = N
     ``readable``: files and folders under ``/tmp`` it must still see (read-only), e.g. the notebook's folder."""
     if not argv:
         raise ValueError("argv must name a program to run")
+    for place in readable:
+        if not os.path.isabs(place) or not os.path.exists(place):
+            raise ValueError(f"readable must hold existing absolute paths, got {place!r}")
+    for folder in writable:
+        if not os.path.isabs(folder) or not os.path.isdir(folder):
+            raise ValueError(f"writable must hold existing absolute folders, got {folder!r}")
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise IsolationUnavailable("bubblewrap (bwrap) is not installed")
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     for device in sorted(glob.glob("/dev/nvidia*")):  # a kernel on a GPU machine uses CUDA
         args += ["--dev-bind", device, device]
+    # After --tmpfs /tmp: a path under /tmp is bound into the new, empty one.
     for place in readable:
-        if not os.path.isabs(place) or not os.path.exists(place):
-            raise ValueError(f"readable must hold existing absolute paths, got {place!r}")
         args += ["--ro-bind", place, place]
     for folder in writable:
-        if not os.path.isabs(folder) or not os.path.isdir(folder):
-            raise ValueError(f"writable must hold existing absolute folders, got {folder!r}")
-        args += ["--bind", folder, folder]  # after --tmpfs /tmp: a folder under /tmp is bound into the new one
+        args += ["--bind", folder, folder]
     args += ["--unshare-net", "--unshare-ipc", "--die-with-parent"]
     if os.geteuid() == 0:
         # bwrap keeps a root's capabilities: without this, the code inside could remount the view writable.
