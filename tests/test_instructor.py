@@ -444,7 +444,7 @@ def test_out_that_cannot_be_written_is_refused_before_grading(tmp_path, capsys):
 
 
 # ---- the cheats an earlier grader passed: every one fails now -----------------------------------
-def _cheat(label: str, source: str, uses: tuple[str, ...] = ()):
+def _cheat(label: str, source: str, uses: tuple[str, ...] = (), isolation: bool | None = None):
     """Grade ``source`` as the solution cell of ``label`` (the chapter's imports before it)."""
     from kvcourse.exercises.catalog import EXERCISES
     from kvcourse.instructor.checker import grade_exercise
@@ -454,7 +454,7 @@ def _cheat(label: str, source: str, uses: tuple[str, ...] = ()):
     cells = [["context", "chapter imports", imports]]
     cells += [["uses", u, MASK] for u in uses]
     cells.append(["solution", label, source])
-    return grade_exercise(EXERCISES[label], cells, timeout=120)
+    return grade_exercise(EXERCISES[label], cells, timeout=120, isolation=isolation)
 
 
 _ATTENTION_CHEATS = {
@@ -506,14 +506,13 @@ def test_the_reference_attention_passes_the_same_path():  # so the cheats above 
     assert _cheat("ch01-ex-attention", source, uses=("ch01-ex-mask",)).passed
 
 
-def test_a_passed_line_in_a_log_or_on_stdout_counts_for_nothing(tmp_path):
-    log = tmp_path / "checks.jsonl"
-    source = (f"import json\nline = json.dumps({{'check': 'ch01.check_causal_mask', 'passed': True, 'message': ''}})\n"
-              f"open({str(log)!r}, 'a').write(line + '\\n')\nprint(line)\n"
+def test_a_passed_line_in_a_log_or_on_stdout_counts_for_nothing():
+    # The log goes where the sandbox may write, its own folder; the check's hint shows the lines after it ran.
+    source = ("import json\nline = json.dumps({'check': 'ch01.check_causal_mask', 'passed': True, 'message': ''})\n"
+              "open('checks.jsonl', 'a').write(line + '\\n')\nprint(line)\n"
               "def causal_mask(num_queries, num_keys):\n    return torch.ones(num_queries, num_keys, dtype=torch.bool)\n")
     verdict = _cheat("ch01-ex-mask", source)
-    assert not verdict.passed and "its future included" in verdict.hint
-    assert log.read_text().count('"passed": true') == 1  # the cheat ran, and was not read
+    assert not verdict.passed and "its future included" in verdict.hint, verdict.message
 
 
 def test_what_the_checker_lends_can_only_be_called():
@@ -592,16 +591,14 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
-def test_processes_an_answer_starts_end_with_its_grading(tmp_path):
-    pids = tmp_path / "pids"
+def test_processes_an_answer_starts_end_with_its_grading():
+    # The child's pid comes back in the answer's own error: an isolated sandbox can write no file out here.
     source = ("import subprocess, sys, os\n"
               "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
-              f"open({str(pids)!r}, 'w').write(str(child.pid))\n"
-              "def causal_mask(num_queries, num_keys):\n"
-              "    return torch.ones(num_queries, num_keys, dtype=torch.bool).tril(num_keys - num_queries)\n")
+              "raise RuntimeError(f'child pid {child.pid}.')\n")
     verdict = _cheat("ch01-ex-mask", source)
-    assert verdict.passed, verdict.message
-    pid = int(pids.read_text())
+    assert "child pid " in verdict.message, verdict.message
+    pid = int(verdict.message.split("child pid ")[1].split(".")[0])
     import time
 
     deadline = time.monotonic() + 10

@@ -71,8 +71,10 @@ def test_a_notebook_that_writes_into_the_installation_stops_the_run(tmp_path, mo
     for student in ("mallory", "zed"):
         (subs / student).mkdir(parents=True)
         nbformat.write(nb if student == "mallory" else _synthetic(), subs / student / "99_synthetic.ipynb")
+    # Without isolation (--no-isolation), the hashes are what stands guard; isolated, the write fails
+    # (tests/test_isolation.py).
     with pytest.warns(RuntimeWarning, match="could write"), pytest.raises(integrity.InstallationChanged) as exc:
-        grade_directory(subs, _book(tmp_path), timeout=120, jobs=1, check_timeout=60)
+        grade_directory(subs, _book(tmp_path), timeout=120, jobs=1, check_timeout=60, isolation=False)
     message = str(exc.value)
     assert "exercises/ch03.py" in message and "mallory/99_synthetic.ipynb" in message and "zed" not in message
 
@@ -97,33 +99,31 @@ def _shared_folder() -> Path:
 
 
 def test_each_sandbox_has_a_folder_of_its_own_that_the_next_never_sees():
-    shared = _shared_folder()
-    try:
-        first = (f"import os\nopen('note.txt', 'w').write('for the next student')\n"
-                 f"open({str(shared / 'where')!r}, 'w').write(os.getcwd())\n" + MASK)
-        assert _cheat("ch01-ex-mask", first).passed
-        where = Path((shared / "where").read_text())
-        assert not where.exists(), "the sandbox's folder outlived it"
-        second = "note = open('note.txt').read()\n" + MASK
-        verdict = _cheat("ch01-ex-mask", second)
-        assert not verdict.passed and "FileNotFoundError" in verdict.message, verdict.message
-    finally:
-        shutil.rmtree(shared, ignore_errors=True)
+    # The folder's name comes back in the answer's own error: an isolated sandbox can write no file out here.
+    first = "import os\nopen('note.txt', 'w').write('for the next student')\nraise RuntimeError(os.getcwd() + '|')\n"
+    verdict = _cheat("ch01-ex-mask", first)
+    where = Path(verdict.message.split("RuntimeError at line 3: ")[1].split("|")[0])
+    assert where.name.startswith("kvcourse-sandbox-"), verdict.message
+    assert not where.exists(), "the sandbox's folder outlived it"
+    second = "note = open('note.txt').read()\n" + MASK
+    verdict = _cheat("ch01-ex-mask", second)
+    assert not verdict.passed and "FileNotFoundError" in verdict.message, verdict.message
 
 
 @pytest.mark.skipif(not DROPS_ROOT, reason="the sandbox drops root only when the grader has it and nobody can "
                                            "read Python, torch and kvcourse")
 def test_a_sandbox_started_by_root_runs_as_nobody_and_cannot_write_the_graders_files():
+    # The layer under the isolation, tested without it: the uid comes back through a shared folder.
     shared = _shared_folder()
     owned = shared / "graders_file.py"  # stands for the installation: root's, readable by all
     owned.write_text("# the grader's\n")
     owned.chmod(0o644)
     try:
         who = f"import os\nopen({str(shared / 'uid')!r}, 'w').write(str(os.getuid()))\n" + MASK
-        assert _cheat("ch01-ex-mask", who).passed
+        assert _cheat("ch01-ex-mask", who, isolation=False).passed
         assert (shared / "uid").read_text() == "65534"
         attack = f"open({str(owned)!r}, 'a').write('def check_causal_mask(fn):\\n    return True\\n')\n" + MASK
-        verdict = _cheat("ch01-ex-mask", attack)
+        verdict = _cheat("ch01-ex-mask", attack, isolation=False)
         assert not verdict.passed and "PermissionError" in verdict.message, verdict.message
         assert owned.read_text() == "# the grader's\n"
     finally:

@@ -25,6 +25,7 @@ from kvcourse.memory import (
     weight_bytes,
 )
 from kvcourse.memory.__main__ import main as cli_main
+from kvcourse.memory.config import INT_FIELDS
 
 LLAMA3_8B = dict(CATALOG["llama-3-8b"].config)
 GPT2 = {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024}
@@ -522,6 +523,23 @@ def test_cli_refuses_odd_configs_in_one_line(tmp_path, capsys, text, word):
         cli_main(["--config", str(path), "--seq-len", "1024"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and word in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("field", INT_FIELDS)
+def test_every_integer_field_is_checked_where_the_config_does_not_use_it(tmp_path, capsys, field):
+    # issue 47, item 8: a Llama config (no sliding window) with max_window_layers "a" printed a bill
+    llama = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    for bad in ("a", 2.5, True):
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({**llama, field: bad}))
+        with pytest.raises(SystemExit) as e:
+            cli_main(["--config", str(path), "--seq-len", "1024"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"config['{field}'] must be an integer or null, got {bad!r}" in err, err
+        with pytest.raises(ValueError, match=rf"config\['{field}'\] must be an integer"):
+            kv_layout({**llama, field: bad})
+    if field not in llama:
+        assert kv_layout({**llama, field: None}).num_layers == 2  # null stays "not set"
 
 
 def test_qwen_max_window_layers_still_reads_right():

@@ -11,6 +11,9 @@
   :mod:`.checker` runs the exercise's check (named by :mod:`kvcourse.exercises.catalog`) in the
   grader's process on what the student's cells define in a fresh :mod:`.sandbox` process, the two
   talking through :mod:`.wire` (data and proxies, never code); one CSV row per notebook and exercise.
+* :mod:`.isolation` runs the notebook's kernel and the sandboxes under bubblewrap: a read-only view of the file
+  system but for their private folders, no network; the grader refuses to grade without it unless told
+  ``--no-isolation``.
 * :mod:`.report` writes a feedback page per student, a class summary and a plot of pass rates.
 """
 

@@ -81,12 +81,20 @@ def _grade(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         reference_chapters(args.book, args.chapters)  # a chapter the list lacks is named before any grading
     except ValueError as exc:
         parser.error(f"--chapters: {exc}")
+    from .isolation import IsolationUnavailable, require
+
+    try:
+        require(not args.no_isolation)
+    except IsolationUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)  # one line, before any notebook runs
+        return 2
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:  # one line each on stderr, not warnings' two
         warnings.simplefilter("always", RuntimeWarning)
         results = grade_directory(args.dir, args.book, args.timeout, jobs=args.jobs, run=not args.no_run,
-                                  check_timeout=args.check_timeout, progress=not args.quiet, chapters=args.chapters)
+                                  check_timeout=args.check_timeout, progress=not args.quiet, chapters=args.chapters,
+                                  isolation=not args.no_isolation)
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
     rows = rows_of(results)
@@ -146,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="folder for one feedback page per student, a class summary and a pass-rate plot")
     grade.add_argument("--no-run", action="store_true",
                        help="grade the exercises without first running each notebook top to bottom")
+    grade.add_argument("--no-isolation", action="store_true",
+                       help="grade where bubblewrap (bwrap) cannot isolate the graded code: it then runs with your "
+                            "permissions and could write into the Python installation and your home")
     grade.add_argument("--quiet", action="store_true", help="no progress bar")
     points = commands.add_parser("points", help="a grades CSV as GitHub Classroom's autograding result")
     points.add_argument("grades", type=Path, metavar="GRADES", help="the CSV written by grade")

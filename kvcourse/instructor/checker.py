@@ -17,13 +17,16 @@ its tensors reach the student's code as host tensors and what that code writes i
 from __future__ import annotations
 
 import ast
+import atexit
 import contextlib
 import importlib
 import inspect
 import io
 import multiprocessing
+import os
 import re
 import shutil
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
@@ -47,19 +50,65 @@ class Verdict:
 
 _MODEL = Shared(lambda: importlib.import_module("kvcourse").load_pretrained()[0])
 _context = None
+_isolated: bool | None = None  # how the running fork server was started: under bwrap or not
+_folders: dict[str, str] = {}  # the isolated server's folder for the sandboxes' own, and its home
 
 
-def _sandboxes():
-    """Sandboxes fork from a server that imported torch, kvcourse and the model once (not the checks)."""
-    global _context
+def _sandboxes(isolation: bool):
+    """Sandboxes fork from a server that imported torch, kvcourse and the model once (not the checks).
+
+    With ``isolation`` the server runs under bwrap (:mod:`.isolation`), so every sandbox forked from it
+    sees the file system read-only except its own folder under :func:`_sandbox_root`. Multiprocessing
+    keeps one fork server per process: asked for the other mode, it is stopped and started again.
+    """
+    global _context, _isolated
+    from multiprocessing import forkserver, spawn
+
+    context = multiprocessing.get_context("forkserver")
     if _context is None:
-        context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["kvcourse.instructor._zygote"])
+        _context = context
+    server = forkserver._forkserver
+    if _isolated is not None and _isolated != isolation:
+        server._stop()
+    started = server._forkserver_pid
+    interpreter = spawn.get_executable()
+    if isolation:
+        # The server is started with this interpreter (here, and again by ``Process.start`` if it died): bwrap's.
+        spawn.set_executable(_server_executable())
+    try:
+        server.ensure_running()
+    finally:
+        spawn.set_executable(interpreter)
+    _isolated = isolation
+    if server._forkserver_pid != started:
         warm = context.Process(target=_ready)  # the server loads the model before it forks the first child:
         warm.start()  # wait for that here, so it does not count against an exercise's time limit
         warm.join()
-        _context = context
-    return _context
+    return context
+
+
+def _sandbox_root() -> str:
+    """The one folder the isolated server may write: each sandbox gets its own inside (root's, ``0o711``:
+    a sandbox that runs as ``nobody`` cannot make files beside its folder)."""
+    if "root" not in _folders:
+        root = tempfile.mkdtemp(prefix="kvcourse-sandboxes-")
+        os.chmod(root, 0o711)
+        home = os.path.join(root, "server")
+        os.mkdir(home, 0o700)
+        _folders.update(root=root, home=home)
+        atexit.register(shutil.rmtree, root, True)
+    return _folders["root"]
+
+
+def _server_executable() -> str:
+    from .isolation import private_env, server_executable
+
+    if "executable" not in _folders:
+        root = _sandbox_root()
+        _folders["executable"] = server_executable([root], private_env(_folders["home"]))
+        atexit.register(shutil.rmtree, os.path.dirname(_folders["executable"]), True)
+    return _folders["executable"]
 
 
 def _ready() -> None:
@@ -88,13 +137,18 @@ def references_of(check) -> list[list[str]]:
 
 
 def grade_exercise(spec: ExerciseSpec, cells: list[list[str]], timeout: float = 300,
-                   chapter_names: dict[str, str] | None = None) -> Verdict:
+                   chapter_names: dict[str, str] | None = None, isolation: bool | None = None) -> Verdict:
     """Run ``cells`` (``[kind, name, source]``, the solution last) in a sandbox and ``spec``'s check on them.
 
     ``chapter_names`` (:func:`.grade.chapter_names`): where the chapter defines the names the sandbox does not
     have; a follow-up line that needs one is not graded, and a failure for want of one says where it comes from.
+    ``isolation``: the sandbox sees the file system read-only but for its own folder (:mod:`.isolation`);
+    None: its ``DEFAULT``, on. Where that cannot be had, :class:`.isolation.IsolationUnavailable` is raised.
     """
-    verdict = _grade(spec, cells, timeout, chapter_names or {})
+    from .isolation import require
+
+    isolation = require(isolation)
+    verdict = _grade(spec, cells, timeout, chapter_names or {}, isolation)
     return verdict if verdict.passed else _explain_missing_name(verdict, chapter_names or {})
 
 
@@ -113,14 +167,15 @@ def _explain_missing_name(verdict: Verdict, chapter_names: dict[str, str]) -> Ve
                    f"{verdict.hint} {advice}".strip())
 
 
-def _grade(spec: ExerciseSpec, cells: list[list[str]], timeout: float, chapter_names: dict[str, str]) -> Verdict:
+def _grade(spec: ExerciseSpec, cells: list[list[str]], timeout: float, chapter_names: dict[str, str],
+           isolation: bool) -> Verdict:
     check = load_check(spec)
     given = list(dict.fromkeys([*spec.given, *(["model"] if MODEL in spec.args else [])]))  # the cell's check call names it
-    workdir = _workdir()
+    context = _sandboxes(isolation)
+    workdir = _workdir(_sandbox_root() if isolation else None)
     job = {"label": spec.label, "answers": list(spec.answers), "given": given, "cells": cells,
            "forbidden": references_of(check), "references_in_cells": spec.references_in_cells, "workdir": workdir,
            "chapter_names": chapter_names}
-    context = _sandboxes()
     ours, theirs = context.Pipe()
     process = context.Process(target=_sandbox_main, args=(theirs, job), daemon=True)
     deadline = time.monotonic() + timeout
@@ -170,15 +225,15 @@ def _grade(spec: ExerciseSpec, cells: list[list[str]], timeout: float, chapter_n
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _workdir() -> str:
-    """A fresh folder for one sandbox, its own (``nobody``'s, when the grader is root: see ``sandbox._confine``)."""
-    import os
-    import tempfile
+def _workdir(parent: str | None) -> str:
+    """A fresh folder for one sandbox, its own (``nobody``'s, when the grader is root: see ``sandbox._confine``),
+    in ``parent`` (the isolated server's writable folder) or the temporary folder."""
+    from .sandbox import NOBODY, nobody_can_run
 
-    from .sandbox import NOBODY
-
-    path = tempfile.mkdtemp(prefix="kvcourse-sandbox-")
-    if os.geteuid() == 0:
+    path = tempfile.mkdtemp(prefix="kvcourse-sandbox-", dir=parent)
+    # Only for a sandbox that will be nobody: one that stays root, isolated, has no capability to enter
+    # a folder another user owns.
+    if os.geteuid() == 0 and nobody_can_run():
         os.chown(path, NOBODY, NOBODY)
     return path
 
@@ -187,7 +242,6 @@ def _end_group(pid: int) -> None:
     """Kill what is left of the sandbox's process group: processes the student's code started
     (``subprocess.Popen``, ``os.fork``) would otherwise outlive grading. (A process that leaves the
     group on purpose, with ``setsid``, escapes this; the threat model in ``instructors.md`` says so.)"""
-    import os
     import signal
 
     with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -94,8 +94,35 @@ def budget_threads(threads: int) -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]) if os.environ["OMP_NUM_THREADS"].isdigit() else threads)
 
 
-def _run(nb, path: Path, timeout: float) -> list[str]:
-    """Execute ``nb`` in place, cell by cell (none added, none overwritten); notes on what went wrong."""
+def _isolated_kernels(private: str, readable: list[str]):
+    """A kernel manager whose kernels run under bwrap (:mod:`.isolation`): ``private`` is all they may write."""
+    from jupyter_client import AsyncKernelManager
+
+    from .isolation import command, private_env
+
+    home = os.path.join(private, "home")
+    os.mkdir(home)
+    # Matplotlib builds its font list in a config folder it has not seen (about a second per kernel): the
+    # kernel's starts from a copy of the grader's.
+    import glob
+    import shutil
+
+    fonts = os.environ.get("MPLCONFIGDIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser(os.path.join("~", ".cache")), "matplotlib")
+    for found in glob.glob(os.path.join(fonts, "fontlist-*.json")):
+        shutil.copy(found, home)
+
+    class IsolatedKernelManager(AsyncKernelManager):
+        def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+            return command(super().format_kernel_cmd(extra_arguments), [private], private_env(home), readable)
+
+    return IsolatedKernelManager
+
+
+def _run(nb, path: Path, timeout: float, isolation: bool) -> list[str]:
+    """Execute ``nb`` in place, cell by cell (none added, none overwritten); notes on what went wrong.
+
+    ``isolation``: the kernel sees the file system read-only but for a private folder (:mod:`.isolation`)."""
     import tempfile
     import time
 
@@ -104,13 +131,17 @@ def _run(nb, path: Path, timeout: float) -> list[str]:
     from traitlets.config import Config
 
     # The kernel talks over Unix sockets in a private folder, not TCP on localhost: nothing else on the
-    # machine can connect, and the kernel prints no warning about unencrypted TCP into the grader's terminal.
+    # machine can connect, the kernel prints no warning about unencrypted TCP into the grader's terminal,
+    # and an isolated kernel, which has no network, can still answer.
     sockets = tempfile.TemporaryDirectory(prefix="kvcourse-kernel-")
     config = Config()
     config.KernelManager.transport = "ipc"
     config.KernelManager.ip = os.path.join(sockets.name, "kernel")
+    config.KernelManager.connection_file = os.path.join(sockets.name, "kernel.json")  # readable inside
+    folder = str(path.parent.resolve())
+    kernels = {"kernel_manager_class": _isolated_kernels(sockets.name, [folder])} if isolation else {}
     client = NotebookClient(nb, timeout=int(timeout), kernel_name="python3", allow_errors=True, config=config,
-                            resources={"metadata": {"path": str(path.parent.resolve())}})
+                            resources={"metadata": {"path": folder}}, **kernels)
     deadline = time.monotonic() + timeout
     index = -1
     notes: list[str] = []
@@ -253,16 +284,22 @@ def _first_of_each(exercises: list[Exercise]) -> dict[str, Exercise]:
 
 
 def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, expected: list[str] | None = None,
-                   run: bool = True, check_timeout: float = 300, threads: int | None = None) -> NotebookResult:
+                   run: bool = True, check_timeout: float = 300, threads: int | None = None,
+                   isolation: bool | None = None) -> NotebookResult:
     """Run and grade one submitted notebook. ``expected``: the exercise labels the reference chapter has.
 
     ``threads``: this worker's share of the cores (:func:`thread_budget`), for the notebook's kernel and the checks.
+    ``isolation``: the kernel and the sandboxes see the file system read-only but for private folders
+    (:mod:`.isolation`; None: its ``DEFAULT``, on); where that cannot be had, :class:`.isolation.IsolationUnavailable`.
     """
     import time
 
     import nbformat
 
     from .checker import grade_exercise
+    from .isolation import require
+
+    isolation = require(isolation)
 
     if threads is not None:
         budget_threads(threads)
@@ -281,7 +318,7 @@ def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, e
         return NotebookResult(name, [Row(name, "(notebook)", False, "no exercises found in the notebook")])
     submitted = copy.deepcopy(nb)  # what the clean processes run: the cells as handed in
     start = time.perf_counter()
-    notes = _run(nb, path, timeout) if run else []
+    notes = _run(nb, path, timeout, isolation) if run else []
     run_seconds = time.perf_counter() - start if run else 0.0
     by_label = _first_of_each(exercises)
     counts = Counter(e.label for e in exercises)
@@ -297,7 +334,7 @@ def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, e
         else:
             start = time.perf_counter()
             verdict = grade_exercise(EXERCISES[label], exercise_cells(submitted, label, exercises), check_timeout,
-                                     chapter_names(submitted, label, exercises))
+                                     chapter_names(submitted, label, exercises), isolation=isolation)
             message = "ok" if verdict.passed else _one_line(verdict.message)
             rows.append(Row(name, label, verdict.passed, message, verdict.case, verdict.expected, verdict.got,
                             verdict.hint, time.perf_counter() - start))
@@ -331,13 +368,17 @@ def default_jobs(tasks: int) -> int:
 
 def grade_directory(directory: Path, book: Path | None = None, timeout: float = 1800, jobs: int | None = None,
                     run: bool = True, check_timeout: float = 300, progress: bool = False,
-                    chapters: list[str] | None = None) -> list[NotebookResult]:
+                    chapters: list[str] | None = None, isolation: bool | None = None) -> list[NotebookResult]:
     """Grade every submission under ``directory`` against the reference list, ``jobs`` notebooks at a time.
 
     The list is every chapter of ``book`` (else of the course), or the ``chapters`` named (``["03"]``):
     each submission gets one row per exercise of it, whatever it handed in (:mod:`.chapters`).
+    ``isolation``: see :func:`grade_notebook`; refused before any notebook runs where it cannot be had.
     """
     from .chapters import assign, reference_chapters
+    from .isolation import require
+
+    isolation = require(isolation)
     from .integrity import (changed, load_checks, package_dir, recorded_hashes, snapshot, unrecorded_changes,
                             writable_installation)
 
@@ -350,7 +391,7 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
 
         raise InstallationChanged(f"kvcourse's files differ from what its installer recorded: {', '.join(tampered)}. "
                                   "Reinstall kvcourse before grading.")
-    writable = writable_installation()
+    writable = [] if isolation else writable_installation()  # isolated, graded code cannot write there
     if writable:
         import warnings
 
@@ -393,7 +434,7 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
 
     if jobs == 1:
         for path, name, expected in tasks:
-            results[name] = grade_notebook(path, name, timeout, expected, run, check_timeout, threads)
+            results[name] = grade_notebook(path, name, timeout, expected, run, check_timeout, threads, isolation)
             verify(name)
             bar.update(1)
     else:
@@ -401,7 +442,8 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(grade_notebook, path, name, timeout, expected, run, check_timeout, threads):
+            futures = {pool.submit(grade_notebook, path, name, timeout, expected, run, check_timeout, threads,
+                                     isolation):
                        (name, expected)
                        for path, name, expected in tasks}
             for future in as_completed(futures):

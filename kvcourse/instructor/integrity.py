@@ -1,7 +1,9 @@
 """The checks in effect are the ones installed: kvcourse's files, hashed before any student code runs.
 
-Graded code runs with the grader's permissions unless the grader drops them (:mod:`.sandbox` does,
-when it runs as root). A cell that appends ``def check_max_sequences(...): return passed(...)`` to
+Graded code runs with a read-only view of the installation (:mod:`.isolation`); with ``--no-isolation`` it
+runs with the grader's permissions unless the grader drops them (:mod:`.sandbox` does, when it runs as
+root), and these hashes are what stands guard. A cell that appends
+``def check_max_sequences(...): return passed(...)`` to
 ``kvcourse/exercises/ch03.py`` would, in an earlier grader, have passed that exercise for every
 student graded after it. So the grader:
 

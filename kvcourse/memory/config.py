@@ -51,6 +51,7 @@ def load_config(config: Any) -> dict:
     # Multimodal wrappers (Llava, Gemma 3, ...) keep the language model's shape in text_config.
     if not _has_any(cfg, _LAYER_KEYS) and isinstance(cfg.get("text_config"), Mapping):
         cfg = dict(cfg["text_config"])
+    _check_int_fields(cfg)
     return cfg
 
 
@@ -58,6 +59,21 @@ _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 MAX_LAYERS = 10_000  # the deepest published models have a few hundred; the layout holds one entry per layer
 _HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+_KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
+# Every integer field the memory tools read. Each is checked whenever it is present, not only on the path that
+# uses it: ``max_window_layers: "a"`` in a config with no sliding window is a broken file, not an unused key.
+INT_FIELDS = (*_LAYER_KEYS, *_HEAD_KEYS, *_HIDDEN_KEYS, *_KV_HEAD_KEYS, "head_dim", "kv_lora_rank",
+              "qk_rope_head_dim", "sliding_window", "max_window_layers", "sliding_window_pattern",
+              "attention_chunk_size", "max_position_embeddings", "vocab_size", "intermediate_size")
+
+
+def _check_int_fields(cfg: Mapping) -> None:
+    """Every integer field present (and not null) is a JSON integer: a string, a float or a boolean is refused,
+    naming the field. (Their ranges are checked where each is used.)"""
+    for key in INT_FIELDS:
+        value = cfg.get(key)
+        if value is not None and not is_int(value):
+            raise ValueError(f"config[{key!r}] must be an integer or null, got {value!r} ({type(value).__name__})")
 
 
 def _has_any(cfg: Mapping, keys: tuple[str, ...]) -> bool:
@@ -208,10 +224,8 @@ def kv_layout(config: Any) -> KVLayout:
         if named:
             raise ValueError(f"config sets multi_query: true (one KV head) and {named[0]}={cfg[named[0]]!r}: "
                              "they disagree; keep one")
-    elif _has_any(cfg, ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")):
-        kv_heads = _positive_int(
-            cfg, ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num"), "KV head count"
-        )
+    elif _has_any(cfg, _KV_HEAD_KEYS):
+        kv_heads = _positive_int(cfg, _KV_HEAD_KEYS, "KV head count")
     else:
         kv_heads = num_heads  # plain multi-head attention
     if kv_heads > num_heads or num_heads % kv_heads:
