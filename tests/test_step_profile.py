@@ -89,3 +89,16 @@ def test_idle_fraction_is_the_wall_time_no_kernel_ran():
     assert idle_fraction([], 5) == 1
     with pytest.raises(ValueError, match="wall"):
         idle_fraction([(0, 1)], 0)
+
+
+def test_device_figures_mix_the_profilers_microseconds_with_wall_seconds_right():
+    """The first H200 run reported an idle fraction of 0 for a step busy 1.43 ms of 3.31: the kernels' intervals
+    (microseconds) were divided by the wall time in milliseconds."""
+    from kvcourse.serving.step_profile import device_figures
+
+    # Two steps of 3.3 ms wall each, 1.4 ms of kernels in each.
+    intervals = [(0.0, 700.0), (700.0, 1400.0), (5000.0, 6400.0)]
+    got = device_figures(intervals, [3.3e-3, 3.3e-3])
+    assert got["kernel_launches"] == 1.5 and got["device_busy_ms"] == pytest.approx(1.4)
+    assert got["kernel_sum_ms"] == pytest.approx(1.4)
+    assert got["gpu_idle_fraction"] == pytest.approx(1 - 1.4 / 3.3)

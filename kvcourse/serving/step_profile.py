@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 # would show under every profiled cell. Level 6 keeps only its errors; read when the profiler first starts.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
-__all__ = ["FORWARD_SCOPE", "SYNC_OPS", "busy_time", "idle_fraction", "profile_step"]
+__all__ = ["FORWARD_SCOPE", "SYNC_OPS", "busy_time", "device_figures", "idle_fraction", "profile_step"]
 
 FORWARD_SCOPE = "ModelRunner.forward"  # the profiler label around the model's forward (model_runner.py)
 
@@ -80,14 +80,22 @@ def profile_step(step: Callable[[], object], device: torch.device | str = "cpu",
         # (FORWARD_SCOPE); those spans overlap the kernels inside them and are not counted.
         kernels = [e for e in events if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
                    and e.name != FORWARD_SCOPE]  # fmt: skip
-        intervals = [(e.time_range.start, e.time_range.end) for e in kernels]  # microseconds
-        result["kernel_launches"] = len(kernels) / repeats
-        result["device_busy_ms"] = busy_time(intervals) / 1e3 / repeats
-        result["kernel_sum_ms"] = sum(end - start for start, end in intervals) / 1e3 / repeats
-        result["gpu_idle_fraction"] = idle_fraction(intervals, 1e3 * sum(walls))
+        result.update(device_figures([(e.time_range.start, e.time_range.end) for e in kernels], walls))
         result["host_bound"] = result["wall_ms"] > 2 * result["device_busy_ms"]
     return result
 
+
+
+def device_figures(intervals_us: list[tuple[float, float]], walls_s: list[float]) -> dict:
+    """Per step, from the kernels' intervals (profiler microseconds) over ``len(walls_s)`` steps (wall seconds):
+    ``kernel_launches``, ``device_busy_ms`` (their union), ``kernel_sum_ms`` and ``gpu_idle_fraction``."""
+    steps = len(walls_s)
+    return {
+        "kernel_launches": len(intervals_us) / steps,
+        "device_busy_ms": busy_time(intervals_us) / 1e3 / steps,
+        "kernel_sum_ms": sum(end - start for start, end in intervals_us) / 1e3 / steps,
+        "gpu_idle_fraction": idle_fraction(intervals_us, 1e6 * sum(walls_s)),  # both in microseconds
+    }
 
 
 def busy_time(intervals: list[tuple[float, float]]) -> float:
