@@ -155,7 +155,7 @@ def trace_split(by_kind: Mapping) -> dict[str, float]:
     return out
 
 
-def plot_trace_split(before: Mapping, after: Mapping, ax, gpu: str = "H100, bf16") -> None:
+def plot_trace_split(before: Mapping, after: Mapping, ax: Any, gpu: str = "H100, bf16") -> None:
     """Two bars on ``ax``: the trace's seconds with decode graphs only (``before``) and with every step from a
     graph (``after``), each split by :func:`trace_split` into host work and waiting, decode and prompt steps."""
     rows = [("decode steps from graphs", before), ("every step from a graph", after)]
@@ -275,7 +275,7 @@ def step_figures(run: dict, profile: dict, first: dict, engine_runs: Sequence[di
     return f
 
 
-def measure_decode_step(model, batch: int, context: tuple[int, int] = (200, 1000), graphs: bool = True,
+def measure_decode_step(model: Any, batch: int, context: tuple[int, int] = (200, 1000), graphs: bool = True,
                         steps: int = 20, seed: int = 0) -> dict[str, float]:
     """Time one-token decode steps of ``batch`` sequences live on ``model``'s device, each with a context drawn
     from ``context`` (inclusive), on a ModelRunner with the ``"triton"`` backend, replayed from CUDA graphs or
