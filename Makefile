@@ -18,7 +18,7 @@ help:
 	@echo "make setup      create .venv with kvcourse, its dev tools and the SmolLM2 weights"
 	@echo "make book       build the HTML book into _build/html (from committed outputs)"
 	@echo "make test       unit tests + nbval over every notebook (+ the numerics again on the other x86 kernels)"
-	@echo "make other-cpu  the reduced-precision tests and chapters 5, 6 and 8 again on AVX2 kernels (torch, MKL and oneDNN)"
+	@echo "make other-cpu  the reduced-precision tests and chapters 5, 8 and 9 again on AVX2 kernels (torch, MKL and oneDNN)"
 	@echo "make notebooks  re-execute every notebook in place"
 	@echo "make test-kernels-native  compile chapter 5's kernels for sm_75/80/90 over the full configuration sweep (no GPU needed)"
 	@echo "make compile-report       the same sweep, written to benchmarks/results/compile-report-<date>.json"
@@ -110,7 +110,7 @@ nbval: setup
 OTHER_CPU := MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 OTHER_CPU_TESTS := tests/test_quant.py tests/test_quant_paged.py tests/test_dropping.py tests/test_window.py tests/test_backends.py
 # The chapters whose cells pass through reduced precision on the CPU: int8/fp16 kernels (5), bf16 (6), quantizers (8).
-OTHER_CPU_NOTEBOOKS := book/05_triton_kernels.ipynb book/06_serving.ipynb book/08_compressing_the_cache.ipynb
+OTHER_CPU_NOTEBOOKS := book/05_triton_kernels.ipynb book/08_compressing_the_cache.ipynb book/09_gpu_step.ipynb
 other-cpu: setup
 	$(OTHER_CPU) $(PY) -m pytest $(OTHER_CPU_TESTS) -q -p no:cacheprovider
 	$(OTHER_CPU) $(PY) -m pytest -q --nbval $(OTHER_CPU_NOTEBOOKS) --nbval-sanitize-with book/nbval-sanitize.cfg --nbval-cell-timeout 900 -p no:cacheprovider

@@ -62,7 +62,7 @@ import torch
 NO_GPU = 3
 ROOT = Path(__file__).resolve().parents[1]  # the repository (tests/, book/, benchmarks/ live here)
 # Longest first, so the slowest chapter never starts last (the order the pool takes them in).
-CHAPTER_ORDER = ("06", "07", "08", "02", "05", "04", "01", "03")
+CHAPTER_ORDER = ("06", "09", "07", "08", "02", "05", "04", "01", "03")
 NOTEBOOK_MARK = "GPU_CHECK_NOTEBOOK "  # the line a notebook job prints its result on
 # What the issue asks for that does not exist yet, said in the JSON rather than left out silently.
 NOT_RUN: list[str] = []

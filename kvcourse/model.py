@@ -15,7 +15,7 @@ knows nothing about caches. Two entry points choose the backend:
   prompts, prefill chunks and decode tokens mixed) described by a :class:`~kvcourse.batch.ForwardBatch`,
   its K/V in a paged pool. The step's tokens are packed in one row: hidden states ``[N, hidden]``.
 
-**Built like a serving model** (chapter 6, "where a step goes"). A decode step of a small model is
+**Built like a serving model** (chapter 9, "where a step goes"). A decode step of a small model is
 hundreds of tiny operations, and on a GPU each is a kernel launch, so the layer does what vLLM's Llama
 does: Q, K and V come out of one packed matmul (``qkv_proj``), gate and up out of another
 (``gate_up_proj``), and the norms, RoPE and SiLU-and-mul are one call each (:mod:`kvcourse.kernels.fused`;

@@ -220,3 +220,29 @@ def test_inline_code_may_break_only_after_a_dot_an_underscore_or_a_parenthesis()
                    'allocate(<wbr><span class="kv-nobr">n)</span></span> <span class="pre"><span class="kv-nobr">'
                    '--gpu-memory</span></span> <span class="pre"><span class="kv-nobr">a&lt;b</span></span></code> '
                    'not.code_here</p>')
+
+
+def prose_words(nb: dict) -> int:
+    """The words of a chapter's prose: its markdown cells, whitespace-separated, less the generated header
+    (``book/chapters.yml`` writes it) and the rows of tables (reference to look up, not text to read through)."""
+    words = 0
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "markdown" or "chapter-header" in cell.get("metadata", {}).get("tags", []):
+            continue
+        words += sum(len(line.split()) for line in "".join(cell["source"]).splitlines()
+                     if not line.lstrip().startswith("|"))  # fmt: skip
+    return words
+
+
+def test_chapter_6_reads_in_one_sitting():
+    """Issue 45: chapter 6 keeps to the scheduler and the engine on any machine, and its GPU half is chapter 9, so
+    that its prose stays within 6,000 words (it had about 8,200)."""
+    words = prose_words(json.loads((ROOT / "book" / "06_serving.ipynb").read_text()))
+    assert words <= 6000, f"chapter 6 has {words:,} words of prose; move or cut to 6,000"
+
+
+def test_prose_words_counts_text_not_headers_or_tables():
+    nb = {"cells": [{"cell_type": "markdown", "metadata": {"tags": ["chapter-header"]}, "source": ["a b c"]},
+                    {"cell_type": "markdown", "metadata": {}, "source": ["one two\n", "| x | y |\n", "three"]},
+                    {"cell_type": "code", "metadata": {}, "source": ["four five"]}]}  # fmt: skip
+    assert prose_words(nb) == 3

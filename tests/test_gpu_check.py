@@ -20,7 +20,7 @@ def test_jobs_cover_every_chapter_and_name_files_that_exist(tmp_path):
     assert all(j.alone for j in todo[:3]) and not any(j.alone for j in todo[3:])
     assert "kernel tests, compiled on the GPU" in names and "tests that take a device, on cuda" in names
     chapters = sorted(p.name for p in (gpu_check.ROOT / "book").glob("[0-9][0-9]_*.ipynb"))
-    assert sorted(j.notebook for j in todo if j.notebook) == chapters and len(chapters) == 8
+    assert sorted(j.notebook for j in todo if j.notebook) == chapters and len(chapters) == 9
     assert [j.notebook[:2] for j in todo if j.notebook] == list(gpu_check.CHAPTER_ORDER)  # longest first
     for job in todo:
         for arg in job.command:

@@ -33,15 +33,15 @@ def test_a_notebook_is_its_chapter_by_the_number_in_its_name(name, number):
 
 def test_the_reference_list_is_the_course_unless_a_book_or_chapters_narrow_it():
     course = reference_chapters()
-    assert sorted(course) == [f"{n:02d}" for n in range(1, 9)]
+    assert sorted(course) == [f"{n:02d}" for n in range(1, 10)]
     assert [label for c in course.values() for label in c.labels] == list(EXERCISES)  # all 34, in order
     assert {f"ch{n}": c.notebook for n, c in course.items()} == NOTEBOOKS
     assert all((BOOK / c.notebook).is_file() for c in course.values())
     book = reference_chapters(BOOK)
     assert {n: (c.notebook, c.labels) for n, c in book.items()} == {n: (c.notebook, c.labels) for n, c in course.items()}
     assert list(reference_chapters(chapters=["04", "03", "03"])) == ["03", "04"]
-    with pytest.raises(ValueError, match=r"\['09'\] are not in the reference list"):
-        reference_chapters(chapters=["03", "09"])
+    with pytest.raises(ValueError, match=r"\['10'\] are not in the reference list"):
+        reference_chapters(chapters=["03", "10"])
 
 
 def test_one_notebook_grades_each_chapter_and_the_rest_are_reported(tmp_path):
@@ -132,9 +132,18 @@ def test_chapters_must_be_chapter_numbers(tmp_path, capsys, value):
     assert exc.value.code == 2 and "--chapters" in capsys.readouterr().err
 
 
+def test_chapter_6_keeps_its_exercises_when_its_gpu_half_became_chapter_9():
+    """Issue 45: a student's chapter 6 notebook from before the split still grades: every exercise it had is still
+    chapter 6's, under the same label, and chapter 9's are new labels of its own."""
+    course = reference_chapters()
+    assert course["06"].labels == ("ch06-ex-running", "ch06-ex-admission", "ch06-ex-victims", "ch06-ex-chunk",
+                                   "ch06-ex-predict")  # fmt: skip
+    assert course["09"].notebook == "09_gpu_step.ipynb" and all(l.startswith("ch09-") for l in course["09"].labels)
+
+
 def test_a_chapter_the_list_lacks_is_refused_before_grading(tmp_path, capsys):
     nbformat.write(_synthetic(), tmp_path / "99_synthetic.ipynb")
     with pytest.raises(SystemExit) as exc:
-        main(["grade", str(tmp_path), "--out", str(tmp_path / "g.csv"), "--chapters", "9"])
-    assert exc.value.code == 2 and "['09'] are not in the reference list" in capsys.readouterr().err
+        main(["grade", str(tmp_path), "--out", str(tmp_path / "g.csv"), "--chapters", "10"])
+    assert exc.value.code == 2 and "['10'] are not in the reference list" in capsys.readouterr().err
     assert not (tmp_path / "g.csv").exists()

@@ -120,6 +120,10 @@ _SPECS = [
     ExerciseSpec("ch08-ex-ring", "ch08.check_ring_slot", ("slot_for", MODEL)),
     ExerciseSpec("ch08-ex-snapkv", "ch08.check_snapkv_keep", ("snapkv_keep",)),
     ExerciseSpec("ch08-ex-absorb", "ch08.check_absorbed_decode", ("absorbed_decode",)),
+    # chapter 9
+    ExerciseSpec("ch09-ex-bytes", "ch09.check_step_bytes", ("step_bytes",)),
+    ExerciseSpec("ch09-ex-floor", "ch09.check_gpu_floor", ("gpu_floor_ms",)),
+    ExerciseSpec("ch09-ex-overlap", "ch09.check_overlap_gain", ("overlap_gain",)),
 ]
 
 EXERCISES: dict[str, ExerciseSpec] = {spec.label: spec for spec in _SPECS}
@@ -134,6 +138,7 @@ NOTEBOOKS = {
     "ch06": "06_serving.ipynb",
     "ch07": "07_reusing_the_cache.ipynb",
     "ch08": "08_compressing_the_cache.ipynb",
+    "ch09": "09_gpu_step.ipynb",
 }
 
 

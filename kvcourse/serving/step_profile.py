@@ -19,7 +19,7 @@
 A GPU step is **host-bound** when ``wall_ms`` is far above ``device_busy_ms``: the GPU idles between
 kernels while Python prepares the next one. A CUDA graph replays all the step's kernels from one call,
 so its ``aten_calls`` and launches shrink to a handful and the wall time falls toward the busy time.
-Chapter 6 ("where a step goes") reads these numbers.
+Chapter 9 ("where a step goes") reads these numbers.
 """
 
 from __future__ import annotations
