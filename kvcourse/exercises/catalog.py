@@ -78,6 +78,7 @@ _SPECS = [
     ExerciseSpec("ch01-ex-attention", "ch01.check_attention", ("attention",), uses=("ch01-ex-mask",)),
     ExerciseSpec("ch01-ex-pairs", "ch01.check_naive_attention_pairs", ("naive_attention_pairs",),
                  given=("tok",), setup='P = len(tok.encode("The capital of France is"))\n'),
+    ExerciseSpec("ch01-ex-predict", "ch01.check_predicted_naive_step", ("predict_naive_step_ms",)),
     # chapter 2
     ExerciseSpec("ch02-ex-positions", "ch02.check_new_positions", ("new_positions",)),
     ExerciseSpec("ch02-ex-update", "ch02.check_cache_update", ("PreallocatedKVCache", MODEL)),
