@@ -92,6 +92,9 @@ _SPECS = [
     ExerciseSpec("ch03-ex-kivi", "ch03.check_quantized_bytes", ("quantized_bytes",)),
     ExerciseSpec("ch03-ex-fit", "ch03.check_max_sequences", ("max_sequences",), uses=("ch03-ex-per-token",),
                  setup=_CH03_GPUS),
+    # the solution checks its prediction with the calculator the check refuses as an answer
+    ExerciseSpec("ch03-ex-context", "ch03.check_max_context", ("max_context",), uses=("ch03-ex-per-token",),
+                 references_in_cells=True),
     # chapter 4
     ExerciseSpec("ch04-ex-slot-mapping", "ch04.check_slot_mapping", ("step_slot_mapping",)),
     ExerciseSpec("ch04-ex-bughunt", "ch04.check_block_manager", ("FixedBlockManager",), references_in_cells=True),
