@@ -86,6 +86,7 @@ _SPECS = [
                  given=("model", "tok"), setup='prompt_ids = tok.encode("The capital of France is")\n'),
     ExerciseSpec("ch02-ex-decode", "ch02.check_decode_attention", ("attend",)),
     ExerciseSpec("ch02-ex-outweigh", "ch02.check_tokens_to_outweigh", ("tokens_to_outweigh",)),
+    ExerciseSpec("ch02-ex-predict", "ch02.check_predicted_generation", ("predict_generation_ms",)),
     # chapter 3
     ExerciseSpec("ch03-ex-per-token", "ch03.check_bytes_per_token", ("bytes_per_token",)),
     ExerciseSpec("ch03-ex-per-rank", "ch03.check_bytes_per_rank", ("bytes_per_rank",), uses=("ch03-ex-per-token",)),

@@ -46,6 +46,7 @@ __all__ = [
     "check_attention",
     "check_naive_attention_pairs",
     "check_frozen_positions",
+    "check_predicted_naive_step",
 ]
 
 

@@ -34,7 +34,8 @@ from ._core import (
     wrap_checks,
 )
 
-__all__ = ["check_bytes_per_token", "check_bytes_per_rank", "check_quantized_bytes", "check_max_sequences"]
+__all__ = ["check_bytes_per_token", "check_bytes_per_rank", "check_quantized_bytes", "check_max_sequences",
+           "check_max_context"]
 
 # The package's own calculator: a learner's function must not call it.
 _REFERENCES = {name: getattr(memory, name) for name in ("kv_bytes_per_token", "kv_cache_bytes", "kv_layout")}
