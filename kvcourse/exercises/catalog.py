@@ -63,6 +63,11 @@ full = ids + kvcourse.generate(model, ids, max_new_tokens=3, use_cache=False, eo
 """
 
 # Chapter 3's cards, from the cell that plots how many sequences fit: the fit exercise may read them.
+# chapter 4's trace and pool, from its "A workload to serve" section
+_CH04_TRACE = """\
+MAX_LEN, POOL = 2048, 32 * 1024
+trace = make_trace(1000, seed=0, max_len=MAX_LEN)
+"""
 _CH03_GPUS = """gpus = {
     "24 GB (RTX 4090, L4)": 24 * GB,
     "80 GB (A100, H100)": 80 * GB,
@@ -101,6 +106,9 @@ _SPECS = [
     ExerciseSpec("ch04-ex-bughunt", "ch04.check_block_manager", ("FixedBlockManager",), references_in_cells=True),
     ExerciseSpec("ch04-ex-parallel-sampling", "ch04.check_parallel_sampling_blocks", ("blocks_with_sharing",)),
     ExerciseSpec("ch04-ex-block-size", "ch04.check_live_fraction", ("live_fraction",)),
+    # the solution runs the simulator on the chapter's trace to compare with its prediction
+    ExerciseSpec("ch04-ex-reservation", "ch04.check_reservation_live", ("predict_reservation_live",),
+                 setup=_CH04_TRACE),
     # chapter 5
     ExerciseSpec("ch05-ex-mask", "ch05.check_masked_decode", ("masked_decode_kernel_fixed",)),
     ExerciseSpec("ch05-ex-rescale", "ch05.check_online_softmax", ("online_decode_kernel_fixed",)),
