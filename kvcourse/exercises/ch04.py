@@ -488,7 +488,7 @@ def check_live_fraction(live_fraction: Callable[[list[int], int], float], seed: 
 
 # --- Exercise 5: predict the live share of max-length reservations ---------------------------------
 
-def _live(p: list[int], o: list[int], max_len: int, *, weight=lambda p, o: o, held=lambda p, o: p + (o + 1) / 2,
+def _reservation_live(p: list[int], o: list[int], max_len: int, *, weight=lambda p, o: o, held=lambda p, o: p + (o + 1) / 2,
           ) -> float:  # fmt: skip
     """Each request's average holding, weighted (keywords: the typical mistakes)."""
     w = [weight(a, b) for a, b in zip(p, o)]
@@ -497,19 +497,19 @@ def _live(p: list[int], o: list[int], max_len: int, *, weight=lambda p, o: o, he
 
 _RESERVATION_MISTAKES = [
     ("Each request counted once: that is the trace's average request, not the running batch's. A request runs for "
-     "as many steps as it has output tokens, so weight it by output_len.", lambda p, o, m: _live(p, o, m,
+     "as many steps as it has output tokens, so weight it by output_len.", lambda p, o, m: _reservation_live(p, o, m,
                                                                                               weight=lambda a, b: 1)),
     ("That is the final length: a running request is on average halfway through its output, holding "
-     "prompt_len + (output_len + 1) / 2 tokens.", lambda p, o, m: _live(p, o, m, held=lambda a, b: a + b)),
+     "prompt_len + (output_len + 1) / 2 tokens.", lambda p, o, m: _reservation_live(p, o, m, held=lambda a, b: a + b)),
     ("The trace's mean final length over max_len: each request counted once, at its end. A snapshot meets "
-     "requests midway, and long ones more often.", lambda p, o, m: _live(p, o, m, weight=lambda a, b: 1,
+     "requests midway, and long ones more often.", lambda p, o, m: _reservation_live(p, o, m, weight=lambda a, b: 1,
                                                                           held=lambda a, b: a + b)),
     ("Half a token off: at its k-th step (k = 1 .. output_len) a request holds prompt_len + k tokens, so "
-     "prompt_len + (output_len + 1) / 2 on average.", lambda p, o, m: _live(p, o, m, held=lambda a, b: a + b / 2)),
+     "prompt_len + (output_len + 1) / 2 on average.", lambda p, o, m: _reservation_live(p, o, m, held=lambda a, b: a + b / 2)),
     ("The prompt is held from the first step to the last: add prompt_len to what the request holds.",
-     lambda p, o, m: _live(p, o, m, held=lambda a, b: (b + 1) / 2)),
+     lambda p, o, m: _reservation_live(p, o, m, held=lambda a, b: (b + 1) / 2)),
     ("A request occupies the batch for output_len steps (one token each), not prompt_len + output_len: weight by "
-     "output_len.", lambda p, o, m: _live(p, o, m, weight=lambda a, b: a + b)),
+     "output_len.", lambda p, o, m: _reservation_live(p, o, m, weight=lambda a, b: a + b)),
 ]
 
 
