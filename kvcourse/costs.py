@@ -17,7 +17,7 @@ feeds the prompt at step 0 (prefill) and one token afterwards (decode).
 
 from __future__ import annotations
 
-from .checks import check_int
+from .checks import check_float, check_int
 
 __all__ = [
     "matmul_parameters",
@@ -28,6 +28,7 @@ __all__ = [
     "forward_flops",
     "generation_flops",
     "step_flops",
+    "flop_scaled_ms",
 ]
 
 
@@ -107,3 +108,16 @@ def generation_flops(config, prompt_len: int, new_tokens: int, use_cache: bool) 
     """FLOPs to generate ``new_tokens`` tokens after a ``prompt_len``-token prompt."""
     _check(prompt_len, new_tokens)
     return sum(step_flops(config, prompt_len, i, use_cache) for i in range(new_tokens))
+
+
+def flop_scaled_ms(config, measured_ms: float, measured_tokens: int, num_tokens: int) -> float:
+    """Predict a forward pass over ``num_tokens`` tokens from one measured over ``measured_tokens``.
+
+    The model the course checks its timings against: time in proportion to :func:`forward_flops`,
+    attention's pairs included. It knows nothing of the fixed cost of reading every weight once per
+    pass, so from a short pass, where that read is a large share of the time, it over-predicts a long one.
+    """
+    measured_ms = check_float("measured_ms", measured_ms, min=0)
+    check_int("measured_tokens", measured_tokens, min=1)
+    check_int("num_tokens", num_tokens, min=1)
+    return measured_ms * forward_flops(config, num_tokens) / forward_flops(config, measured_tokens)

@@ -73,6 +73,7 @@ __all__ = [
     "reserved_slots",
     "simulate",
     "block_size_sweep",
+    "reservation_live_fraction",
 ]
 
 STRATEGIES = ("max", "pow2", "oracle", "paged")
@@ -500,3 +501,22 @@ def block_size_sweep(
     if not block_sizes:
         raise ValueError("block_sizes must not be empty")
     return [simulate(trace, pool_tokens, "paged", block_size=b, **kwargs) for b in block_sizes]
+
+
+def reservation_live_fraction(prompt_lens, output_lens, max_len: int) -> float:
+    """The share of max-length reservations that holds tokens, averaged over time: chapter 4's model of ``"max"``.
+
+    A request with ``o`` output tokens runs for ``o`` steps and at its ``k``-th (``k = 1 .. o``) holds its prompt
+    and the ``k`` tokens made so far (a slot counts from the step that makes its token, as in :func:`simulate`), so
+    ``p + (o + 1) / 2`` on average. Weighting each request by the steps it runs, not counting it once, is what makes
+    this right: a snapshot of a busy server meets a long request more often than a short one.
+    """
+    check_int("max_len", max_len, min=1)
+    p = np.asarray(prompt_lens, dtype=np.float64)
+    o = np.asarray(output_lens, dtype=np.float64)
+    if p.ndim != 1 or o.shape != p.shape or not len(p):
+        raise ValueError(f"prompt_lens and output_lens must be two 1-D sequences of one length >= 1, got shapes "
+                         f"{p.shape} and {o.shape}")
+    if (p < 1).any() or (o < 1).any() or (p + o > max_len).any():
+        raise ValueError(f"every request needs prompt_lens >= 1, output_lens >= 1 and a total <= max_len={max_len}")
+    return float((o * (p + (o + 1) / 2)).sum() / o.sum() / max_len)

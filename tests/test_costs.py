@@ -55,3 +55,23 @@ def test_bad_arguments():
         kv_projections_total(0, 3, True)
     with pytest.raises(ValueError, match="new_tokens"):
         kv_projections_total(3, -1, True)
+
+
+def test_flop_scaled_ms_scales_by_the_forward_flops():
+    from kvcourse.costs import flop_scaled_ms
+
+    cfg = LlamaConfig()
+    # twice the tokens: more than twice the time (attention's pairs), less than four times
+    assert 2 * 10.0 < flop_scaled_ms(cfg, 10.0, 100, 200) < 4 * 10.0
+    assert flop_scaled_ms(cfg, 10.0, 100, 200) == pytest.approx(
+        10.0 * forward_flops(cfg, 200) / forward_flops(cfg, 100))
+    assert flop_scaled_ms(cfg, 7.0, 64, 64) == pytest.approx(7.0)
+
+
+@pytest.mark.parametrize(("args", "name"), [((-1.0, 16, 384), "measured_ms"), ((1.0, 0, 384), "measured_tokens"),
+                                            ((1.0, 16, 0), "num_tokens"), ((float("nan"), 16, 384), "measured_ms")])
+def test_flop_scaled_ms_refuses_bad_input(args, name):
+    from kvcourse.costs import flop_scaled_ms
+
+    with pytest.raises((ValueError, TypeError), match=name):
+        flop_scaled_ms(LlamaConfig(), *args)

@@ -295,3 +295,58 @@ def test_no_reference_answers_are_public():
         obj = getattr(ch01, name)
         if callable(obj) and getattr(obj, "__module__", "") == ch01.__name__ and not name.startswith("_"):
             assert name.startswith("check_"), f"ch01.{name} is public but not a check"
+
+
+# --- exercise 5: predict a naive step from the FLOPs ---------------------------------------------
+def right_prediction(ms_short, short_len, long_len, per_token, per_pair):
+    def flops(t):
+        return per_token * t + per_pair * t * (t + 1) // 2
+
+    return ms_short * flops(long_len) / flops(short_len)
+
+
+def test_predicted_naive_step_accepts_the_flop_model(capsys):
+    assert ch01.check_predicted_naive_step(right_prediction)
+    assert "Correct" in capsys.readouterr().out
+
+
+def test_predicted_naive_step_matches_the_package_model():
+    # the check's model is costs.flop_scaled_ms, given SmolLM2's per-token and per-pair FLOPs
+    cfg = kvcourse.LlamaConfig()
+    per_pair = kvcourse.costs.forward_flops(cfg, 1, 1) - kvcourse.costs.forward_flops(cfg, 1, 0)
+    per_token = kvcourse.costs.forward_flops(cfg, 1, 0) - per_pair
+    assert math.isclose(right_prediction(40.0, 16, 384, per_token, per_pair),
+                        kvcourse.costs.flop_scaled_ms(cfg, 40.0, 16, 384), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "hint"),
+    [
+        (lambda ms, s, l, t, p: ms * l / s, "tokens alone"),
+        (lambda ms, s, l, t, p: ms * l * l / (s * s), "square of the tokens"),
+        (lambda ms, s, l, t, p: ms * (t * l + p * l**2) / (t * s + p * s**2), "all T x T"),
+        (lambda ms, s, l, t, p: ms * (t * l + p * l * (l - 1) / 2) / (t * s + p * s * (s - 1) / 2), "diagonal"),
+        (lambda ms, s, l, t, p: ms * (t * s + p * s * (s + 1) / 2) / (t * l + p * l * (l + 1) / 2), "Upside down"),
+        (lambda ms, s, l, t, p: ms + (t * l + p * l * (l + 1) / 2) - (t * s + p * s * (s + 1) / 2), "difference"),
+        (lambda ms, s, l, t, p: 1.1 * right_prediction(ms, s, l, t, p), "per_token_flops x T \\+"),
+    ],
+)
+def test_predicted_naive_step_rejects_wrong_answers_with_their_hint(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint) as info:
+        ch01.check_predicted_naive_step(wrong)
+    assert "expected:" in str(info.value) and "got:" in str(info.value)
+
+
+def test_predicted_naive_step_refuses_a_non_number():
+    with pytest.raises(ExerciseError, match="finite number"):
+        ch01.check_predicted_naive_step(lambda *a: "1000 ms")
+
+
+def test_predicted_naive_step_refuses_the_package_model():
+    cfg = kvcourse.LlamaConfig()
+
+    def through_costs(ms, s, l, t, p):
+        return kvcourse.costs.flop_scaled_ms(cfg, ms, s, l)
+
+    with pytest.raises(ExerciseError, match="flop_scaled_ms"):
+        ch01.check_predicted_naive_step(through_costs)

@@ -390,3 +390,58 @@ def test_no_reference_answers_are_public():
         obj = getattr(ch02, name)
         if callable(obj) and getattr(obj, "__module__", "") == ch02.__name__ and not name.startswith("_"):
             assert name.startswith("check_"), f"ch02.{name} is public but not a check"
+
+
+# --- exercise 6: a generation's time from a step-cost model ---------------------------------------
+def right_generation_ms(prompt_len, new_tokens, fixed_ms, per_token_ms, use_cache):
+    total = 0.0
+    for i in range(new_tokens):
+        fed = (prompt_len if i == 0 else 1) if use_cache else prompt_len + i
+        total += fixed_ms + per_token_ms * fed
+    return total
+
+
+def test_predicted_generation_accepts_the_step_model(capsys):
+    assert ch02.check_predicted_generation(right_generation_ms)
+    assert "x3.6" in capsys.readouterr().out
+
+
+def test_predicted_generation_is_the_packages_model():
+    # StepCost and costs.tokens_fed, as chapter 2's prediction cell and chapter 6's engine use them
+    from kvcourse.costs import tokens_fed
+    from kvcourse.serving.load import StepCost
+
+    cost = StepCost(fixed_s=0.037, per_token_s=0.0015)
+    for use_cache in (False, True):
+        package = sum(cost.seconds(tokens_fed(5, i, use_cache)[0], 1) for i in range(128))
+        assert math.isclose(package * 1e3, right_generation_ms(5, 128, 37.0, 1.5, use_cache), rel_tol=1e-9)
+
+
+def _fed_sum(fed, n, fixed, per_token):
+    return sum(fixed + per_token * fed(i) for i in range(n))
+
+
+@pytest.mark.parametrize(
+    ("wrong", "hint"),
+    [
+        (lambda p, n, f, t, c: _fed_sum(lambda i: (p if i == 0 else 1) if c else p + i + 1, n, f, t), "Off by one token"),
+        (lambda p, n, f, t, c: _fed_sum(lambda i: 1 if c else p + i, n, f, t), "prefill is one step"),
+        (lambda p, n, f, t, c: right_generation_ms(p, n, f, t, not c), "use_cache decides"),
+        (lambda p, n, f, t, c: right_generation_ms(p, n, f, t, c) - (n - 1) * f, "Every step pays the fixed cost"),
+        (lambda p, n, f, t, c: right_generation_ms(p, n + 1, f, t, c), "One step per new token"),
+        (lambda p, n, f, t, c: 2 * right_generation_ms(p, n, f, t, c), "fixed_ms \\+ per_token_ms x"),
+    ],
+)
+def test_predicted_generation_rejects_wrong_answers_with_their_hint(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch02.check_predicted_generation(wrong)
+
+
+def test_predicted_generation_refuses_the_package_model():
+    from kvcourse.serving.load import StepCost
+
+    def through_step_cost(p, n, f, t, c):
+        return sum(StepCost(f, t).seconds(p + i, 0) for i in range(n))
+
+    with pytest.raises(ExerciseError, match="StepCost"):
+        ch02.check_predicted_generation(through_step_cost)

@@ -266,3 +266,56 @@ def test_student_copy_fails_every_check_with_its_label(capsys):
         assert "Not done yet" in said and "Correct" not in said, (exercise.label, said)
         stub = cell_source(student["cells"][exercise.code_cells[-1]])
         assert exercise.label in said or f"= NotImplemented  # {exercise.label}" in stub, (exercise.label, said)
+
+
+# --- exercise 5: the longest context for n users --------------------------------------------------
+def right_context(c, num_parameters, n, gpu_bytes, w, k, u):
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * k
+    return max(0, int((u * gpu_bytes - num_parameters * w) // (n * per_token)))
+
+
+def test_max_context_accepts_the_right_answer(capsys):
+    assert ch03.check_max_context(right_context)
+    assert "6,668 tokens" in capsys.readouterr().out
+
+
+def test_max_context_is_the_calculators_inverse():
+    # the longest context for 64 users is the one at which kvcourse.memory still fits 64, and one token more does not
+    from kvcourse.memory import CATALOG, GB, max_concurrent_sequences
+
+    entry = CATALOG["llama-3-8b"]
+    t = right_context(dict(entry.config), entry.num_parameters, 64, 80 * GB, 2, 2, 0.9)
+    assert max_concurrent_sequences("llama-3-8b", 80 * GB, t, gpu_memory_utilization=0.9) >= 64
+    assert max_concurrent_sequences("llama-3-8b", 80 * GB, t + 1, gpu_memory_utilization=0.9) < 64
+
+
+def _per_token(c, k, kv=2):
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return kv * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * k
+
+
+@pytest.mark.parametrize(
+    ("wrong", "hint"),
+    [
+        (lambda c, p, n, g, w, k, u: max(0, int((u * g - p * w) // _per_token(c, k))), "shared"),
+        (lambda c, p, n, g, w, k, u: max(0, int((u * g - p * k) // (n * _per_token(c, k)))), "own dtypes"),
+        (lambda c, p, n, g, w, k, u: max(0, int(u * (g - p * w) // (n * _per_token(c, k)))), "come out of that share"),
+        (lambda c, p, n, g, w, k, u: max(0, int((u * g - p * w) // (n * _per_token(c, k, kv=1)))), "factor 2"),
+        (lambda c, p, n, g, w, k, u: max(0, math.ceil((u * g - p * w) / (n * _per_token(c, k)))), "Round down"),
+        (lambda c, p, n, g, w, k, u: int(u * g // (n * _per_token(c, k))), "loaded first"),
+    ],
+)
+def test_max_context_rejects_wrong_answers_with_their_hint(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch03.check_max_context(wrong)
+
+
+def test_max_context_refuses_the_calculator():
+    from kvcourse.memory import GB, kv_bytes_per_token
+
+    def through_memory(c, p, n, g, w, k, u):
+        return int((u * g - p * w) // (n * kv_bytes_per_token(c, "bf16")))
+
+    with pytest.raises(ExerciseError, match="kv_bytes_per_token"):
+        ch03.check_max_context(through_memory)

@@ -370,3 +370,44 @@ def test_student_copy_fails_every_check_with_its_label(capsys):
         assert exercise.label in said or f"= NotImplemented  # {exercise.label}" in stub, (exercise.label, said)
         if exercise.label == "ch04-ex-bughunt":  # issue 47: the stub's docstring must not state the bug or its fix
             assert not any(word in stub for word in ("copy-on-write", "discard", "removes the sequence")), stub
+
+
+# --- exercise 5: the live share of max-length reservations ----------------------------------------
+def right_reservation_live(prompt_lens, output_lens, max_len):
+    steps = sum(output_lens)
+    held = sum(o * p + o * (o + 1) / 2 for p, o in zip(prompt_lens, output_lens))  # sum of p + k, k = 1 .. o
+    return held / steps / max_len
+
+
+def test_reservation_live_accepts_the_time_weighted_model(capsys):
+    assert ch04.check_reservation_live(right_reservation_live)
+    assert "Correct" in capsys.readouterr().out
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "hint"),
+    [
+        (lambda p, o, m: _mean([a + (b + 1) / 2 for a, b in zip(p, o)]) / m, "counted once"),
+        (lambda p, o, m: sum(b * (a + b) for a, b in zip(p, o)) / sum(o) / m, "final length"),
+        (lambda p, o, m: _mean([a + b for a, b in zip(p, o)]) / m, "mean final length"),
+        (lambda p, o, m: sum(b * (a + b / 2) for a, b in zip(p, o)) / sum(o) / m, "Half a token"),
+        (lambda p, o, m: sum(b * (b + 1) / 2 for b in o) / sum(o) / m, "prompt is held"),
+        (lambda p, o, m: sum((a + b) * (a + (b + 1) / 2) for a, b in zip(p, o)) / sum(a + b for a, b in zip(p, o)) / m,
+         "not prompt_len \\+ output_len"),
+        (lambda p, o, m: 0.5, "Weight each request by output_len"),
+    ],
+)
+def test_reservation_live_rejects_wrong_answers_with_their_hint(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch04.check_reservation_live(wrong)
+
+
+def test_reservation_live_refuses_the_package_model():
+    from kvcourse.fragmentation import reservation_live_fraction
+
+    with pytest.raises(ExerciseError, match="reservation_live_fraction"):
+        ch04.check_reservation_live(lambda p, o, m: reservation_live_fraction(p, o, m))

@@ -298,3 +298,33 @@ def test_simulator_pools_reproduce_the_recorded_runs(kwargs, want):
            sum(d["offset"] for d in r.snapshot))  # fmt: skip
     assert got == pytest.approx(want, abs=1e-11)
     assert int(r.live_series.sum()) == 330168 and int(r.running_series.sum()) == 3240  # the same tokens served
+
+
+def test_reservation_live_fraction_by_hand():
+    from kvcourse.fragmentation import reservation_live_fraction
+
+    # one request, prompt 10, output 4: it holds 11, 12, 13, 14 tokens over its 4 steps, of 100 reserved
+    assert reservation_live_fraction([10], [4], 100) == pytest.approx(12.5 / 100)
+    # a long request runs longer, so it counts for more than its share of the trace
+    two = reservation_live_fraction([10, 10], [2, 8], 100)
+    assert two == pytest.approx((2 * 11.5 + 8 * 14.5) / 10 / 100)
+    assert two > np.mean([11.5, 14.5]) / 100
+
+
+def test_reservation_live_fraction_predicts_the_max_simulation():
+    # chapter 4's trace: the model lands within 3% of the simulated live fraction of max-length reservations
+    from kvcourse.fragmentation import reservation_live_fraction
+
+    trace = make_trace(1000, seed=0, max_len=2048)
+    model = reservation_live_fraction([r.prompt_len for r in trace], [r.output_len for r in trace], 2048)
+    measured = simulate(trace, 32 * 1024, "max", max_len=2048).live_over_allocated
+    assert abs(measured / model - 1) < 0.03
+
+
+@pytest.mark.parametrize(("args", "name"), [(([1], [1], 0), "max_len"), (([1, 2], [1], 10), "prompt_lens"),
+                                            (([0], [1], 10), "prompt_lens"), (([5], [6], 10), "max_len")])
+def test_reservation_live_fraction_refuses_bad_input(args, name):
+    from kvcourse.fragmentation import reservation_live_fraction
+
+    with pytest.raises(ValueError, match=name):
+        reservation_live_fraction(*args)

@@ -247,6 +247,14 @@ def test_render_exercise_solution_and_admonitions():
     ]
 
 
+def test_render_dropdown_as_a_titled_quote():
+    # a prediction's reasoning sits in a sphinx-design dropdown in the book; a notebook shows it open
+    md = "```{dropdown} The course's prediction\n:color: info\n\nA **line**, {glue:text}`slope` ms a token.\n```"
+    assert _render(md, {"slope": "'0.25'"}).split("\n") == [
+        "> **The course's prediction**", ">", "> A **line**, 0.25 ms a token.",
+    ]
+
+
 def test_render_refuses_what_it_cannot_render():
     with pytest.raises(ReaderCopyError, match="never glued"):
         _render("{glue:text}`missing`")

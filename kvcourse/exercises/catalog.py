@@ -63,6 +63,11 @@ full = ids + kvcourse.generate(model, ids, max_new_tokens=3, use_cache=False, eo
 """
 
 # Chapter 3's cards, from the cell that plots how many sequences fit: the fit exercise may read them.
+# chapter 4's trace and pool, from its "A workload to serve" section
+_CH04_TRACE = """\
+MAX_LEN, POOL = 2048, 32 * 1024
+trace = make_trace(1000, seed=0, max_len=MAX_LEN)
+"""
 _CH03_GPUS = """gpus = {
     "24 GB (RTX 4090, L4)": 24 * GB,
     "80 GB (A100, H100)": 80 * GB,
@@ -78,6 +83,7 @@ _SPECS = [
     ExerciseSpec("ch01-ex-attention", "ch01.check_attention", ("attention",), uses=("ch01-ex-mask",)),
     ExerciseSpec("ch01-ex-pairs", "ch01.check_naive_attention_pairs", ("naive_attention_pairs",),
                  given=("tok",), setup='P = len(tok.encode("The capital of France is"))\n'),
+    ExerciseSpec("ch01-ex-predict", "ch01.check_predicted_naive_step", ("predict_naive_step_ms",)),
     # chapter 2
     ExerciseSpec("ch02-ex-positions", "ch02.check_new_positions", ("new_positions",)),
     ExerciseSpec("ch02-ex-update", "ch02.check_cache_update", ("PreallocatedKVCache", MODEL)),
@@ -85,17 +91,24 @@ _SPECS = [
                  given=("model", "tok"), setup='prompt_ids = tok.encode("The capital of France is")\n'),
     ExerciseSpec("ch02-ex-decode", "ch02.check_decode_attention", ("attend",)),
     ExerciseSpec("ch02-ex-outweigh", "ch02.check_tokens_to_outweigh", ("tokens_to_outweigh",)),
+    ExerciseSpec("ch02-ex-predict", "ch02.check_predicted_generation", ("predict_generation_ms",)),
     # chapter 3
     ExerciseSpec("ch03-ex-per-token", "ch03.check_bytes_per_token", ("bytes_per_token",)),
     ExerciseSpec("ch03-ex-per-rank", "ch03.check_bytes_per_rank", ("bytes_per_rank",), uses=("ch03-ex-per-token",)),
     ExerciseSpec("ch03-ex-kivi", "ch03.check_quantized_bytes", ("quantized_bytes",)),
     ExerciseSpec("ch03-ex-fit", "ch03.check_max_sequences", ("max_sequences",), uses=("ch03-ex-per-token",),
                  setup=_CH03_GPUS),
+    # the solution checks its prediction with the calculator the check refuses as an answer
+    ExerciseSpec("ch03-ex-context", "ch03.check_max_context", ("max_context",), uses=("ch03-ex-per-token",),
+                 references_in_cells=True),
     # chapter 4
     ExerciseSpec("ch04-ex-slot-mapping", "ch04.check_slot_mapping", ("step_slot_mapping",)),
     ExerciseSpec("ch04-ex-bughunt", "ch04.check_block_manager", ("FixedBlockManager",), references_in_cells=True),
     ExerciseSpec("ch04-ex-parallel-sampling", "ch04.check_parallel_sampling_blocks", ("blocks_with_sharing",)),
     ExerciseSpec("ch04-ex-block-size", "ch04.check_live_fraction", ("live_fraction",)),
+    # the solution runs the simulator on the chapter's trace to compare with its prediction
+    ExerciseSpec("ch04-ex-reservation", "ch04.check_reservation_live", ("predict_reservation_live",),
+                 setup=_CH04_TRACE),
     # chapter 5
     ExerciseSpec("ch05-ex-mask", "ch05.check_masked_decode", ("masked_decode_kernel_fixed",)),
     ExerciseSpec("ch05-ex-rescale", "ch05.check_online_softmax", ("online_decode_kernel_fixed",)),

@@ -4,6 +4,7 @@
 2. :func:`check_attention` -- causal attention with grouped-query heads, in plain torch.
 3. :func:`check_naive_attention_pairs` -- (query, key) pairs the naive loop scores in total.
 4. :func:`check_frozen_positions` -- which recorded tensors a naive step leaves unchanged at past positions.
+5. :func:`check_predicted_naive_step` -- predict a long naive step's time from a short one and the FLOPs.
 
 Each check runs the learner's code on hidden random cases (seeded from the check's
 ``seed`` argument), prints a confirmation when every case is right, and raises
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 import kvcourse
+import kvcourse.costs
 import kvcourse.probe
 
 from ._core import (
@@ -44,6 +46,7 @@ __all__ = [
     "check_attention",
     "check_naive_attention_pairs",
     "check_frozen_positions",
+    "check_predicted_naive_step",
 ]
 
 
@@ -349,6 +352,77 @@ def check_frozen_positions(fn: Callable[[dict, dict, int], set], seed: int = 0) 
     diagnosis.raise_if_wrong()
     return passed("a naive step recomputes every past position's Q, K, V and hidden state, and gets the same numbers "
                   "up to rounding; what belongs to the newest token (its weights over the keys) changes.")
+
+
+# --- Exercise 5: predict a naive step from the FLOPs ----------------------------------------------
+
+def _pass_flops(tokens: int, per_token: float, per_pair: float) -> float:
+    """FLOPs of a pass over ``tokens`` tokens: linear work per token, attention per allowed pair."""
+    return per_token * tokens + per_pair * tokens * (tokens + 1) / 2
+
+
+def _predicted_naive_step_ms(ms_short: float, short_len: int, long_len: int, per_token: float,
+                             per_pair: float) -> float:
+    return ms_short * _pass_flops(long_len, per_token, per_pair) / _pass_flops(short_len, per_token, per_pair)
+
+
+def _close(got: float, want: float) -> bool:
+    return math.isclose(float(got), float(want), rel_tol=1e-6)
+
+
+_PREDICT_STEP_MISTAKES = [
+    ("You scaled by the tokens alone: that is the linear work, but every query of the longer pass also reads more "
+     "keys. Add per_pair_flops x T(T+1)/2 to each pass's FLOPs.",
+     lambda ms, s, l, t, p: ms * l / s),
+    ("You scaled by the square of the tokens: only attention grows as T^2, and at these lengths it is the smaller "
+     "part. A pass costs per_token_flops x T plus per_pair_flops x T(T+1)/2.",
+     lambda ms, s, l, t, p: ms * (l / s) ** 2),
+    ("You counted all T x T (query, key) pairs. The causal mask allows T(T+1)/2 of them: query i reads keys 0..i.",
+     lambda ms, s, l, t, p: ms * (t * l + p * l * l) / (t * s + p * s * s)),
+    ("Off by one: each query also reads its own key, so a pass over T tokens has T(T+1)/2 pairs, diagonal "
+     "included.",
+     lambda ms, s, l, t, p: ms * (t * l + p * l * (l - 1) / 2) / (t * s + p * s * (s - 1) / 2)),
+    ("Upside down: the longer pass does more work, so the time is ms_short x FLOPs(long_len) / FLOPs(short_len).",
+     lambda ms, s, l, t, p: ms * _pass_flops(s, t, p) / _pass_flops(l, t, p)),
+    ("You added the FLOPs' difference as milliseconds: scale the measured time by the ratio of the two passes' "
+     "FLOPs instead.",
+     lambda ms, s, l, t, p: ms + _pass_flops(l, t, p) - _pass_flops(s, t, p)),
+]
+
+
+def check_predicted_naive_step(fn: Callable[[float, int, int, float, float], float], seed: int = 0) -> CheckResult:
+    """``fn(ms_short, short_len, long_len, per_token_flops, per_pair_flops)`` -> the predicted time (ms) of a
+    naive step over ``long_len`` tokens, from one measured over ``short_len`` tokens, in proportion to the FLOPs
+    of each pass (``per_token_flops`` per token fed, ``per_pair_flops`` per (query, key) pair the mask allows)."""
+    if not callable(fn):
+        raise ExerciseError(f"pass your function predict_naive_step_ms, got {type(fn).__name__}")
+    refuse_references(fn, {"kvcourse.costs.flop_scaled_ms": kvcourse.costs.flop_scaled_ms,
+                           "kvcourse.costs.forward_flops": kvcourse.costs.forward_flops},
+                      "count a pass's FLOPs from per_token_flops and per_pair_flops yourself.")  # fmt: skip
+    rng = case_rng("ch01.check_predicted_naive_step", seed)
+    # SmolLM2's own figures first (chapter 1's 16 -> 384 tokens), then random models and lengths, some long
+    # enough for attention to be most of a pass
+    cases = [(40.0, 16, 384, 269_000_000.0, 69_120.0), (10.0, 1, 2, 1000.0, 10.0)]
+    for _ in range(10):
+        short = rng.randint(1, 64)
+        cases.append((round(rng.uniform(1, 200), 3), short, short + rng.randint(1, 4000),
+                       float(rng.randint(10**6, 10**9)), float(rng.randint(10**3, 10**6))))  # fmt: skip
+    diagnosis = Diagnosis(_PREDICT_STEP_MISTAKES, (
+        "A pass over T tokens costs per_token_flops x T + per_pair_flops x T(T+1)/2 FLOPs; the prediction is "
+        "ms_short times the long pass's FLOPs over the short pass's."), _close)
+    for case_args in cases:
+        ms, s, l, t, p = case_args
+        case = f"predict_naive_step_ms({ms}, {s}, {l}, {t:.0f}, {p:.0f})"
+        got = call_learner("predict_naive_step_ms", fn, *case_args)
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
+            raise ExerciseError(f"{case} should return a finite number of milliseconds, got {describe(got)}",
+                                case=case)  # fmt: skip
+        want = _predicted_naive_step_ms(*case_args)
+        if not _close(got, want):
+            diagnosis.record(case, case_args, got, want)
+    diagnosis.raise_if_wrong()
+    return passed("time in proportion to the FLOPs, attention's T(T+1)/2 pairs included; it leaves out the "
+                  "fixed read of every weight, which a short pass pays as much as a long one.")
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

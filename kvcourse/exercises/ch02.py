@@ -5,6 +5,7 @@
 3. :func:`check_chunked_prefill` -- the bug hunt: prefill a prompt a chunk at a time, on the real model.
 4. :func:`check_decode_attention` -- one decode step of attention over a padded batch of caches, with GQA.
 5. :func:`check_tokens_to_outweigh` -- when the cache of a batch holds more bytes than the model's weights.
+6. :func:`check_predicted_generation` -- a whole generation's time, naive or cached, from a step-cost model.
 
 Each check runs the learner's code on hidden random cases (seeded from the check's
 ``seed`` argument) and raises :class:`~kvcourse.exercises.ExerciseError` with the case,
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 import kvcourse
+import kvcourse.costs
+from kvcourse.serving.load import StepCost
 
 from ._core import (
     call_learner,
@@ -47,6 +50,7 @@ __all__ = [
     "check_chunked_prefill",
     "check_decode_attention",
     "check_tokens_to_outweigh",
+    "check_predicted_generation",
 ]
 
 
@@ -446,6 +450,70 @@ def check_tokens_to_outweigh(fn: Callable[[dict, int], int], seed: int = 0) -> C
     smol = -(-configs[0]["num_parameters"] // (2 * 30 * 3 * 64))
     return passed(f"SmolLM2-135M's cache outweighs its weights at {smol:,} tokens, more than its 8,192-token "
                   "context: one sequence never gets there, two long ones do.")
+
+
+# --- Exercise 6: predict a generation's time from a step-cost model ---------------------------------
+
+def _generation_ms(prompt_len: int, new_tokens: int, fixed_ms: float, per_token_ms: float, use_cache: bool, *,
+                   fed=None, steps: int | None = None, fixed_steps: int | None = None) -> float:
+    """The package's model: step i feeds costs.tokens_fed(prompt_len, i, use_cache) tokens, and a step costs
+    StepCost(fixed, per_token) (keywords: the typical mistakes)."""
+    cost = StepCost(fixed_s=fixed_ms, per_token_s=per_token_ms)  # in ms here: the model is linear in its units
+    steps = new_tokens if steps is None else steps
+    fed = fed or (lambda i: kvcourse.costs.tokens_fed(prompt_len, i, use_cache)[0])
+    tokens = sum(fed(i) for i in range(steps))
+    return cost.seconds(tokens, 0) + fixed_ms * ((steps if fixed_steps is None else fixed_steps) - 1)
+
+
+def _same_ms(got: float, want: float) -> bool:
+    return math.isclose(float(got), float(want), rel_tol=1e-6, abs_tol=1e-9)
+
+
+_GENERATION_MISTAKES = [
+    ("Off by one token: step i of the naive loop feeds the prompt_len + i tokens there are, not the token it is "
+     "about to produce.",
+     lambda p, n, f, t, c: _generation_ms(p, n, f, t, c, fed=lambda i: (p + i + 1) if not c or i == 0 else 1)),
+    ("The prefill is one step over the whole prompt: the cached loop's step 0 feeds prompt_len tokens, then one "
+     "token a step.", lambda p, n, f, t, c: _generation_ms(p, n, f, t, c, fed=lambda i: 1)),
+    ("use_cache decides what a step feeds: everything again (naive) or only the new token (cached).",
+     lambda p, n, f, t, c: _generation_ms(p, n, f, t, not c)),
+    ("Every step pays the fixed cost (it reads all the weights), not just the first: new_tokens x fixed_ms.",
+     lambda p, n, f, t, c: _generation_ms(p, n, f, t, c, fixed_steps=1)),
+    ("One step per new token: new_tokens steps, the last one producing the last token (the newest token is never "
+     "fed back).", lambda p, n, f, t, c: _generation_ms(p, n + 1, f, t, c)),
+]
+
+
+def check_predicted_generation(fn: Callable[[int, int, float, float, bool], float], seed: int = 0) -> CheckResult:
+    """``fn(prompt_len, new_tokens, fixed_ms, per_token_ms, use_cache)`` -> the predicted time (ms) of generating
+    ``new_tokens`` tokens after a ``prompt_len``-token prompt, naive or cached, when a forward pass over ``t`` tokens
+    costs ``fixed_ms + per_token_ms * t``. Compared with kvcourse's StepCost and costs.tokens_fed."""
+    if not callable(fn):
+        raise ExerciseError(f"pass your function predict_generation_ms, got {type(fn).__name__}")
+    refuse_references(fn, {"StepCost": StepCost, "kvcourse.costs.tokens_fed": kvcourse.costs.tokens_fed},
+                      "count the steps and the tokens each feeds yourself.")  # fmt: skip
+    rng = case_rng("ch02.check_predicted_generation", seed)
+    cases = [(5, 128, 37.0, 1.5, False), (5, 128, 37.0, 1.5, True), (1, 1, 10.0, 1.0, False), (7, 1, 10.0, 1.0, True)]
+    while len(cases) < 16:
+        cases.append((rng.randint(1, 300), rng.randint(2, 400), round(rng.uniform(1, 100), 2),
+                      round(rng.uniform(0.01, 5), 3), len(cases) % 2 == 0))  # fmt: skip
+    diagnosis = Diagnosis(_GENERATION_MISTAKES, (
+        "Step i (0 .. new_tokens-1) feeds prompt_len + i tokens naively; cached, the prompt at step 0 and one token "
+        "after. Each step costs fixed_ms + per_token_ms x the tokens it feeds."), _same_ms)
+    for args in cases:
+        case = "predict_generation_ms({}, {}, {}, {}, use_cache={})".format(*args)
+        got = call_learner("predict_generation_ms", fn, *args)
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
+            raise ExerciseError(f"{case} should return a finite number of milliseconds, got {describe(got)}",
+                                case=case)  # fmt: skip
+        want = _generation_ms(*args)
+        if not _same_ms(got, want):
+            diagnosis.record(case, args, got, want)
+    diagnosis.raise_if_wrong()
+    naive, cached = _generation_ms(5, 128, 37.0, 1.5, False), _generation_ms(5, 128, 37.0, 1.5, True)
+    return passed(f"at 37 ms + 1.5 ms a token, 128 tokens after a 5-token prompt take {naive / 1e3:.1f} s naively "
+                  f"and {cached / 1e3:.1f} s cached, x{naive / cached:.1f}: the fixed part, paid by every step, "
+                  "keeps the cache's gain far below the FLOP ratio.")
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

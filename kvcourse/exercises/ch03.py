@@ -5,6 +5,7 @@
 3. :func:`check_quantized_bytes` -- a KIVI-style quantized cache: per-group scale and zero point, a
    full-precision window of recent tokens.
 4. :func:`check_max_sequences` -- how many long sequences fit on one GPU (a number).
+5. :func:`check_max_context` -- the longest context a given number of sequences can each hold on one GPU.
 
 Each check runs the learner's code on hidden random cases (seeded from the check's ``seed``
 argument) and raises :class:`~kvcourse.exercises.ExerciseError` with the case, the expected and
@@ -33,7 +34,8 @@ from ._core import (
     wrap_checks,
 )
 
-__all__ = ["check_bytes_per_token", "check_bytes_per_rank", "check_quantized_bytes", "check_max_sequences"]
+__all__ = ["check_bytes_per_token", "check_bytes_per_rank", "check_quantized_bytes", "check_max_sequences",
+           "check_max_context"]
 
 # The package's own calculator: a learner's function must not call it.
 _REFERENCES = {name: getattr(memory, name) for name in ("kv_bytes_per_token", "kv_cache_bytes", "kv_layout")}
@@ -404,6 +406,76 @@ def check_max_sequences(fn: Callable[..., int], seed: int = 0) -> CheckResult:
     per_seq = kv_cache_bytes(_FIT_CHAPTER[0], _FIT_CHAPTER[1], dtype="fp8")
     return passed(f"the chapter's question: {n} sequences of 32k tokens fit on 80 GB, each holding "
                   f"{per_seq / 2**30:.3f} GiB of fp8 K/V.")
+
+
+# --- Exercise 5: the longest context for n users --------------------------------------------------
+
+def _context(c: dict, num_parameters: int, num_sequences: int, gpu_bytes: float, weight_bytes: float,
+             kv_bytes: float, utilization: float, *, rounding=math.floor, per: int | None = None,
+             **mistake) -> int:
+    """Tokens each of ``num_sequences`` sequences can hold: the budget over their bytes per token, rounded down
+    (keywords: the typical mistakes; ``per`` replaces the number of sequences sharing the budget)."""
+    tokens = _fit_ratio(c, num_parameters, 1, gpu_bytes, weight_bytes, kv_bytes, utilization, **mistake)
+    return max(0, int(rounding(tokens / (num_sequences if per is None else per))))
+
+
+_CONTEXT_MISTAKES = [
+    ("The budget is shared: num_sequences sequences each hold the context, so divide by num_sequences x the bytes "
+     "of one token.", lambda c, p, n, g, w, k, u: _context(c, p, n, g, w, k, u, per=1)),
+    ("The weights and the cache have their own dtypes: weight_bytes_per_value for the parameters, kv_bytes_per_value "
+     "for K and V.", lambda c, p, n, g, w, k, u: _context(c, p, n, g, k, k, u)),
+    ("The engine may use `utilization` of the whole GPU, and the weights come out of that share: budget = "
+     "utilization x gpu_bytes - weight bytes.", lambda *a: _context(*a, on_what_is_left=True)),
+    ("Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
+     lambda *a: _context(*a, kv=1)),
+    ("Round down: a context one token longer would not fit.", lambda *a: _context(*a, rounding=math.ceil)),
+    ("The weights are loaded first: subtract num_parameters x weight_bytes_per_value from the budget.",
+     lambda c, p, n, g, w, k, u: _context(c, 0, n, g, w, k, u)),
+]
+
+
+def _context_cases(rng) -> list[tuple]:
+    # the chapter's question: 64 Llama-3-8B users on 80 GB in bf16; then one where the weights take everything
+    cases = [("llama-3-8b", 64, 80 * GB, 2, 2, 0.9), ("llama-3-70b", 4, 24 * GB, 2, 2, 0.9)]
+    while len(cases) < 14:
+        case = (rng.choice(_FIT_MODELS), rng.choice([1, 3, 8, 32, 100]), rng.choice([24, 40, 80, 141]) * GB,
+                rng.choice([2, 1]), rng.choice([2, 1]), rng.choice([0.8, 0.9, 0.95]))  # fmt: skip
+        tokens = _fit_ratio(*_fit_args(case[0], 1, *case[2:])) / case[1]
+        if 1 <= tokens < 10**8 and abs(tokens - round(tokens)) > 1e-6:  # none sits on a rounding boundary
+            cases.append(case)
+    return cases
+
+
+def check_max_context(fn: Callable[..., int], seed: int = 0) -> CheckResult:
+    """``fn(config, num_parameters, num_sequences, gpu_bytes, weight_bytes_per_value, kv_bytes_per_value,
+    utilization)`` -> the longest context (tokens) each of ``num_sequences`` sequences can hold at once on a GPU of
+    ``gpu_bytes`` bytes, of which the engine may use ``utilization`` for the weights and the cache together; 0 if
+    the weights leave nothing. The model's own context limit is left out."""
+    if not callable(fn):
+        raise ExerciseError("pass your function fn(config, num_parameters, num_sequences, gpu_bytes, "
+                            f"weight_bytes_per_value, kv_bytes_per_value, utilization), got {type(fn).__name__}")
+    refuse_references(fn, {**_REFERENCES, **_FIT_REFERENCES}, "count the bytes yourself (your bytes_per_token may help).")
+    cases = _context_cases(case_rng("ch03.check_max_context", seed))
+    wants = [_context(*_fit_args(*case)) for case in cases]  # computed before the learner's code runs
+    diagnosis = Diagnosis(_CONTEXT_MISTAKES, "Budget = utilization x gpu_bytes - weight bytes; divide by "
+                          "num_sequences x one token's K/V bytes and round down.", lambda got, wrong: got == wrong)
+    for (name, *rest), want in zip(cases, wants):
+        n, gpu_bytes, w, k, u = rest
+        case = (f"max_context(CATALOG[{name!r}].config, {CATALOG[name].num_parameters:_}, num_sequences={n}, "
+                f"gpu_bytes={gpu_bytes / GB:g}e9, weight_bytes_per_value={w}, kv_bytes_per_value={k}, utilization={u})")
+        args = _fit_args(name, *rest)
+        got = call_learner("max_context", fn, *args)
+        if isinstance(got, float) and got.is_integer():
+            got = int(got)
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise ExerciseError(f"{case} should return an int (a number of tokens), got {type(got).__name__}: "
+                                f"{describe(got)}", case=case)  # fmt: skip
+        if got != want:
+            diagnosis.record(case, args, got, want)
+    diagnosis.raise_if_wrong()
+    tokens = _context(*_fit_args("llama-3-8b", 64, 80 * GB, 2, 2, 0.9))
+    return passed(f"the chapter's question: 64 Llama-3-8B users on 80 GB in bf16 can each hold {tokens:,} tokens, "
+                  "just under 7k: the 8k of the fit section leaves room for 52.")
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -5,6 +5,7 @@
    random operations against :class:`kvcourse.paged.BlockManager`, with K/V data written through it.
 3. :func:`check_parallel_sampling_blocks` -- blocks used by ``n`` samples of one prompt, as a formula.
 4. :func:`check_live_fraction` -- the share of a pool's slots that hold tokens, for a block size.
+5. :func:`check_reservation_live` -- predict the share of max-length reservations that holds tokens.
 
 Each check runs the learner's code on hidden random cases (seeded from the check's ``seed``
 argument) and raises :class:`~kvcourse.exercises.ExerciseError` with the case, the expected and
@@ -13,10 +14,12 @@ returned values and a hint for the typical mistake it recognises.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 from .. import batch as _batch
+from .. import fragmentation as _fragmentation
 from ..paged import BlockManager
 from ._core import (
     call_learner,
@@ -37,6 +40,7 @@ __all__ = [
     "check_block_manager",
     "check_parallel_sampling_blocks",
     "check_live_fraction",
+    "check_reservation_live",
 ]
 
 
@@ -480,6 +484,63 @@ def check_live_fraction(live_fraction: Callable[[list[int], int], float], seed: 
     diagnosis.raise_if_wrong()
     return passed("tokens over whole-block slots: each sequence wastes the empty tail of its last block, "
                   "up to block_size - 1 slots, which weighs more the shorter the sequences.")
+
+
+# --- Exercise 5: predict the live share of max-length reservations ---------------------------------
+
+def _reservation_live(p: list[int], o: list[int], max_len: int, *, weight=lambda p, o: o, held=lambda p, o: p + (o + 1) / 2,
+          ) -> float:  # fmt: skip
+    """Each request's average holding, weighted (keywords: the typical mistakes)."""
+    w = [weight(a, b) for a, b in zip(p, o)]
+    return sum(wi * held(a, b) for wi, a, b in zip(w, p, o)) / sum(w) / max_len
+
+
+_RESERVATION_MISTAKES = [
+    ("Each request counted once: that is the trace's average request, not the running batch's. A request runs for "
+     "as many steps as it has output tokens, so weight it by output_len.", lambda p, o, m: _reservation_live(p, o, m,
+                                                                                              weight=lambda a, b: 1)),
+    ("That is the final length: a running request is on average halfway through its output, holding "
+     "prompt_len + (output_len + 1) / 2 tokens.", lambda p, o, m: _reservation_live(p, o, m, held=lambda a, b: a + b)),
+    ("The trace's mean final length over max_len: each request counted once, at its end. A snapshot meets "
+     "requests midway, and long ones more often.", lambda p, o, m: _reservation_live(p, o, m, weight=lambda a, b: 1,
+                                                                          held=lambda a, b: a + b)),
+    ("Half a token off: at its k-th step (k = 1 .. output_len) a request holds prompt_len + k tokens, so "
+     "prompt_len + (output_len + 1) / 2 on average.", lambda p, o, m: _reservation_live(p, o, m, held=lambda a, b: a + b / 2)),
+    ("The prompt is held from the first step to the last: add prompt_len to what the request holds.",
+     lambda p, o, m: _reservation_live(p, o, m, held=lambda a, b: (b + 1) / 2)),
+    ("A request occupies the batch for output_len steps (one token each), not prompt_len + output_len: weight by "
+     "output_len.", lambda p, o, m: _reservation_live(p, o, m, weight=lambda a, b: a + b)),
+]
+
+
+def check_reservation_live(fn: Callable[[list[int], list[int], int], float], seed: int = 0) -> CheckResult:
+    """``fn(prompt_lens, output_lens, max_len)`` -> the share of a pool of max-length reservations that holds tokens,
+    averaged over time: each request runs ``output_len`` steps and at its ``k``-th holds ``prompt_len + k`` tokens.
+    Compared with :func:`kvcourse.fragmentation.reservation_live_fraction` on hidden traces."""
+    if not callable(fn):
+        raise ExerciseError(f"pass your function predict_reservation_live, got {type(fn).__name__}")
+    refuse_references(fn, {"reservation_live_fraction": _fragmentation.reservation_live_fraction},
+                      "weigh the requests yourself.")  # fmt: skip
+    rng = case_rng("ch04.check_reservation_live", seed)
+    cases = [([10], [4], 100), ([10, 10], [2, 8], 100)]
+    while len(cases) < 12:
+        max_len, n = rng.choice([256, 2048, 4096]), rng.randint(2, 40)
+        prompts = [rng.randint(1, max_len // 4) for _ in range(n)]
+        cases.append((prompts, [rng.randint(1, max_len - p) for p in prompts], max_len))
+    diagnosis = Diagnosis(_RESERVATION_MISTAKES, (
+        "Weight each request by output_len (the steps it runs) and count what it holds on average, "
+        "prompt_len + (output_len + 1) / 2, over max_len."), lambda got, wrong: math.isclose(got, wrong, rel_tol=1e-9))
+    for prompts, outputs, max_len in cases:
+        case = f"predict_reservation_live({prompts}, {outputs}, max_len={max_len})"
+        got = call_learner("predict_reservation_live", fn, list(prompts), list(outputs), max_len)
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
+            raise ExerciseError(f"{case} should return a fraction (a float), got {describe(got)}", case=case)
+        want = _fragmentation.reservation_live_fraction(prompts, outputs, max_len)
+        if not math.isclose(got, want, rel_tol=1e-9):
+            diagnosis.record(case, (prompts, outputs, max_len), float(got), want)
+    diagnosis.raise_if_wrong()
+    return passed("a running batch is a time sample: long requests are in it longer, so weighting by output_len "
+                  "predicts the snapshot where the trace's averages do not.")
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -9,7 +9,9 @@ The book renders two MyST features that Jupyter, Colab and GitHub show raw:
   re-executed. A format spec (``{glue:text}`name:.2f```) is applied as myst-nb applies it.
 * directives: ``{exercise}`` becomes a bold "Exercise N.k: title" paragraph, numbered per chapter as the
   book numbers it; ``{solution}`` becomes a quoted "Solution to Exercise N.k" block; admonitions
-  (``{note}``, ``{tip}``, ``{admonition} Title``, ...) become quoted blocks with a bold title.
+  (``{note}``, ``{tip}``, ``{admonition} Title``, ...) become quoted blocks with a bold title, and so does
+  sphinx-design's ``{dropdown} Title`` (a prediction's reasoning, hidden in the book until clicked): a
+  notebook has no folding markdown, so the copy shows it open under its title.
 
 Anything else MyST-only (another role or directive) is an error naming the notebook, so a new one gets
 a rendering here instead of reaching a reader raw. ``--ref`` pins the Colab setup cell to a commit
@@ -126,8 +128,8 @@ class _Renderer:
             if number is None:
                 raise ReaderCopyError(f"{self.name}: solution for {args.strip()!r} comes before its exercise")
             return _quote([f"**Solution to Exercise {number}**", "", *inner])
-        if name in ADMONITIONS or name == "admonition":
-            title = self.inline(args) if name == "admonition" else ADMONITIONS[name]
+        if name in ADMONITIONS or name in ("admonition", "dropdown"):
+            title = self.inline(args) if name in ("admonition", "dropdown") else ADMONITIONS[name]
             return _quote([f"**{title}**", "", *inner])
         raise ReaderCopyError(f"{self.name}: no plain-markdown rendering for the directive {{{name}}}")
 
