@@ -276,3 +276,47 @@ def test_mla_mistakes_get_their_hint(mistake, hint):
 def test_mla_expanded_form_is_refused():
     with pytest.raises(ExerciseError, match="That is the expanded form"):
         ch08.check_absorbed_decode(expanded_decode)
+
+
+# ---------------------------------------------------------------------------------------------
+# The bytes a quantized cache costs (issue 45: predict, then measure)
+# ---------------------------------------------------------------------------------------------
+def _qbytes(layers, hkv, d, bits, g, per_value=None, params=4, groups=None, kv=2):
+    return kv * layers * hkv * (d * (bits / 8 if per_value is None else per_value)
+                                + params * (d // g if groups is None else groups))  # fmt: skip
+
+
+def test_quantized_bytes_accepts_right_answer():
+    assert ch08.check_quantized_bytes(lambda *c: _qbytes(*c))
+    assert ch08.check_quantized_bytes(lambda *c: _qbytes(*c), seed=4)
+
+
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (lambda *c: _qbytes(*c, params=0), "Scales and zero points are bytes too"),
+        (lambda *c: _qbytes(*c, params=2), "4 bytes, not 2"),
+        (lambda *c: _qbytes(*c, groups=1), "head_dim // group_size groups"),
+        (lambda *c: _qbytes(*c, per_value=c[3]), "bits / 8 bytes"),
+        (lambda *c: _qbytes(*c, kv=1), "Both K and V are cached"),
+        (lambda layers, hkv, d, bits, g: _qbytes(1, hkv, d, bits, g), "multiply by num_layers"),
+        (lambda *c: _qbytes(*c) + 64, "Per token: K and V, in every layer"),
+        (lambda *c: None, "a number of bytes"),
+    ],
+    ids=["no-scales", "scale-only", "one-group", "bits-as-bytes", "k-only", "one-layer", "other", "none"],
+)
+def test_quantized_bytes_rejects_wrong_answers(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch08.check_quantized_bytes(wrong)
+
+
+def test_quantized_bytes_refuses_the_memory_calculator():
+    from kvcourse.memory import kv_bytes_per_token
+
+    def via_calculator(layers, hkv, d, bits, g):
+        cfg = {"num_hidden_layers": layers, "num_attention_heads": hkv, "num_key_value_heads": hkv,
+               "hidden_size": hkv * d, "head_dim": d}  # fmt: skip
+        return kv_bytes_per_token(cfg, f"int{bits}", quant_group_size=g)
+
+    with pytest.raises(ExerciseError, match="kv_bytes_per_token"):
+        ch08.check_quantized_bytes(via_calculator)
