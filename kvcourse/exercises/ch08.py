@@ -8,8 +8,6 @@
 4. :func:`check_absorbed_decode` -- an MLA decode step computed on the cached latents (``W_uk`` absorbed
    into the query, ``W_uv`` into the output), against attention over the per-head K and V that
    :mod:`kvcourse.mla` expands.
-5. :func:`check_quantized_bytes` -- the bytes per token a quantized cache costs, scales and zero points
-   counted, against :func:`kvcourse.memory.kv_bytes_per_token`.
 
 Each check runs the learner's code on hidden random cases (seeded from the check's ``seed``
 argument) and raises :class:`~kvcourse.exercises.ExerciseError` with the case, the expected and
@@ -18,7 +16,6 @@ returned values and a hint on the first wrong one.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -28,7 +25,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..compression import window as _window
 from ..compression.dropping import DroppingKVCache, select_tokens
 from ..compression.quantize import fake_quantize
-from ..memory import kv_bytes_per_token
 from ..mla import LatentCache, MLAConfig, MultiHeadLatentAttention
 from ._core import (
     call_learner,
@@ -50,7 +46,7 @@ from ._core import (
     wrap_checks,
 )
 
-__all__ = ["check_absorbed_decode", "check_quantized_bytes", "check_quantizer", "check_ring_slot", "check_snapkv_keep"]
+__all__ = ["check_absorbed_decode", "check_quantizer", "check_ring_slot", "check_snapkv_keep"]
 
 
 # --- Exercise 1: a quantizer ---------------------------------------------------------------------
@@ -483,67 +479,6 @@ def check_absorbed_decode(absorbed_decode: Callable, seed: int = 0, *,
     diagnosis.raise_if_wrong()
     return passed("attention over the latents, W_uk in the query and W_uv in the output, equals attention over "
                   "the expanded per-head K and V, and never builds them.")
-
-
-# --- Exercise 5: the bytes a quantized cache costs ----------------------------------------------------------------
-
-def _quantized_bytes(num_layers: int, num_kv_heads: int, head_dim: int, bits: int, group_size: int) -> int:
-    """The course's model (:func:`kvcourse.memory.kv_bytes_per_token`) on a config of these shapes."""
-    config = {"num_hidden_layers": num_layers, "num_attention_heads": num_kv_heads,
-              "num_key_value_heads": num_kv_heads, "hidden_size": num_kv_heads * head_dim, "head_dim": head_dim}
-    return kv_bytes_per_token(config, f"int{bits}", quant_group_size=group_size)
-
-
-def _bytes_wrong(layers: int, hkv: int, d: int, bits: int, g: int, *, payload: float | None = None,
-                 params: float = 4, groups: int | None = None, kv: int = 2) -> float:
-    per_value = bits / 8 if payload is None else payload
-    return kv * layers * hkv * (d * per_value + params * (d // g if groups is None else groups))
-
-
-_BYTES_MISTAKES = [
-    ("Scales and zero points are bytes too: each group of group_size values carries an fp16 scale and an fp16 "
-     "zero point, 4 bytes.", lambda *c: _bytes_wrong(*c, params=0)),
-    ("A group carries a scale and a zero point, both fp16: 4 bytes, not 2.", lambda *c: _bytes_wrong(*c, params=2)),
-    ("Every group of group_size values has its own scale and zero point: head_dim // group_size groups per vector, "
-     "not one.", lambda *c: _bytes_wrong(*c, groups=1)),
-    ("bits counts bits: a value costs bits / 8 bytes.", lambda *c: _bytes_wrong(*c, payload=c[3])),
-    ("Both K and V are cached: two vectors per token, KV head and layer.", lambda *c: _bytes_wrong(*c, kv=1)),
-    ("Every layer caches its own K and V: multiply by num_layers.",
-     lambda layers, hkv, d, bits, g: _bytes_wrong(1, hkv, d, bits, g)),
-]
-
-
-def check_quantized_bytes(fn: Callable[[int, int, int, int, int], float], seed: int = 0) -> CheckResult:
-    """``fn(num_layers, num_kv_heads, head_dim, bits, group_size)``: bytes one token adds to a cache quantized to
-    ``bits``-bit codes, with an fp16 scale and an fp16 zero point per group of ``group_size`` values of each
-    cached vector; compared with :func:`kvcourse.memory.kv_bytes_per_token`."""
-    if not callable(fn):
-        raise ExerciseError(f"pass your function fn(num_layers, num_kv_heads, head_dim, bits, group_size), "
-                            f"got {type(fn).__name__}")  # fmt: skip
-    refuse_references(fn, {"kv_bytes_per_token": kv_bytes_per_token},
-                      "count the bytes yourself, without the course's memory calculator.")
-    rng = case_rng("ch08.check_quantized_bytes", seed)
-    cases = [(30, 3, 64, 4, 64), (30, 3, 64, 8, 64), (32, 8, 128, 4, 32), (1, 1, 64, 8, 16)]
-    for _ in range(6):
-        d = rng.choice([64, 128, 256])
-        cases.append((rng.randint(1, 80), rng.choice([1, 2, 4, 8, 16]), d, rng.choice([4, 8]),
-                      rng.choice([g for g in (16, 32, 64, 128) if g <= d])))  # fmt: skip
-    diagnosis = Diagnosis(_BYTES_MISTAKES, same=lambda a, b: math.isclose(a, b, rel_tol=1e-12), default=(
-        "Per token: K and V, in every layer and KV head, head_dim values of bits / 8 bytes each, plus 4 bytes (fp16 "
-        "scale and zero point) per group of group_size values."))  # fmt: skip
-    for case in cases:
-        label = f"quantized_bytes_per_token{case}"
-        got = call_learner("quantized_bytes_per_token", fn, *case)
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
-            fail(label, expected="a number of bytes", got=type(got).__name__, hint="Return a number.")
-        want = _quantized_bytes(*case)
-        if not math.isclose(got, want, rel_tol=1e-12):
-            diagnosis.record(label, case, got, want)
-    diagnosis.raise_if_wrong()
-    int4 = _quantized_bytes(30, 3, 64, 4, 64)
-    fp16 = 2 * 30 * 3 * 64 * 2
-    return passed(f"SmolLM2's int4 cache, one scale and zero point per vector, costs {int4:,} B a token: "
-                  f"{int4 / fp16:.1%} of fp16's {fp16:,}, not a quarter.")
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished
