@@ -47,3 +47,22 @@ def test_predicted_ttft_charges_the_fed_tokens_to_one_step():
         args = {"prompt_len": 10, "cached_tokens": 4, "block_size": 4} | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
             prefix_hit_tokens(**args)
+
+
+def test_rounding_mse_predicts_what_the_quantizer_measures():
+    import torch
+
+    from kvcourse.compression.quantize import fake_quantize, rounding_mse
+
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    for bits in (4, 8):
+        measured = (fake_quantize(x, f"int{bits}") - x).pow(2).mean().item()
+        assert rounding_mse(x, bits) == pytest.approx(measured, rel=0.1)
+    # groups along the other axis: other ranges, another prediction
+    assert rounding_mse(x, 4, dim=0) != rounding_mse(x, 4)
+    step = (x.amax(-1) - x.amin(-1)) / 15
+    assert rounding_mse(x, 4) == pytest.approx((step**2 / 12).mean().item())
+    with pytest.raises(ValueError, match="bits"):
+        rounding_mse(x, 0)
+    with pytest.raises(TypeError, match="x must"):
+        rounding_mse([1.0, 2.0], 4)
