@@ -559,3 +559,46 @@ def test_other_seeds_still_lay_kv_out_so_that_a_packed_layout_is_caught():
     assert ch05.check_tiled_decode(_tiled("none"), seed=3)
     with pytest.raises(ExerciseError, match="step the keys and values by stride_ks"):
         ch05.check_tiled_decode(_tiled("keys_by_d"), seed=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# The int8 speed-up the bytes promise (issue 45: predict, then measure)
+# ---------------------------------------------------------------------------------------------
+def _int8_nbytes(lens, hq, hkv, d, bs, kv, scale, q=2, tables=True):
+    return (2 * sum(lens) * hkv * (d * kv + scale) + 2 * len(lens) * hq * d * q
+            + (4 * sum(-(-n // bs) for n in lens) if tables else 0))  # fmt: skip
+
+
+def int8_speedup_right(lens, hq, hkv, d, bs):
+    return _int8_nbytes(lens, hq, hkv, d, bs, 2, 0) / _int8_nbytes(lens, hq, hkv, d, bs, 1, 4)
+
+
+def test_int8_speedup_accepts_right_answer():
+    assert ch05.check_int8_speedup(int8_speedup_right)
+    assert ch05.check_int8_speedup(int8_speedup_right, seed=5)
+
+
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (lambda *c: _int8_nbytes(*c, 2, 0) / _int8_nbytes(*c, 1, 0), "The scales are bytes too"),
+        (lambda *c: _int8_nbytes(*c, 2, 0) / _int8_nbytes(*c, 1, 2), "Both K and V carry a scale"),
+        (lambda *c: _int8_nbytes(*c, 1, 4) / _int8_nbytes(*c, 2, 0), "fp16's time over int8's"),
+        (lambda *c: _int8_nbytes(*c, 2, 0) / _int8_nbytes(*c, 1, 4, q=1), "Only the cache is int8"),
+        (lambda *c: _int8_nbytes(*c, 2, 0, q=0) / _int8_nbytes(*c, 1, 4, q=0), "query and write the fp16 output"),
+        (lambda *c: _int8_nbytes(*c, 2, 0, tables=False) / _int8_nbytes(*c, 1, 4, tables=False), "block table"),
+        (lambda *c: 2.0, "Count each kernel's bytes"),
+        (lambda *c: "twice", "a speed-up"),
+    ],
+    ids=["no-scales", "k-scale-only", "inverted", "int8-query", "no-query", "no-tables", "two", "not-a-number"],
+)
+def test_int8_speedup_rejects_wrong_answers(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch05.check_int8_speedup(wrong)
+
+
+def test_int8_speedup_refuses_the_packages_model():
+    from kvcourse.kernels.roofline import int8_speedup_bound
+
+    with pytest.raises(ExerciseError, match="int8_speedup_bound"):
+        ch05.check_int8_speedup(lambda *c: int8_speedup_bound(*c))

@@ -298,3 +298,45 @@ def test_mla_mistakes_get_their_hint(mistake, hint):
 def test_mla_expanded_form_is_refused():
     with pytest.raises(ExerciseError, match="That is the expanded form"):
         ch08.check_absorbed_decode(expanded_decode)
+
+
+# ---------------------------------------------------------------------------------------------
+# The error a quantizer should give, predicted from the ranges (issue 45: predict, then measure)
+# ---------------------------------------------------------------------------------------------
+def _mse(x, bits, dim, levels=None, per=12.0, whole=False, squared=True, mean_step=False):
+    lo, hi = (x.min(), x.max()) if whole else (x.amin(dim, keepdim=True), x.amax(dim, keepdim=True))
+    step = (hi - lo) / ((2**bits - 1) if levels is None else levels)
+    if mean_step:
+        return float(step.mean() ** 2 / per)
+    return float(((step**2 if squared else step) / per).mean())
+
+
+def test_rounding_mse_accepts_right_answer():
+    assert ch08.check_rounding_mse(lambda x, b, d: _mse(x, b, d))
+    assert ch08.check_rounding_mse(lambda x, b, d: _mse(x, b, d), seed=2)
+
+
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (lambda x, b, d: _mse(x, b, d, levels=2**b), "2\\*\\*b - 1 steps"),
+        (lambda x, b, d: _mse(x, b, d, per=4), "step\\*\\*2 / 12, not step\\*\\*2 / 4"),
+        (lambda x, b, d: _mse(x, b, d, whole=True), "Each group has its own range"),
+        (lambda x, b, d: _mse(x, b, -2 if d % x.dim() == x.dim() - 1 else -1), "The groups run along dim"),
+        (lambda x, b, d: _mse(x, b, d, squared=False), "Square the step"),
+        (lambda x, b, d: _mse(x, b, d, mean_step=True), "Average the squared steps"),
+        (lambda x, b, d: 1.01 * _mse(x, b, d), "predict step\\*\\*2 / 12 for each value"),
+        (lambda x, b, d: "small", "a mean squared error"),
+    ],
+    ids=["levels", "max-error", "whole-tensor", "other-axis", "unsquared", "mean-step", "other", "not-a-number"],
+)
+def test_rounding_mse_rejects_wrong_answers(wrong, hint):
+    with pytest.raises(ExerciseError, match=hint):
+        ch08.check_rounding_mse(wrong)
+
+
+def test_rounding_mse_refuses_the_quantizer():
+    from kvcourse.compression.quantization import fake_quantize
+
+    with pytest.raises(ExerciseError, match="fake_quantize"):
+        ch08.check_rounding_mse(lambda x, b, d: float((fake_quantize(x, f"int{b}", d) - x).pow(2).mean()))

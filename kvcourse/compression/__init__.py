@@ -5,7 +5,8 @@
 * :mod:`.window` -- :class:`SinkKVCache`: a sliding window as a ring buffer, with attention sinks;
 * :mod:`.dropping` -- :class:`DroppingKVCache`: keep the tokens attention uses (H2O, SnapKV);
 * :mod:`.paged_int8` -- :class:`Int8PagedKVStore`: chapter 4's pool in int8 with per-token scales (the
-  ``"paged-int8-torch"`` and ``"triton-int8"`` backends of :mod:`kvcourse.backends` run on it).
+  ``"paged-int8-torch"`` and ``"triton-int8"`` backends of :mod:`kvcourse.backends` run on it);
+* :mod:`.report` -- the committed sweep as chapter 8 shows it: every cache on one chart, the table against the claims.
 
 Every cache here speaks the contiguous-cache protocol (``seq_len``, ``update``), so
 ``model(ids, cache=...)`` and ``kvcourse.generate(..., cache=...)`` run on it unchanged. The window

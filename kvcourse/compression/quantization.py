@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_finite
+from ..checks import check_finite, check_int
 
 __all__ = [
     "FORMATS",
@@ -36,6 +36,7 @@ __all__ = [
     "fake_quantize",
     "pack_codes",
     "quantize",
+    "rounding_mse",
     "unpack_codes",
 ]
 
@@ -126,6 +127,22 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch
         return (qt.data.float() * qt.scale.float()).to(dtype)
     codes = unpack_codes(qt.data, FORMATS[qt.fmt])
     return (codes.float() * qt.scale.float() + qt.zero.float()).to(dtype)
+
+
+def rounding_mse(x: torch.Tensor, bits: int, dim: int = -1) -> float:
+    """The mean squared error that ``bits``-bit asymmetric quantization of ``x`` in groups along ``dim`` should give.
+
+    The rounding-noise model: a value lands uniformly within half a step of a code, so its squared error averages
+    ``step**2 / 12``, with ``step = (max - min) / (2**bits - 1)`` of its group. A prediction from the groups' ranges
+    alone, before anything is quantized (chapter 8 compares it with :func:`fake_quantize`'s measured error).
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    check_int("bits", bits, min=1, max=16)
+    xf = x.float()
+    step = (xf.amax(dim, keepdim=True) - xf.amin(dim, keepdim=True)) / (2**bits - 1)
+    # every value of a group shares its step: the mean over the values is the mean over the groups
+    return float((step**2 / 12).mean())
 
 
 def fake_quantize(x: torch.Tensor, fmt: str = "int8", dim: int = -1) -> torch.Tensor:

@@ -116,6 +116,7 @@ _SPECS = [
     ExerciseSpec("ch05-ex-merge", "ch05.check_merge_splits", ("merge_splits_kernel",)),
     ExerciseSpec("ch05-ex-tiled", "ch05.check_tiled_decode", ("tiled_decode_kernel",)),
     ExerciseSpec("ch05-ex-bytes", "ch05.check_kv_bytes", ("kv_bytes",)),
+    ExerciseSpec("ch05-ex-predict", "ch05.check_int8_speedup", ("predict_speedup",)),
     # chapter 6
     ExerciseSpec("ch06-ex-running", "ch06.check_schedule_running", ("schedule_running",)),
     ExerciseSpec("ch06-ex-admission", "ch06.check_schedule_waiting", ("schedule_waiting",)),
@@ -128,11 +129,13 @@ _SPECS = [
     ExerciseSpec("ch07-ex-lookup", "ch07.check_prefix_lookup", ("find_longest_cache_hit", MODEL),
                  uses=("ch07-ex-hash-chain",)),
     ExerciseSpec("ch07-ex-replay", "ch07.check_replay", ("replay",)),
+    ExerciseSpec("ch07-ex-predict", "ch07.check_predicted_prefix_ttft", ("predict_ttft_ms",)),
     # chapter 8
     ExerciseSpec("ch08-ex-quantizer", "ch08.check_quantizer", ("quantize_dequantize",)),
     ExerciseSpec("ch08-ex-ring", "ch08.check_ring_slot", ("slot_for", MODEL)),
     ExerciseSpec("ch08-ex-snapkv", "ch08.check_snapkv_keep", ("snapkv_keep",)),
     ExerciseSpec("ch08-ex-absorb", "ch08.check_absorbed_decode", ("absorbed_decode",)),
+    ExerciseSpec("ch08-ex-predict", "ch08.check_rounding_mse", ("predicted_mse",)),
     # chapter 9
     ExerciseSpec("ch09-ex-bytes", "ch09.check_step_bytes", ("step_bytes",)),
     ExerciseSpec("ch09-ex-floor", "ch09.check_gpu_floor", ("gpu_floor_ms",)),

@@ -7,6 +7,7 @@ whole kernel from its signature, one counts bytes.
 4. :func:`check_merge_splits` -- split-KV's stage 2, written whole: merge partial outputs by their log-sum-exps.
 5. :func:`check_tiled_decode` -- a GQA decode kernel written whole: a loop over tiles, an online softmax, masks.
 6. :func:`check_kv_bytes` -- bytes of K and V one decode step reads, and so its fastest possible time.
+7. :func:`check_int8_speedup` -- the int8 kernel's speed-up over fp16 that the roofline predicts from the bytes.
 
 Each kernel check launches the learner's ``@triton.jit`` kernel (with the signature the exercise gives)
 on hidden cases seeded from the check's ``seed`` argument, and compares it with torch. The kernels that take
@@ -30,7 +31,7 @@ import torch
 
 from ..kernels.online_softmax import online_softmax_attention
 from ..kernels.reference import paged_decode_attention_ref
-from ..kernels.roofline import GPU_PEAKS
+from ..kernels.roofline import GPU_PEAKS, decode_attention_bytes, int8_speedup_bound
 from ..kernels.testing import random_paged_case
 from ..kernels.triton_runtime import kernel_device, triton  # settles where kernels run before the learner's launch
 from ._core import (
@@ -45,11 +46,13 @@ from ._core import (
     handed,
     on_host,
     passed,
+    refuse_references,
     tensor_diff,
     wrap_checks,
 )
 
 __all__ = [
+    "check_int8_speedup",
     "check_kv_bytes",
     "check_masked_decode",
     "check_merge_splits",
@@ -794,6 +797,72 @@ def check_kv_bytes(fn: Callable[[list[int], int, int, int], int], seed: int = 0)
     return passed(f"32 layers x 32 sequences x 4096 tokens of Llama-3-8B's fp16 K/V is {step / 1e9:.1f} GB a step: at "
                   f"least {step / h100.bandwidth * 1e3:.1f} ms on an {h100.name} ({h100.bandwidth / 1e12:.2f} TB/s "
                   f"vendor peak), whatever the kernel, before the weights are read.")  # fmt: skip
+
+
+# --- Exercise 7: the speed-up the bytes promise ----------------------------------------------------------------------
+
+def _int8_bytes_wrong(lens: list[int], hq: int, hkv: int, d: int, bs: int, *, kv_scale: float = 4,
+                      q_int8: bool = False, tables: bool = True, q_out: bool = True) -> float:
+    """fp16's bytes over int8's, counted with one typical slip."""
+    fp16 = decode_attention_bytes(lens, hq, hkv, d, kv_bytes=2, q_bytes=2 if q_out else 0,
+                                  block_size=bs if tables else None)  # fmt: skip
+    int8 = decode_attention_bytes(lens, hq, hkv, d, kv_bytes=1, q_bytes=(1 if q_int8 else 2) if q_out else 0,
+                                  scale_bytes=kv_scale, block_size=bs if tables else None)  # fmt: skip
+    return fp16 / int8
+
+
+_INT8_MISTAKES = [
+    ("The scales are bytes too: each token's K and V carry one fp32 scale (4 bytes) per KV head, so int8 reads "
+     "head_dim + 4 bytes where fp16 reads 2 * head_dim.", lambda *c: _int8_bytes_wrong(*c, kv_scale=0)),
+    ("Both K and V carry a scale: 4 bytes per token and KV head for K, and 4 more for V.",
+     lambda *c: _int8_bytes_wrong(*c, kv_scale=2)),
+    ("Speed-up is fp16's time over int8's: fp16's bytes divided by int8's, a number above 1.",
+     lambda *c: 1 / int8_speedup_bound(*c)),
+    ("Only the cache is int8: the query is read and the output written in fp16 by both kernels, 2 bytes a value.",
+     lambda *c: _int8_bytes_wrong(*c, q_int8=True)),
+    ("The kernels also read the fp16 query and write the fp16 output (2 bytes a value, every query head of every "
+     "sequence): at short contexts they are a large share of the bytes.", lambda *c: _int8_bytes_wrong(*c, q_out=False)),
+    ("Both kernels read the block table too: one int32 (4 bytes) per started block of each sequence.",
+     lambda *c: _int8_bytes_wrong(*c, tables=False)),
+]
+
+
+def _int8_cases(rng) -> list[tuple[list[int], int, int, int, int]]:
+    cases = [([2048] * 32, 32, 8, 128, 16), ([1], 32, 8, 128, 16), ([7, 300, 65], 9, 3, 64, 16), ([100], 4, 4, 64, 1)]
+    for _ in range(6):
+        hkv = rng.choice([1, 2, 4, 8])
+        cases.append(([rng.randint(1, 9000) for _ in range(rng.randint(1, 5))], hkv * rng.choice([1, 2, 4, 8]), hkv,
+                      rng.choice([64, 128, 256]), rng.choice([1, 8, 16, 32])))  # fmt: skip
+    return cases
+
+
+def check_int8_speedup(predict_speedup: Callable[[list[int], int, int, int, int], float],
+                       seed: int = 0) -> CheckResult:
+    """``predict_speedup(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size)``: the roofline's speed-up of the
+    int8 paged decode kernel over the fp16 one, from the bytes each must move (the course's model:
+    :func:`kvcourse.kernels.roofline.int8_speedup_bound`)."""
+    if not callable(predict_speedup):
+        raise ExerciseError(f"pass your function predict_speedup, got {type(predict_speedup).__name__}")
+    refuse_references(predict_speedup, {"int8_speedup_bound": int8_speedup_bound},
+                      "count the bytes yourself; decode_attention_bytes is allowed, the finished model is not.")  # fmt: skip
+    diagnosis = Diagnosis(_INT8_MISTAKES, same=lambda a, b: math.isclose(a, b, rel_tol=1e-9), default=(
+        "Count each kernel's bytes: K and V of every cached token and KV head (fp16: 2 bytes a value; int8: 1 byte a "
+        "value plus a 4-byte scale per token and head), the fp16 query and output, the block-table entries; divide "
+        "fp16's by int8's."))  # fmt: skip
+    for lens, hq, hkv, d, bs in _int8_cases(case_rng("ch05.check_int8_speedup", seed)):
+        shown = lens if len(lens) < 5 else f"[{lens[0]}, ... {len(lens)} lengths]"
+        case = f"predict_speedup({shown}, {hq}, {hkv}, {d}, {bs})"
+        got = call_learner("predict_speedup", predict_speedup, list(lens), hq, hkv, d, bs)
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            fail(case, expected="a speed-up (a number)", got=type(got).__name__, hint="Return a float.")
+        want = int8_speedup_bound(lens, hq, hkv, d, bs)
+        if not math.isclose(got, want, rel_tol=1e-9):
+            diagnosis.record(case, (lens, hq, hkv, d, bs), got, want)
+    diagnosis.raise_if_wrong()
+    big = int8_speedup_bound([2048] * 32, 32, 8, 128, 16)
+    return passed(f"at 32 x 2,048 tokens of a Llama-3-8B layer the bytes promise int8 a {big:.2f}x speed-up, and "
+                  f"{int8_speedup_bound([1], 32, 8, 128, 16):.2f}x at one token: the roofline's bound, not a "
+                  "measurement.")  # fmt: skip
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -8,6 +8,8 @@
 4. :func:`check_absorbed_decode` -- an MLA decode step computed on the cached latents (``W_uk`` absorbed
    into the query, ``W_uv`` into the output), against attention over the per-head K and V that
    :mod:`kvcourse.mla` expands.
+5. :func:`check_rounding_mse` -- the error a quantizer should give, predicted from its groups' ranges, against
+   :func:`kvcourse.compression.quantization.rounding_mse`.
 
 Each check runs the learner's code on hidden random cases (seeded from the check's ``seed``
 argument) and raises :class:`~kvcourse.exercises.ExerciseError` with the case, the expected and
@@ -24,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..compression import window as _window
 from ..compression.dropping import DroppingKVCache, select_tokens
-from ..compression.quantization import fake_quantize
+from ..compression.quantization import fake_quantize, rounding_mse
 from ..mla import LatentCache, MLAConfig, MultiHeadLatentAttention
 from ._core import (
     call_learner,
@@ -46,7 +48,7 @@ from ._core import (
     wrap_checks,
 )
 
-__all__ = ["check_absorbed_decode", "check_quantizer", "check_ring_slot", "check_snapkv_keep"]
+__all__ = ["check_absorbed_decode", "check_quantizer", "check_ring_slot", "check_rounding_mse", "check_snapkv_keep"]
 
 
 # --- Exercise 1: a quantizer ---------------------------------------------------------------------
@@ -508,6 +510,78 @@ def check_absorbed_decode(absorbed_decode: Callable, seed: int = 0, *,
     diagnosis.raise_if_wrong()
     return passed("attention over the latents, W_uk in the query and W_uv in the output, equals attention over "
                   "the expanded per-head K and V, and never builds them.")
+
+
+# --- Exercise 5: the error a quantizer should give, before it runs ---------------------------------------------------
+
+def _mse_wrong(x: torch.Tensor, bits: int, dim: int, *, levels: int | None = None, per: float = 12,
+               whole: bool = False, squared: bool = True, mean_step: bool = False) -> float:
+    """The rounding-noise model with one typical slip."""
+    xf = x.float()
+    lo = xf.amin() if whole else xf.amin(dim, keepdim=True)
+    hi = xf.amax() if whole else xf.amax(dim, keepdim=True)
+    step = (hi - lo) / (2**bits - 1 if levels is None else levels)
+    if mean_step:
+        return float(step.mean() ** 2 / per)
+    return float(((step**2 if squared else step) / per).mean())
+
+
+def _other_axis(x: torch.Tensor, dim: int) -> int:
+    return -2 if dim % x.dim() == x.dim() - 1 else -1
+
+
+_MSE_MISTAKES = [
+    ("b bits give 2**b codes, so 2**b - 1 steps between the group's min and max.",
+     lambda x, b, d: _mse_wrong(x, b, d, levels=2**b)),
+    ("Half a step is the largest error, not the typical one: an error spread evenly over [-step/2, step/2] has a "
+     "mean square of step**2 / 12, not step**2 / 4.", lambda x, b, d: _mse_wrong(x, b, d, per=4)),
+    ("Each group has its own range: min and max along dim, one step per group, not one for the whole tensor.",
+     lambda x, b, d: _mse_wrong(x, b, d, whole=True)),
+    ("The groups run along dim: reduce min and max over dim (keepdim), not over the other axis.",
+     lambda x, b, d: _mse_wrong(x, b, _other_axis(x, d))),
+    ("Square the step: a mean squared error is in squared units, step**2 / 12.",
+     lambda x, b, d: _mse_wrong(x, b, d, squared=False)),
+    ("Average the squared steps, not the steps: groups with a wide range weigh in squared.",
+     lambda x, b, d: _mse_wrong(x, b, d, mean_step=True)),
+]
+
+
+def check_rounding_mse(fn: Callable[[torch.Tensor, int, int], float], seed: int = 0, *,
+                       device: torch.device | str | None = None) -> CheckResult:
+    """``fn(x, bits, dim)`` -> the mean squared error ``bits``-bit asymmetric quantization of ``x`` in groups along
+    ``dim`` should give, from the groups' ranges (the rounding-noise model,
+    :func:`kvcourse.compression.quantization.rounding_mse`). ``x`` is handed to ``fn`` on ``device``."""
+    device = learner_device(device)
+    if not callable(fn):
+        raise ExerciseError(f"pass your function fn(x, bits, dim), got {type(fn).__name__}")
+    refuse_references(fn, {"rounding_mse": rounding_mse, "fake_quantize": fake_quantize},
+                      "predict from the ranges, without quantizing.")  # fmt: skip
+    rng = case_rng("ch08.check_rounding_mse", seed)
+    gen = case_generator("ch08.check_rounding_mse", seed)
+    cases = []
+    for bits, dim in ((4, -1), (8, -1), (4, -2), (2, 0), (3, -1), (4, 1)):
+        shape = rng.choice([(16, 64), (32, 8), (4, 12, 16)])
+        x = torch.randn(*shape, generator=gen, device="cpu") * rng.uniform(0.5, 3)
+        x[..., rng.randrange(shape[-1])] *= 10  # an outlier channel, as keys have
+        cases.append((x, bits, dim))
+    diagnosis = Diagnosis(_MSE_MISTAKES, "Per group (along dim): step = (max - min) / (2**bits - 1); predict "
+                          "step**2 / 12 for each value and average.",
+                          lambda got, wrong: abs(got - wrong) <= 1e-5 * abs(wrong) + 1e-12)  # fmt: skip
+    for x, bits, dim in cases:
+        case = f"rounding_mse({describe(x)}, bits={bits}, dim={dim})"
+        got = call_learner("your prediction", fn, handed(x, device), bits, dim)
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            got = float(on_host(got))
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            fail(case, expected="a mean squared error (a number)", got=describe(got), hint="Return a float.")
+        want = rounding_mse(x, bits, dim)
+        if not abs(got - want) <= 1e-5 * abs(want) + 1e-12:
+            diagnosis.record(case, (x, bits, dim), got, want)
+    diagnosis.raise_if_wrong()
+    x, _, _ = cases[0]
+    measured = float((fake_quantize(x, "int4") - x).pow(2).mean())
+    return passed(f"the ranges predict {rounding_mse(x, 4):.4f} for int4 on the first case, and quantizing it "
+                  f"measures {measured:.4f}: rounding noise, step**2 / 12.")
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

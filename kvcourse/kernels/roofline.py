@@ -20,6 +20,7 @@ __all__ = [
     "GpuPeak",
     "decode_attention_bytes",
     "decode_attention_flops",
+    "int8_speedup_bound",
     "peak_for",
 ]
 
@@ -79,6 +80,23 @@ def decode_attention_bytes(
     q_and_out = 2 * len(lens) * num_q_heads * head_dim * q_bytes
     tables = 4 * sum(-(-n // block_size) for n in lens) if block_size else 0
     return int(kv + q_and_out + tables)
+
+
+def int8_speedup_bound(
+    seq_lens: Sequence[int], num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int | None = None
+) -> float:
+    """The roofline's speed-up of the int8 paged kernel over the fp16 one: fp16's bytes over int8's.
+
+    Both kernels read the fp16 query and write the fp16 output, and read the same block-table entries; fp16 K/V cost
+    2 bytes a value, int8 K/V 1 byte a value plus one fp32 scale per token and KV head, for K and for V (the layout
+    of :mod:`kvcourse.kernels.int8`). A bandwidth-bound kernel's time follows its bytes, so this is the speed-up the
+    roofline promises, and an upper bound on what the bytes alone can give.
+    """
+    fp16 = decode_attention_bytes(seq_lens, num_q_heads, num_kv_heads, head_dim, kv_bytes=2, q_bytes=2,
+                                  block_size=block_size)  # fmt: skip
+    int8 = decode_attention_bytes(seq_lens, num_q_heads, num_kv_heads, head_dim, kv_bytes=1, q_bytes=2,
+                                  scale_bytes=4, block_size=block_size)  # fmt: skip
+    return fp16 / int8
 
 
 def decode_attention_flops(seq_lens: Sequence[int], num_q_heads: int, head_dim: int) -> int:

@@ -12,6 +12,7 @@
 * :mod:`.load` -- open-loop load: Poisson arrivals on a modelled clock, SLO attainment, goodput,
   Little's law.
 * :mod:`.baselines` -- one-at-a-time and static batching, to compare against.
+* :mod:`.prefix_ttft` -- chapter 7's prediction of the time to first token with a prefix-cache hit.
 * :mod:`.plots` -- the timeline of an event log.
 """
 
