@@ -14,7 +14,7 @@ buffer. A long sequence gets many chunks, a short one a single one, so the work 
 different lengths, which one split count for all could not do. Each chunk is one *work item*, one row of ``work``:
 
     work[i] = (b, start, end, chunks_of_b)        i < num_items; rows past them: b = -1 (nothing to do)
-    seqs[b] = (first_item_of_b, chunks_of_b)      lanes without tokens: (0, 0)
+    seqs[b] = (first_item_of_b, chunks_of_b)      lanes without tokens: chunks 0
 
 A sequence in one chunk is written straight to the output by its one program; the chunks of a split sequence
 write partial outputs and their log-sum-exps, which a second kernel merges (``seqs`` tells it where they are).
