@@ -182,3 +182,36 @@ def test_planned_bad_input_names_the_argument():
         paged_decode_planned(case.q, case.k_cache, case.v_cache, case.block_tables, [0, 1], 0.125)
     with pytest.raises(ValueError, match="plan holds 1 lanes"):
         paged_decode_planned(case.q, case.k_cache, case.v_cache, case.block_tables, SplitPlan(4, 1, DEVICE), 0.125)
+
+
+def test_the_triton_backend_reads_a_plan_the_batch_carries(monkeypatch):
+    """``batch.split_plan`` (what StepGraphs fills before each replay) routes the backend's decode through the planned
+    kernel: the same outputs as without it, counted as the same kernel, the plan's buffer read in place."""
+    import dataclasses
+
+    import kvcourse.backends.triton as triton_backend
+    from kvcourse.backends.triton import TritonBackend
+    from kvcourse.batch import ForwardBatch, SeqSlice
+    from kvcourse.paged import PagedKVStore
+
+    g = torch.Generator().manual_seed(54)
+    store = PagedKVStore(1, 40, 4, 2, 64, dtype=torch.float32, device=DEVICE)
+    store.k_cache[0].copy_(torch.randn(store.k_cache[0].shape, generator=g))
+    store.v_cache[0].copy_(torch.randn(store.v_cache[0].shape, generator=g))
+    seqs = [SeqSlice([1], 9, [3, 7, 1]), SeqSlice([2], 60, list(range(10, 26))), SeqSlice([7], 12, [2, 4, 6, 8])]
+    batch = ForwardBatch.build(seqs, block_size=4, device=DEVICE)
+    q = torch.randn(3, 6, 64, generator=g).to(DEVICE)
+    k, v = (torch.randn(3, 2, 64, generator=g).to(DEVICE) for _ in range(2))
+    plan = SplitPlan(plan_capacity(4, 2, H200_SMS), 4, DEVICE)
+    plan.fill(list(batch.seq_lens_host) + [0], 2, H200_SMS, min_chunk=16)
+    assert plan.seqs[1, 1].item() == 4  # the 61-token sequence in 4 chunks: the plan really splits
+    plans_read = []
+    real = triton_backend.paged_decode_planned
+    monkeypatch.setattr(triton_backend, "paged_decode_planned", lambda *a, **kw: plans_read.append(a[4]) or real(*a, **kw))
+    planned = TritonBackend(store, dataclasses.replace(batch, split_plan=plan))
+    got = planned(0, q, k, v)
+    assert plans_read == [plan]
+    want = TritonBackend(store, batch)(0, q, k, v)  # the same K/V written again: same pool
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    how = "interpreter" if interpreting() else "compiled"
+    assert dict(planned.runs) == {("reshape_and_cache", how): 1, ("paged_decode_attention", how): 1}
