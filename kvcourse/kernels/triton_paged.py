@@ -14,6 +14,12 @@ partial output, normalised over its own range, and the log-sum-exp ``lse`` of it
 merges them: with ``M = max_i lse_i``, ``out = sum_i exp(lse_i - M) o_i / sum_i exp(lse_i - M)``. A
 range past the end of a short sequence is empty: it writes ``lse = -inf`` and weighs nothing.
 
+**Planned splits** (:func:`paged_decode_planned`). Under a CUDA graph the grid above is frozen at recording, with
+the split count of the lengths the recording saw. The planned launch reads its work instead: program ``i`` takes
+work row ``i`` of a plan made on the host from the step's real lengths (:mod:`.split_plan`: a sequence, a range of
+its positions), the grid is the plan's capacity, and rows past the plan exit at once. A sequence in one chunk writes
+its output directly; the chunks of a split one are merged by :func:`_merge_planned_kernel`, any number of them.
+
 **int8 K/V.** With ``k_scale, v_scale [num_blocks, block_size, Hkv]`` (one fp32 scale per token and
 head, :mod:`.int8`) the kernel loads int8 values, converts them exactly to the query's dtype, and
 applies the scales where they cost least: ``q . (s_k k) = s_k (q . k)`` scales a score, and
