@@ -182,6 +182,21 @@ def test_planned_bad_input_names_the_argument():
         paged_decode_planned(case.q, case.k_cache, case.v_cache, case.block_tables, [0, 1], 0.125)
     with pytest.raises(ValueError, match="plan holds 1 lanes"):
         paged_decode_planned(case.q, case.k_cache, case.v_cache, case.block_tables, SplitPlan(4, 1, DEVICE), 0.125)
+    with pytest.raises(ValueError, match="tiles must be"):
+        paged_decode_planned(case.q, case.k_cache, case.v_cache, case.block_tables, SplitPlan(4, 2, DEVICE), 0.125,
+                             tiles=(48, 4, 2))  # fmt: skip
+
+
+def test_other_tiles_give_the_same_answer():
+    """The benchmark's tile alternatives for the engine's shape compute the same attention."""
+    lens = [70, 20]
+    case = random_paged_case(55, lens, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, device=DEVICE)
+    plan = SplitPlan(plan_capacity(2, 3, H200_SMS), 2, DEVICE)
+    plan.fill(lens, 3, H200_SMS, min_chunk=32)
+    want = paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 0.125, 1)
+    for tiles in [(32, 4, 3), (128, 8, 2), (16, 4, 1)]:
+        got = paged_decode_planned(case.q, case.k_cache, case.v_cache, case.block_tables, plan, 0.125, tiles=tiles)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_triton_backend_reads_a_plan_the_batch_carries(monkeypatch):

@@ -30,6 +30,8 @@ batch {1, 8, 32, 64, 128} x context {512, 2k, 8k, 32k}, and batch 1 at 64k. Each
   (:data:`ENGINE_CAPTURED_CONTEXT`), not the real one;
 * ``paged-planned``: :func:`~kvcourse.kernels.triton_paged.paged_decode_planned`, its work planned on the host from
   the real lengths (:mod:`kvcourse.kernels.split_plan`), into kept buffers as a graph keeps them;
+* ``paged-planned-n32``, ``paged-planned-n128``: the planned kernel with other tiles (:data:`ENGINE_TILES`), to
+  choose the engine shape's tiles from;
 * ``sdpa``: torch's SDPA on the same shape.
 
 ``--dry-run`` lists every shape and variant a run would time (no GPU needed; :func:`plan`).
@@ -79,7 +81,10 @@ ENGINE_DTYPE = torch.bfloat16
 ENGINE_BATCHES = (1, 8, 32, 64, 128)
 ENGINE_CONTEXTS = (128, 256, 512, 1024, 2048)
 ENGINE_QUICK = ((1, 512), (32, 512), (64, 1024))
-ENGINE_VARIANTS = ("paged", "paged-captured", "paged-planned", "paged-unsplit", "sdpa")
+# Tile alternatives for D = 64 (BLOCK_N, num_warps, num_stages), timed on the planned kernel beside tile_config's
+# (64, 4, 2): narrower tiles with a deeper pipeline, and wider ones (each compiles without spills on sm_80 and sm_90).
+ENGINE_TILES = {"paged-planned-n32": (32, 4, 3), "paged-planned-n128": (128, 8, 2)}
+ENGINE_VARIANTS = ("paged", "paged-captured", "paged-planned", *ENGINE_TILES, "paged-unsplit", "sdpa")
 ENGINE_CAPTURED_CONTEXT = 8192  # SmolLM2's max_position_embeddings: the context a recorded graph's host copies state
 
 Timer = Callable[[Callable[[], object]], float]  # fn -> milliseconds
@@ -188,6 +193,10 @@ def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable
         "paged-planned": (lambda: paged_decode_planned(p.q, p.k_cache, p.v_cache, p.block_tables, split_plan, scale,
                                                        out=planned_kept[0], workspace=planned_kept[1]),
                           f"planned: chunks of {chunk} tokens, {items} work items, kept buffers"),
+        **{name: (lambda t=t: paged_decode_planned(p.q, p.k_cache, p.v_cache, p.block_tables, split_plan, scale,
+                                                   out=planned_kept[0], workspace=planned_kept[1], tiles=t),
+                  f"planned: chunks of {chunk} tokens, {items} work items, kept buffers, tiles {t}")
+           for name, t in ENGINE_TILES.items()},
         "paged-workspace": (lambda: paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, scale, splits,
                                                  out=kept[0], workspace=kept[1]), f"num_splits={splits}, kept buffers"),
         "paged-int8": (lambda: paged_decode(p.q, p.k8, p.v8, p.block_tables, p.seq_lens, scale, splits, p.k_scale,
@@ -211,13 +220,14 @@ def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable
             fns["flex"] = (None, f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
     # A fallback is not a kernel timing: each kernel runs once first, and a variant whose kernel did
     # not compile, or was computed by the torch reference instead, is refused (reported, never timed).
-    ours = ("paged", "paged-unsplit", "paged-captured", "paged-planned", "paged-workspace", "paged-int8", "paged-int8-cvt",
-            "paged-fp8", "contiguous")
+    ours = ("paged", "paged-unsplit", "paged-captured", "paged-planned", *ENGINE_TILES, "paged-workspace", "paged-int8",
+            "paged-int8-cvt", "paged-fp8", "contiguous")
     for name in [n for n in ours if n in variants and fns[n][0] is not None]:  # only what is timed runs
         fns[name] = _first_run(name, *fns[name])
     # Correctness before speed: every float variant that ran equals SDPA on this very shape.
     want = fns["sdpa"][0]()
-    for name in ("paged", "paged-unsplit", "paged-captured", "paged-planned", "paged-workspace", "contiguous"):
+    for name in ("paged", "paged-unsplit", "paged-captured", "paged-planned", *ENGINE_TILES, "paged-workspace",
+                 "contiguous"):  # fmt: skip
         if name in variants and fns[name][0] is not None:
             torch.testing.assert_close(fns[name][0](), want, **tolerance(p.q.dtype), msg=lambda m, n=name: f"{n}: {m}")
     int8_pair = [fns[n][0] for n in ("paged-int8", "paged-int8-cvt") if n in variants]

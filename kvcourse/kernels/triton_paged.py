@@ -365,6 +365,7 @@ def paged_decode_planned(
     capability: int | None = None,
     out: torch.Tensor | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tiles: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """:func:`paged_decode` with the split-KV work read from a plan (:mod:`.split_plan`), on inputs already checked.
 
@@ -373,7 +374,8 @@ def paged_decode_planned(
     replay, :meth:`~.split_plan.SplitPlan.fill`). The lengths themselves come from the plan's work rows; the block
     tables still say where each position lives. ``workspace``: fp32 ``partial [>= capacity, Hq, D]`` and
     ``lse [>= capacity, Hq]`` (:func:`planned_workspace`), made here when not given; ``out`` as in
-    :func:`paged_decode` (rows of lanes without tokens are left as they were).
+    :func:`paged_decode` (rows of lanes without tokens are left as they were). ``tiles``: ``(BLOCK_N, num_warps,
+    num_stages)`` instead of :func:`~.triton_decode.tile_config`'s, for a benchmark to time the alternatives.
     """
     # Host-only checks (no read-back): what the plan's shape must agree with.
     if not isinstance(plan, SplitPlan):
@@ -394,6 +396,12 @@ def paged_decode_planned(
         # queries at D = 64 in 64-wide tiles spilled 8 bytes (64 registers, 8 warps); 32-wide tiles spill nothing
         # (tests/test_kernels_native_planned.py compiles every named shape).
         cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 32)
+    if tiles is not None:
+        ints = len(tiles) == 3 and all(not isinstance(t, bool) and isinstance(t, int) and t >= 1 for t in tiles)
+        if not ints or any(t & (t - 1) for t in tiles[:2]):
+            raise ValueError(f"tiles must be (BLOCK_N, num_warps, num_stages), positive ints, the first two powers of "
+                             f"two, got {tiles!r}")  # fmt: skip
+        cfg.update(BLOCK_N=max(16, tiles[0]), num_warps=tiles[1], num_stages=tiles[2])  # tl.dot needs 16 or more
     scales = (k_scale, v_scale) if quantized else (q, q)
     s_strides = k_scale.stride() if quantized else (0, 0, 0)
     if out is None:
