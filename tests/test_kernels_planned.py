@@ -127,6 +127,10 @@ def test_one_plan_buffer_serves_steps_of_different_lengths():
     assert chunks == [64, 16, 256]  # the split followed each step's lengths
     assert plan.seqs[:2, 1].tolist() == [3, 3]  # the last step: 700 tokens in chunks of 256
     assert (plan.buffer.data_ptr(), workspace[0].data_ptr(), out.data_ptr()) == buffers  # nothing reallocated
+    plan.clear()  # as before a recording: nothing to do, nothing written
+    out.fill_(7.0)
+    paged_decode_planned(q, case.k_cache, case.v_cache, tables, plan, d**-0.5, out=out, workspace=workspace)
+    assert bool((out == 7.0).all()) and plan.chunk == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

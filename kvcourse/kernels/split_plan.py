@@ -143,16 +143,16 @@ class SplitPlan:
     """A plan's device buffer, made once and refilled every step (what a recorded graph reads).
 
     ``SplitPlan(capacity, lanes, device)``; :meth:`fill` plans a step from its host lengths and copies the rows in;
-    :attr:`work` and :attr:`seqs` are the two views the kernels take. A fresh buffer holds no work.
+    :attr:`work` and :attr:`seqs` are the two views the kernels take. A fresh buffer holds no work (:meth:`clear`).
+    :attr:`chunk` is the last plan's chunk length (0: no plan).
     """
 
     def __init__(self, capacity: int, lanes: int, device: torch.device | str) -> None:
         check_int("capacity", capacity, min=1)
         check_int("lanes", lanes, min=1)
         self.capacity, self.lanes = capacity, lanes
-        self.buffer = torch.zeros(capacity + lanes, 4, dtype=torch.int32, device=device)
-        self.buffer[:capacity, 0] = NO_WORK
-        self.chunk = 0  # the last plan's chunk length (0: none yet)
+        self.buffer = torch.empty(capacity + lanes, 4, dtype=torch.int32, device=device)
+        self.clear()
 
     @property
     def work(self) -> torch.Tensor:
@@ -161,6 +161,13 @@ class SplitPlan:
     @property
     def seqs(self) -> torch.Tensor:
         return self.buffer[self.capacity :]
+
+    def clear(self) -> None:
+        """No work at all (every program exits, no lane is merged): what a graph should be recorded on, as the
+        static buffers' padding is (length 0, slot -1)."""
+        self.buffer.zero_()
+        self.buffer[: self.capacity, 0] = NO_WORK
+        self.chunk = 0
 
     def fill(self, seq_lens_host: Sequence[int], num_kv_heads: int, num_sms: int | None,
              min_chunk: int = MIN_CHUNK_TOKENS) -> int:  # fmt: skip
