@@ -71,6 +71,9 @@ class ForwardBatch:
     max_block_host: int = field(default=-1, repr=False)  # largest block id any sequence uses
     token_range_host: tuple[int, int] = field(default=(0, 0), repr=False)  # smallest and largest token id
     checked: bool = field(default=False, repr=False)
+    # A decode step's split-KV plan (kernels.split_plan.SplitPlan), already filled from the step's real lengths:
+    # the "triton" backend then reads its work from it (what a CUDA graph can replay); None: it chooses splits itself.
+    split_plan: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.query_start_loc_host:  # made by hand: read the host copies now, check on demand

@@ -131,3 +131,55 @@ def test_provenance_names_the_commit_the_caller_handed_over(monkeypatch):
     head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
     assert commit == head + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's shape (issue 50): planned on the CPU, timed by the next GPU run
+# ---------------------------------------------------------------------------------------------
+def test_the_engine_shape_is_planned(capsys):
+    entries = bench.plan()
+    engine = [e for e in entries if e["shape"] == "engine"]
+    assert [e for e in entries if e["shape"] == "benchmark"] == [
+        dict(shape="benchmark", batch=b, context=c, heads=(32, 8, 128), dtype="float16", variants=list(bench.VARIANTS))
+        for b, c in bench.shapes()]  # fmt: skip
+    assert {(e["batch"], e["context"]) for e in engine} == {(b, c) for b in (1, 8, 32, 64, 128)
+                                                            for c in (128, 256, 512, 1024, 2048)}  # fmt: skip
+    assert all(e["heads"] == (9, 3, 64) and e["dtype"] == "bfloat16" for e in engine)
+    assert all({"sdpa", "paged", "paged-planned", "paged-captured"} <= set(e["variants"]) for e in engine)
+    # The target's shapes (batch >= 32, 512-1,024 tokens) are in the quick run too.
+    quick = [(e["batch"], e["context"]) for e in bench.plan(quick=True) if e["shape"] == "engine"]
+    assert any(b >= 32 and 512 <= c <= 1024 for b, c in quick) and set(quick) <= {(e["batch"], e["context"]) for e in engine}
+    assert bench.main(["--dry-run", "--shapes", "engine"]) == 0  # no GPU needed to list them
+    out = capsys.readouterr().out
+    assert "engine    batch  128 x context   2048 heads (9, 3, 64) bfloat16" in out and out.endswith("25 shapes\n")
+
+
+def test_the_engine_shape_runs_on_cpu_with_a_stand_in_timer():
+    from kvcourse.kernels.triton_runtime import interpreting
+
+    if not interpreting():  # pragma: no cover - a GPU machine
+        pytest.skip("Triton compiles here: gpu_check's first job runs the benchmark for real")
+    rows = bench.run([(2, 40)], torch.device("cpu"), lambda fn: (fn(), 2.0)[1], bench.ENGINE_VARIANTS, log=lambda _: None,
+                     shape="engine")  # fmt: skip
+    assert [r["variant"] for r in rows] == list(bench.ENGINE_VARIANTS) and {r["shape"] for r in rows} == {"engine"}
+    # bf16 K and V: 2 x 2 sequences x 40 tokens x 3 heads x 64 x 2 bytes; q and out: 2 x 2 x 9 x 64 x 2; tables.
+    assert rows[0]["bytes"] == 2 * 2 * 40 * 3 * 64 * 2 + 2 * 2 * 9 * 64 * 2 + 2 * 3 * 4
+    by = {r["variant"]: r for r in rows}
+    assert by["paged-planned"]["note"].startswith("planned: chunks of 48 tokens, 2 work items")  # no SMs: no split
+    assert "captured context 8192" in by["paged-captured"]["note"]
+    with pytest.raises(ValueError, match="shape must be"):
+        bench.run([(2, 40)], torch.device("cpu"), lambda fn: 2.0, shape="engines")
+
+
+def test_engine_targets_read_the_engine_rows():
+    def row(b, c, v, ms, pct, shape="engine"):
+        return dict(shape=shape, batch=b, context=c, tokens=b * c, variant=v, ms=ms, pct_peak=pct)
+
+    rows = [row(32, 512, "paged-planned", 1.0, 65.0), row(64, 1024, "paged-planned", 1.0, 61.0),
+            row(32, 512, "paged-captured", 1.5, 43.0), row(64, 1024, "paged-captured", 1.2, 51.0),
+            row(32, 512, "paged", 1.1, 59.0), row(8, 512, "paged-planned", 1.0, 20.0),  # batch 8: outside the target
+            row(128, 2048, "paged-planned", 1.0, 10.0), row(32, 512, "paged", 1.0, 1.0, shape="benchmark")]  # fmt: skip
+    got = {t["name"]: (t["value"], t["met"]) for t in bench.engine_targets(rows)}
+    assert got == dict(engine_peak_paged_planned=(61.0, True), engine_peak_paged=(59.0, False),
+                       engine_planned_vs_captured=(pytest.approx(1.2), True))  # fmt: skip
+    assert all(t["met"] is None for t in bench.engine_targets([]))

@@ -241,6 +241,37 @@ def test_triton_kernels_in_the_interpreter():
     on_meta_and_normally(lambda: silu_and_mul(x))
 
 
+def test_planned_decode_and_the_fp8_write_in_the_interpreter():
+    """Issue 50's host plan, planned decode and fp8 cache write make every tensor on their inputs' device."""
+    from kvcourse.kernels import paged_decode_planned, reshape_and_cache_fp8
+    from kvcourse.kernels.fp8 import FP8, reshape_and_cache_fp8_ref
+    from kvcourse.kernels.split_plan import SplitPlan, plan_rows
+    from kvcourse.kernels.triton_runtime import interpreting
+
+    if not interpreting():
+        pytest.skip("Triton compiles for the GPU here: its kernels cannot take CPU tensors")
+    case = random_paged_case(19, [5, 40], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, device="cpu")
+    on_meta_and_normally(lambda: plan_rows([5, 40, 0], 16, capacity=5))
+
+    def planned():
+        plan = SplitPlan(6, 3, "cpu")
+        plan.fill([5, 40], 2, 4, min_chunk=16)
+        return plan.buffer, paged_decode_planned(case.q, case.k_cache, case.v_cache, case.block_tables, plan, 0.25)
+
+    on_meta_and_normally(planned)
+
+    def writes():
+        out = []
+        for write in (reshape_and_cache_fp8, reshape_and_cache_fp8_ref):
+            pool = [torch.zeros(3, 4, 2, 16, dtype=FP8, device="cpu") for _ in range(2)]
+            scales = [torch.zeros(3, 4, 2, device="cpu") for _ in range(2)]
+            write(randn(2, 2, 16, seed=20), randn(2, 2, 16, seed=21), *pool, *scales, torch.tensor([3, -1], device="cpu"))
+            out += [pool[0].view(torch.uint8), pool[1].view(torch.uint8), *scales]
+        return out
+
+    on_meta_and_normally(writes)
+
+
 # ---------------------------------------------------------------------------------------------
 # The model, its backends, generation and the engine
 # ---------------------------------------------------------------------------------------------

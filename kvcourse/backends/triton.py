@@ -4,7 +4,10 @@
 
 * ``write_kv``: the new tokens' K/V go to their slots through :func:`~kvcourse.kernels.triton_cache.reshape_and_cache`;
 * ``decode``: the sequences with one new token attend through the paged kernel
-  (:func:`~kvcourse.kernels.triton_paged.paged_decode`), with the number of KV splits chosen once per step;
+  (:func:`~kvcourse.kernels.triton_paged.paged_decode`), with the number of KV splits chosen once per step; or, when
+  the batch carries a split plan (``batch.split_plan``, :class:`~kvcourse.kernels.split_plan.SplitPlan`, filled from
+  the step's real lengths), through :func:`~kvcourse.kernels.triton_paged.paged_decode_planned`, whose launch does
+  not depend on the lengths: a CUDA graph recorded once splits every replayed step as its own lengths need;
 * ``prefill`` (a prompt, or a chunk of one) stays torch's SDPA: a prefill is compute-bound matrix
   multiplication, a different kernel (FlashAttention's), outside chapter 5.
 
@@ -23,7 +26,7 @@ from collections import Counter
 import torch
 
 from ..kernels.triton_cache import reshape_and_cache
-from ..kernels.triton_paged import choose_num_splits, num_sms, paged_decode
+from ..kernels.triton_paged import choose_num_splits, num_sms, paged_decode, paged_decode_planned
 from ..kernels.triton_runtime import check_kernel_device, counting_runs, launch_or_fallback
 from . import register
 from .paged import PagedTorchBackend
@@ -69,11 +72,14 @@ class TritonBackend(KernelSteps, PagedTorchBackend):
     def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
         q = q if q.stride(-1) == 1 else q.contiguous()
-        config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.shape[1], self.num_splits)
+        plan = self.batch.split_plan if self.all_decode else None  # a plan's lanes are the batch's rows
+        splits = "planned" if plan is not None else self.num_splits
+        config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.shape[1], splits)
+        if plan is not None:
+            launch = lambda: paged_decode_planned(q, k_cache, v_cache, self.decode_tables, plan, self.scale)  # noqa: E731
+        else:
+            launch = lambda: paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens,  # noqa: E731
+                                          self.scale, self.num_splits)  # fmt: skip
         with counting_runs(self.runs):
-            return launch_or_fallback(
-                "paged_decode_attention", q.device, config,
-                lambda: paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens, self.scale,
-                                     self.num_splits),
-                lambda: PagedTorchBackend.decode(self, layer_idx, q),
-            )  # fmt: skip
+            return launch_or_fallback("paged_decode_attention", q.device, config, launch,
+                                      lambda: PagedTorchBackend.decode(self, layer_idx, q))  # fmt: skip

@@ -21,6 +21,21 @@ batch {1, 8, 32, 64, 128} x context {512, 2k, 8k, 32k}, and batch 1 at 64k. Each
 * ``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` on the contiguous cache;
 * ``flex``: FlexAttention (compiled) on the contiguous cache, where torch provides it.
 
+**The engine's shape** (issue 50): the serving engine's model has 9 query / 3 KV heads, head dim 64, bf16, blocks of
+16, contexts of a few hundred tokens, and there decode attention runs inside every CUDA-graph step. Its rows
+(``"shape": "engine"``, under the JSON's ``engine`` key, batch {1, 8, 32, 64, 128} x context {128, ..., 2048}) run:
+
+* ``paged``, ``paged-unsplit``: as above, on this shape;
+* ``paged-captured``: the split count a recorded graph uses today, chosen from the captured context
+  (:data:`ENGINE_CAPTURED_CONTEXT`), not the real one;
+* ``paged-planned``: :func:`~kvcourse.kernels.triton_paged.paged_decode_planned`, its work planned on the host from
+  the real lengths (:mod:`kvcourse.kernels.split_plan`), into kept buffers as a graph keeps them;
+* ``paged-planned-n32``, ``paged-planned-n128``: the planned kernel with other tiles (:data:`ENGINE_TILES`), to
+  choose the engine shape's tiles from;
+* ``sdpa``: torch's SDPA on the same shape.
+
+``--dry-run`` lists every shape and variant a run would time (no GPU needed; :func:`plan`).
+
 Times are ``triton.testing.do_bench`` medians. Every kernel's output is first checked against SDPA on
 the same shape (the int8 kernel against its own reference, on a small shape). A kernel that did not
 compile, or that fell back to the torch reference, is refused: its row says so and carries no time
@@ -60,6 +75,18 @@ QUICK = ((1, 8192), (8, 8192), (64, 2048), (1, 65536))
 VARIANTS = ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "paged-fp8", "contiguous", "sdpa",
             "flex")
 
+# The serving engine's attention (SmolLM2-135M: 9 query / 3 KV heads, D = 64, bf16 on a GPU), issue 50.
+ENGINE_HEADS = (9, 3, 64)
+ENGINE_DTYPE = torch.bfloat16
+ENGINE_BATCHES = (1, 8, 32, 64, 128)
+ENGINE_CONTEXTS = (128, 256, 512, 1024, 2048)
+ENGINE_QUICK = ((1, 512), (32, 512), (64, 1024))
+# Tile alternatives for D = 64 (BLOCK_N, num_warps, num_stages), timed on the planned kernel beside tile_config's
+# (64, 4, 2): narrower tiles with a deeper pipeline, and wider ones (each compiles without spills on sm_80 and sm_90).
+ENGINE_TILES = {"paged-planned-n32": (32, 4, 3), "paged-planned-n128": (128, 8, 2)}
+ENGINE_VARIANTS = ("paged", "paged-captured", "paged-planned", *ENGINE_TILES, "paged-unsplit", "sdpa")
+ENGINE_CAPTURED_CONTEXT = 8192  # SmolLM2's max_position_embeddings: the context a recorded graph's host copies state
+
 Timer = Callable[[Callable[[], object]], float]  # fn -> milliseconds
 
 
@@ -68,10 +95,27 @@ def shapes(quick: bool = False) -> list[tuple[int, int]]:
     return list(QUICK) if quick else [(b, c) for b in BATCHES for c in CONTEXTS] + list(EXTRA)
 
 
-def bytes_needed(batch: int, context: int) -> int:
+def engine_shapes(quick: bool = False) -> list[tuple[int, int]]:
+    """``(batch, context)`` pairs of the engine's shape."""
+    return list(ENGINE_QUICK) if quick else [(b, c) for b in ENGINE_BATCHES for c in ENGINE_CONTEXTS]
+
+
+def plan(quick: bool = False, variants: Sequence[str] = VARIANTS) -> list[dict]:
+    """What a run times, without running it: one entry per shape, ``{shape, batch, context, heads, dtype, variants}``
+    (``"benchmark"`` shapes, then ``"engine"`` ones)."""
+    out = []
+    for name, pairs, heads, dtype, names in (
+        ("benchmark", shapes(quick), (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM), "float16", list(variants)),
+        ("engine", engine_shapes(quick), ENGINE_HEADS, str(ENGINE_DTYPE).removeprefix("torch."), list(ENGINE_VARIANTS)),
+    ):
+        out += [dict(shape=name, batch=b, context=c, heads=heads, dtype=dtype, variants=names) for b, c in pairs]
+    return out
+
+
+def bytes_needed(batch: int, context: int, heads: tuple[int, int, int] = (NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)) -> int:
     """GPU memory one shape needs: fp16 paged pool, contiguous copy, int8 pool with scales."""
-    values = batch * context * NUM_KV_HEADS * HEAD_DIM
-    return 2 * values * 2 * 2 + 2 * values + 2 * batch * context * NUM_KV_HEADS * 4
+    values = batch * context * heads[1] * heads[2]
+    return 2 * values * 2 * 2 + 2 * values + 2 * batch * context * heads[1] * 4
 
 
 class Problem:
@@ -123,10 +167,20 @@ class Problem:
 def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable[[], torch.Tensor] | None, str]]:
     """``name -> (fn, note)``; ``fn`` is None (and ``note`` says why) where a variant cannot run here."""
     from ..kernels import decode_attention
-    from ..kernels.triton_paged import choose_num_splits, decode_workspace, num_sms, paged_decode
+    from ..kernels.split_plan import SplitPlan, plan_capacity
+    from ..kernels.testing import tolerance
+    from ..kernels.triton_paged import (choose_num_splits, decode_workspace, num_sms, paged_decode, paged_decode_planned,
+                                        planned_workspace)  # fmt: skip
 
     scale = 1 / math.sqrt(p.head_dim)
-    splits = choose_num_splits(p.batch, p.num_kv_heads, p.context, num_sms(p.q.device))
+    sms = num_sms(p.q.device)
+    splits = choose_num_splits(p.batch, p.num_kv_heads, p.context, sms)
+    captured = choose_num_splits(p.batch, p.num_kv_heads, ENGINE_CAPTURED_CONTEXT, sms)
+    # The planned kernel as a graph runs it: one plan buffer, made for the batch, filled from the real lengths.
+    split_plan = SplitPlan(plan_capacity(p.batch, p.num_kv_heads, sms), p.batch, p.q.device)
+    chunk = split_plan.fill([p.context] * p.batch, p.num_kv_heads, sms)
+    items = p.batch * -(-p.context // chunk)
+    planned_kept = torch.empty_like(p.q), planned_workspace(split_plan.capacity, p.num_q_heads, p.head_dim, p.q.device)
     kept = torch.empty_like(p.q), decode_workspace(p.batch, p.num_q_heads, p.head_dim, splits, p.q.device)
     # The kernels are timed without their input checks (which read the block tables on the host).
     fns: dict[str, tuple[Callable[[], torch.Tensor] | None, str]] = {
@@ -134,6 +188,15 @@ def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable
                   f"num_splits={splits}"),
         "paged-unsplit": (lambda: paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, scale, 1),
                           "num_splits=1"),
+        "paged-captured": (lambda: paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, scale, captured),
+                           f"num_splits={captured}, chosen from a graph's captured context {ENGINE_CAPTURED_CONTEXT}"),
+        "paged-planned": (lambda: paged_decode_planned(p.q, p.k_cache, p.v_cache, p.block_tables, split_plan, scale,
+                                                       out=planned_kept[0], workspace=planned_kept[1]),
+                          f"planned: chunks of {chunk} tokens, {items} work items, kept buffers"),
+        **{name: (lambda t=t: paged_decode_planned(p.q, p.k_cache, p.v_cache, p.block_tables, split_plan, scale,
+                                                   out=planned_kept[0], workspace=planned_kept[1], tiles=t),
+                  f"planned: chunks of {chunk} tokens, {items} work items, kept buffers, tiles {t}")
+           for name, t in ENGINE_TILES.items()},
         "paged-workspace": (lambda: paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, scale, splits,
                                                  out=kept[0], workspace=kept[1]), f"num_splits={splits}, kept buffers"),
         "paged-int8": (lambda: paged_decode(p.q, p.k8, p.v8, p.block_tables, p.seq_lens, scale, splits, p.k_scale,
@@ -157,15 +220,18 @@ def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable
             fns["flex"] = (None, f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
     # A fallback is not a kernel timing: each kernel runs once first, and a variant whose kernel did
     # not compile, or was computed by the torch reference instead, is refused (reported, never timed).
-    for name in [n for n in ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "paged-fp8",
-                             "contiguous") if n in fns and fns[n][0] is not None]:  # fmt: skip
+    ours = ("paged", "paged-unsplit", "paged-captured", "paged-planned", *ENGINE_TILES, "paged-workspace", "paged-int8",
+            "paged-int8-cvt", "paged-fp8", "contiguous")
+    for name in [n for n in ours if n in variants and fns[n][0] is not None]:  # only what is timed runs
         fns[name] = _first_run(name, *fns[name])
     # Correctness before speed: every float variant that ran equals SDPA on this very shape.
     want = fns["sdpa"][0]()
-    for name in ("paged", "paged-unsplit", "paged-workspace", "contiguous"):
-        if fns[name][0] is not None:
-            torch.testing.assert_close(fns[name][0](), want, rtol=2e-3, atol=2e-3, msg=lambda m, n=name: f"{n}: {m}")
-    if fns["paged-int8"][0] is not None and fns["paged-int8-cvt"][0] is not None:  # two conversions, one answer
+    for name in ("paged", "paged-unsplit", "paged-captured", "paged-planned", *ENGINE_TILES, "paged-workspace",
+                 "contiguous"):  # fmt: skip
+        if name in variants and fns[name][0] is not None:
+            torch.testing.assert_close(fns[name][0](), want, **tolerance(p.q.dtype), msg=lambda m, n=name: f"{n}: {m}")
+    int8_pair = [fns[n][0] for n in ("paged-int8", "paged-int8-cvt") if n in variants]
+    if len(int8_pair) == 2 and None not in int8_pair:  # two conversions, one answer
         torch.testing.assert_close(fns["paged-int8-cvt"][0](), fns["paged-int8"][0](), rtol=2e-3, atol=2e-3)
     return {name: fns[name] for name in variants if name in fns}
 
@@ -211,25 +277,33 @@ def run(
     timer: Timer,
     variants: Sequence[str] = VARIANTS,
     log: Callable[[str], None] = print,
+    shape: str = "benchmark",
 ) -> list[dict]:
-    """Time every variant on every shape; one row per (shape, variant)."""
+    """Time every variant on every shape; one row per (shape, variant). ``shape``: ``"benchmark"`` (32/8 heads,
+    D = 128, fp16) or ``"engine"`` (:data:`ENGINE_HEADS`, bf16); each row records which."""
     from ..kernels.triton_runtime import how_kernels_run
 
+    if shape not in ("benchmark", "engine"):
+        raise ValueError(f"shape must be 'benchmark' or 'engine', got {shape!r}")
+    heads, dtype = ((ENGINE_HEADS, ENGINE_DTYPE) if shape == "engine"
+                    else ((NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM), torch.float16))  # fmt: skip
     peak = peak_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     rows = []
     for batch, context in shape_list:
-        need = bytes_needed(batch, context)
+        need = bytes_needed(batch, context, heads)
         if device.type == "cuda":
             free = torch.cuda.mem_get_info(device)[0]
             if need > 0.9 * free:
                 log(f"batch {batch:4d} x context {context:6d}: skipped, needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
-                rows.append(dict(batch=batch, context=context, variant="all", skipped=f"needs {need} bytes, {free} free"))
+                rows.append(dict(shape=shape, batch=batch, context=context, variant="all",
+                                 skipped=f"needs {need} bytes, {free} free"))  # fmt: skip
                 continue
         with torch.inference_mode():
-            p = Problem(batch, context, device)
+            p = Problem(batch, context, device, dtype=dtype, heads=heads)
             for name, (fn, note) in variant_fns(p, variants).items():
                 ran = "torch" if name in ("sdpa", "flex") else how_kernels_run()
-                row = dict(batch=batch, context=context, tokens=batch * context, variant=name, note=note, ran=ran)
+                row = dict(shape=shape, batch=batch, context=context, tokens=batch * context, variant=name, note=note,
+                           ran=ran)  # fmt: skip
                 if fn is None:
                     rows.append({**row, "skipped": note})
                     log(f"batch {batch:4d} x context {context:6d} {name:14s} {note}")
@@ -286,6 +360,32 @@ def targets(rows: list[dict]) -> list[dict]:
            if v == "paged-fp8" and c >= 8192 and (b, c, "paged") in by]  # fmt: skip
     out.append(dict(name="fp8_speedup", target="fp8 >= 1.6x fp16 at context >= 8k (worst shape; issue 30)",
                     value=min(fp8, default=None), met=min(fp8) >= 1.6 if fp8 else None))  # fmt: skip
+    return out
+
+
+ENGINE_TARGET_PCT = 60  # issue 50: the engine's shape at >= 60% of peak bandwidth at batch >= 32, 512-1,024 tokens
+
+
+def engine_targets(rows: list[dict]) -> list[dict]:
+    """The engine shape's targets (issue 50): the worst ``pct_peak`` at batch >= 32 and 512-1,024 tokens of the
+    planned kernel (what a CUDA-graph step runs once the plan is wired) and of the heuristic's split, and the planned
+    kernel against today's graph split (``paged-captured``) there (``None``: not measured)."""
+    ok = [r for r in rows if "ms" in r and r.get("shape") == "engine" and r["batch"] >= 32 and 512 <= r["context"] <= 1024]
+    by = {(r["batch"], r["context"], r["variant"]): r for r in ok}
+    out = []
+    for variant in ("paged-planned", "paged"):
+        mine = [r for r in ok if r["variant"] == variant and r.get("pct_peak") is not None]
+        worst = min(mine, key=lambda r: r["pct_peak"], default=None)
+        value = worst["pct_peak"] if worst else None
+        out.append(dict(name=f"engine_peak_{variant.replace('-', '_')}",
+                        target=f"engine shape (9/3 heads, D 64, bf16): {variant} >= {ENGINE_TARGET_PCT}% of peak "
+                               "at batch >= 32 and 512-1,024 tokens (worst shape; issue 50)",
+                        value=value, met=value >= ENGINE_TARGET_PCT if value is not None else None))  # fmt: skip
+    gains = [by[(b, c, "paged-captured")]["ms"] / r["ms"] for (b, c, v), r in by.items()
+             if v == "paged-planned" and (b, c, "paged-captured") in by]  # fmt: skip
+    out.append(dict(name="engine_planned_vs_captured",
+                    target="engine shape: planned splits >= 1.0x the speed of a graph's captured split count (worst)",
+                    value=min(gains, default=None), met=min(gains) >= 1.0 if gains else None))  # fmt: skip
     return out
 
 
@@ -358,7 +458,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where the JSON goes")
     parser.add_argument("--smoke", action="store_true", help="without a GPU: check one tiny shape, time nothing")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="what to time")
+    parser.add_argument("--shapes", choices=("all", "benchmark", "engine"), default="all",
+                        help="the benchmark's 32/8/128 fp16 shapes, the engine's 9/3/64 bf16 ones, or both")
+    parser.add_argument("--dry-run", action="store_true", help="list the shapes and variants a run would time, and stop")
     args = parser.parse_args(argv)
+    planned = [e for e in plan(args.quick, args.variants) if args.shapes in ("all", e["shape"])]
+    if args.dry_run:
+        for e in planned:
+            print(f"{e['shape']:9s} batch {e['batch']:4d} x context {e['context']:6d} heads {e['heads']} {e['dtype']}: "
+                  + ", ".join(e["variants"]))  # fmt: skip
+        print(f"{len(planned)} shapes")
+        return 0
     if not torch.cuda.is_available():
         print("kvcourse.bench kernels: no CUDA GPU here. This benchmark measures memory bandwidth on a GPU; "
               "Triton's CPU interpreter would time Python, not the kernels, so no figure is produced.")  # fmt: skip
@@ -379,8 +489,10 @@ def main(argv: list[str] | None = None) -> int:
           f"CUDA {prov['cuda']}, torch {prov['torch']}, triton {prov['triton']}")  # fmt: skip
     vendor = f"vendor peak {peak.bandwidth / 1e9:.0f} GB/s ({peak.source})" if peak else "no vendor peak listed"
     print(f"device-to-device copy: {copy_bps / 1e9:.0f} GB/s; {vendor}")
-    rows = run(shapes(args.quick), device, timer, args.variants)
-    for r in rows:
+    rows = run(shapes(args.quick), device, timer, args.variants) if args.shapes != "engine" else []
+    engine_rows = (run(engine_shapes(args.quick), device, timer, ENGINE_VARIANTS, shape="engine")
+                   if args.shapes != "benchmark" else [])  # fmt: skip
+    for r in rows + engine_rows:
         if "gbps" in r:
             r["pct_copy"] = 100 * r["gbps"] * 1e9 / copy_bps
     result = dict(
@@ -391,7 +503,11 @@ def main(argv: list[str] | None = None) -> int:
         shape=dict(num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
                    dtype="float16"),  # fmt: skip
         rows=rows,
-        targets=targets(rows),
+        # The engine's shape apart from the benchmark's rows (another dtype and heads: other bytes per token).
+        engine=dict(shape=dict(num_q_heads=ENGINE_HEADS[0], num_kv_heads=ENGINE_HEADS[1], head_dim=ENGINE_HEADS[2],
+                               block_size=BLOCK_SIZE, dtype=str(ENGINE_DTYPE).removeprefix("torch.")),
+                    rows=engine_rows),
+        targets=targets(rows) + engine_targets(engine_rows),
         kernel_runs=kernel_runs(),  # how every kernel launch ran: "compiled" only, or a fallback shows here
     )
     for t in result["targets"]:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from .int8 import absmax_scales, check_int8_pool, check_paged_int8, dequantized_decode_ref
+from .int8 import _float_view, absmax_scales, check_int8_pool, check_paged_int8, dequantized_decode_ref
+from .reference import check_reshape_and_cache
 
-__all__ = ["FP8", "FP8_MAX", "check_fp8_pool", "dequantize_fp8", "paged_decode_attention_fp8_ref", "quantize_fp8"]
+__all__ = ["FP8", "FP8_MAX", "check_fp8_pool", "dequantize_fp8", "paged_decode_attention_fp8_ref", "quantize_fp8",
+           "reshape_and_cache_fp8_ref"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -41,6 +43,29 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
 def check_fp8_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
     """Validate an fp8 pool: e4m3 ``[num_blocks, block_size, Hkv, D]``, fp32 scales ``[num_blocks, block_size, Hkv]``."""
     check_int8_pool(k_cache, v_cache, k_scale, v_scale, FP8)
+
+
+def reshape_and_cache_fp8_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Quantize new tokens' ``key, value [N, Hkv, D]`` to e4m3 (:func:`quantize_fp8`) and write them and their scales
+    at ``slot_mapping [N]`` (-1: skip): the fp8 pool's cache write, what
+    :func:`~kvcourse.kernels.triton_cache_fp8.reshape_and_cache_fp8` must equal bit for bit."""
+    check_fp8_pool(key_cache, value_cache, k_scale, v_scale)
+    check_reshape_and_cache(key, value, _float_view(key_cache, key), _float_view(value_cache, key), slot_mapping)
+    keep = slot_mapping >= 0
+    idx = slot_mapping[keep].to(torch.int64)
+    hkv, d = key_cache.shape[2:]
+    for x, cache, scales in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        q, s = quantize_fp8(x[keep])
+        cache.view(-1, hkv, d)[idx] = q
+        scales.view(-1, hkv)[idx] = s
 
 
 def paged_decode_attention_fp8_ref(

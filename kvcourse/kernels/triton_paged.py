@@ -14,6 +14,12 @@ partial output, normalised over its own range, and the log-sum-exp ``lse`` of it
 merges them: with ``M = max_i lse_i``, ``out = sum_i exp(lse_i - M) o_i / sum_i exp(lse_i - M)``. A
 range past the end of a short sequence is empty: it writes ``lse = -inf`` and weighs nothing.
 
+**Planned splits** (:func:`paged_decode_planned`). Under a CUDA graph the grid above is frozen at recording, with
+the split count of the lengths the recording saw. The planned launch reads its work instead: program ``i`` takes
+work row ``i`` of a plan made on the host from the step's real lengths (:mod:`.split_plan`: a sequence, a range of
+its positions), the grid is the plan's capacity, and rows past the plan exit at once. A sequence in one chunk writes
+its output directly; the chunks of a split one are merged by :func:`_merge_planned_kernel`, any number of them.
+
 **int8 K/V.** With ``k_scale, v_scale [num_blocks, block_size, Hkv]`` (one fp32 scale per token and
 head, :mod:`.int8`) the kernel loads int8 values, converts them exactly to the query's dtype, and
 applies the scales where they cost least: ``q . (s_k k) = s_k (q . k)`` scales a score, and
@@ -32,11 +38,13 @@ import torch
 from .fp8 import paged_decode_attention_fp8_ref
 from .int8 import check_paged_int8, paged_decode_attention_int8_ref
 from .reference import _default_scale, check_block_tables, check_paged, paged_attention
+from .split_plan import SplitPlan
 from .triton_decode import LOG2E, group_rows, tile_config
 from .triton_runtime import check_kernel_device, compute_capability, dot_precision, launch_or_fallback, tl, triton, upcast
 
 __all__ = ["INT8_CONVERSIONS", "MAX_SPLITS", "choose_num_splits", "decode_workspace", "int8_to_float", "paged_decode",
-           "paged_decode_attention", "paged_decode_attention_fp8", "paged_decode_attention_int8"]
+           "paged_decode_attention", "paged_decode_attention_fp8", "paged_decode_attention_int8", "paged_decode_planned",
+           "planned_workspace"]
 
 MAX_SPLITS = 64  # stage 2 merges up to this many partial results per head in one tile
 MIN_SPLIT_TOKENS = 256  # at most one split per started 256 positions: fewer, longer splits merge cheaper
@@ -92,6 +100,7 @@ def int8_to_float(x, dtype: tl.constexpr):
 @triton.jit
 def _paged_decode_kernel(
     Q, K_cache, V_cache, K_scale, V_scale, Block_tables, Seq_lens, Out, Lse,
+    Work, Final,  # PLANNED: the plan's work rows [capacity, 4], and the output [B, Hq, D] (Out, Lse: partials)
     scale_log2e,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,  # K pool: block, token slot in the block, head (D has stride 1)
@@ -100,6 +109,7 @@ def _paged_decode_kernel(
     stride_bt,
     stride_ob, stride_oh, stride_os,  # Out: [B, Hq, D] when NUM_SPLITS == 1, else fp32 [B, Hq, NUM_SPLITS, D]
     stride_lb, stride_lh,  # Lse: fp32 [B, Hq, NUM_SPLITS]
+    stride_fb, stride_fh,  # Final (PLANNED)
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -112,14 +122,26 @@ def _paged_decode_kernel(
     INT8_BITS: tl.constexpr,  # int8 -> float by int8_to_float (True) or by a plain conversion (the first version)
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PLANNED: tl.constexpr,  # program 0's index is a work row of a plan (split_plan.py), not a sequence
 ):  # fmt: skip
-    b = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(Seq_lens + b)
-    split_len = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)  # this program's positions: start .. end - 1 (maybe none)
+    if PLANNED:
+        # Work row (b, start, end, chunks of b), planned on the host from the step's real lengths. The grid is the
+        # plan's capacity, fixed when a graph was recorded: rows past this step's plan say b = -1.
+        work = tl.program_id(0)
+        b = tl.load(Work + 4 * work)
+        if b < 0:
+            return
+        start = tl.load(Work + 4 * work + 1)
+        end = tl.load(Work + 4 * work + 2)
+        chunks = tl.load(Work + 4 * work + 3)
+    else:
+        b = tl.program_id(0)
+        split = tl.program_id(2)
+        seq_len = tl.load(Seq_lens + b)
+        split_len = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)  # this program's positions: start .. end - 1 (maybe none)
 
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -169,7 +191,17 @@ def _paged_decode_kernel(
         m = m_new
 
     o_mask = h_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if PLANNED:
+        # A sequence in one chunk is done: straight to the output. A chunk of a split sequence writes its partial
+        # output and log-sum-exp at its work row, for _merge_planned_kernel. (The planner makes no empty chunk.)
+        out = acc / l[:, None]
+        if chunks == 1:
+            f_ptrs = Final + b * stride_fb + heads[:, None] * stride_fh + d[None, :]
+            tl.store(f_ptrs, out.to(Final.dtype.element_ty), mask=o_mask)
+        else:
+            tl.store(Out + work * stride_ob + heads[:, None] * stride_oh + d[None, :], out, mask=o_mask)
+            tl.store(Lse + work * stride_lb + heads * stride_lh, m + tl.log2(l), mask=h_ok)
+    elif NUM_SPLITS == 1:
         out = acc / l[:, None]
         tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty), mask=o_mask)
     else:
@@ -257,13 +289,13 @@ def paged_decode(
         partial, lse = workspace[0][:batch, :, :num_splits], workspace[1][:batch, :, :num_splits]
         o_strides, l_strides = partial.stride()[:3], lse.stride()[:2]
     _paged_decode_kernel[(batch, hkv, num_splits)](
-        q, k_cache, v_cache, *scales, block_tables, seq_lens, partial, lse, scale * LOG2E,
+        q, k_cache, v_cache, *scales, block_tables, seq_lens, partial, lse, seq_lens, out, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *s_strides,
-        block_tables.stride(0), *o_strides, *l_strides,
+        block_tables.stride(0), *o_strides, *l_strides, 0, 0,
         GROUP=group, BLOCK_H=group_rows(group), HEAD_DIM=head_dim, BLOCK_D=cfg["BLOCK_D"], BLOCK_SIZE=block_size,
         BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits, KV_INT8=quantized and not fp8, KV_FP8=fp8,
         INT8_BITS=int8_conversion == "bits", UPCAST=upcast(q.dtype),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOT_PRECISION=dot_precision(q.dtype), PLANNED=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(batch, hq)](
@@ -272,6 +304,135 @@ def paged_decode(
             BLOCK_D=cfg["BLOCK_D"], num_warps=4,
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def _merge_planned_kernel(
+    Partial, Lse, Out, Seqs,
+    stride_pw, stride_ph,
+    stride_lw, stride_lh,
+    stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # chunks merged per iteration
+):  # fmt: skip
+    """Stage 2 of a planned step: one program per (lane, query head) merges the chunks of a split sequence.
+
+    Its chunks are work rows ``first .. first + count - 1`` (``Seqs[b]``). A lane in one chunk (written by stage 1)
+    or none (padding) has nothing to merge. The merge is online, ``BLOCK_S`` chunks at a time, so a long sequence
+    may have any number of chunks: ``M`` the running maximum of the log-sum-exps, every partial weighted by
+    ``exp2(lse - M)``, rescaled when ``M`` grows (the online softmax of the chunks' results).
+    """
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.load(Seqs + 4 * b)
+    count = tl.load(Seqs + 4 * b + 1)
+    if count < 2:
+        return
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.full([1], 0.0, tl.float32)
+    acc = tl.full([BLOCK_D], 0.0, tl.float32)
+    for s0 in range(first, first + count, BLOCK_S):
+        rows = s0 + s
+        s_ok = rows < first + count
+        lse = tl.load(Lse + rows * stride_lw + head * stride_lh, mask=s_ok, other=float("-inf"))
+        o = tl.load(Partial + rows[:, None] * stride_pw + head * stride_ph + d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every row of this tile up to count is a non-empty chunk
+        alpha = tl.exp2(m - m_new)  # the first tile: exp2(-inf) = 0, and acc, total are 0 anyway
+        w = tl.exp2(lse - m_new)  # rows past count: exp2(-inf) = 0
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        total = total * alpha + tl.sum(w, 0)
+        m = m_new
+    tl.store(Out + b * stride_ob + head * stride_oh + d, (acc / total).to(Out.dtype.element_ty), mask=d_ok)
+
+
+PLANNED_MERGE_TILE = 16  # chunks _merge_planned_kernel reads per iteration
+
+
+def paged_decode_planned(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    plan: SplitPlan,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    capability: int | None = None,
+    out: torch.Tensor | None = None,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tiles: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """:func:`paged_decode` with the split-KV work read from a plan (:mod:`.split_plan`), on inputs already checked.
+
+    The grid is ``(plan.capacity, Hkv)`` for stage 1 and ``(B, Hq)`` for the merge: neither depends on the step's
+    lengths, so a CUDA graph recorded once replays every step with that step's own plan (refill ``plan`` before the
+    replay, :meth:`~.split_plan.SplitPlan.fill`). The lengths themselves come from the plan's work rows; the block
+    tables still say where each position lives. ``workspace``: fp32 ``partial [>= capacity, Hq, D]`` and
+    ``lse [>= capacity, Hq]`` (:func:`planned_workspace`), made here when not given; ``out`` as in
+    :func:`paged_decode` (rows of lanes without tokens are left as they were). ``tiles``: ``(BLOCK_N, num_warps,
+    num_stages)`` instead of :func:`~.triton_decode.tile_config`'s, for a benchmark to time the alternatives.
+    """
+    # Host-only checks (no read-back): what the plan's shape must agree with.
+    if not isinstance(plan, SplitPlan):
+        raise TypeError(f"plan must be a kvcourse.kernels.split_plan.SplitPlan, got {type(plan).__name__}")
+    batch, hq, head_dim = q.shape
+    if batch > plan.lanes:
+        raise ValueError(f"plan holds {plan.lanes} lanes but q has batch size {batch}")
+    if plan.buffer.device != q.device:
+        raise ValueError(f"plan is on {plan.buffer.device} but q is on {q.device}: make the SplitPlan on q's device")
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    quantized = k_scale is not None
+    fp8 = quantized and k_cache.dtype == torch.float8_e4m3fn
+    if capability is None:
+        capability = compute_capability(q.device)
+    cfg = dict(tile_config(head_dim, q.dtype, capability, k_cache.dtype))
+    if quantized and capability is not None:
+        # The plan's loads and the two-way store keep a few more registers live: on sm_80 the int8 pool with bf16
+        # queries at D = 64 in 64-wide tiles spilled 8 bytes (64 registers, 8 warps); 32-wide tiles spill nothing
+        # (tests/test_kernels_native_planned.py compiles every named shape).
+        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], 32)
+    if tiles is not None:
+        ints = len(tiles) == 3 and all(not isinstance(t, bool) and isinstance(t, int) and t >= 1 for t in tiles)
+        if not ints or any(t & (t - 1) for t in tiles[:2]):
+            raise ValueError(f"tiles must be (BLOCK_N, num_warps, num_stages), positive ints, the first two powers of "
+                             f"two, got {tiles!r}")  # fmt: skip
+        cfg.update(BLOCK_N=max(16, tiles[0]), num_warps=tiles[1], num_stages=tiles[2])  # tl.dot needs 16 or more
+    scales = (k_scale, v_scale) if quantized else (q, q)
+    s_strides = k_scale.stride() if quantized else (0, 0, 0)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if workspace is None:
+        workspace = planned_workspace(plan.capacity, hq, head_dim, q.device)
+    partial, lse = workspace
+    _paged_decode_kernel[(plan.capacity, hkv)](
+        q, k_cache, v_cache, *scales, block_tables, block_tables, partial, lse, plan.work, out, scale * LOG2E,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], *s_strides,
+        block_tables.stride(0), partial.stride(0), partial.stride(1), 0, lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=hq // hkv, BLOCK_H=group_rows(hq // hkv), HEAD_DIM=head_dim, BLOCK_D=cfg["BLOCK_D"],
+        BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=1, KV_INT8=quantized and not fp8, KV_FP8=fp8,
+        INT8_BITS=True, UPCAST=upcast(q.dtype), DOT_PRECISION=dot_precision(q.dtype), PLANNED=True,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    _merge_planned_kernel[(batch, hq)](
+        partial, lse, out, plan.seqs, partial.stride(0), partial.stride(1), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=cfg["BLOCK_D"], BLOCK_S=PLANNED_MERGE_TILE,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def planned_workspace(capacity: int, num_q_heads: int, head_dim: int, device: torch.device | str,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A planned step's scratch: fp32 partial outputs ``[capacity, Hq, D]`` and log-sum-exps ``[capacity, Hq]``,
+    one row per work item, to keep and hand to :func:`paged_decode_planned`."""
+    partial = torch.empty(capacity, num_q_heads, head_dim, dtype=torch.float32, device=device)
+    return partial, torch.empty(capacity, num_q_heads, dtype=torch.float32, device=device)
 
 
 def decode_workspace(batch: int, num_q_heads: int, head_dim: int, num_splits: int, device: torch.device | str,
