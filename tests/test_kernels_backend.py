@@ -270,5 +270,5 @@ def test_unknown_backend_lists_triton():
     store, batch, _ = _synthetic_step(0)
     from kvcourse.backends import paged_backend
 
-    with pytest.raises(ValueError, match=r"backend must be one of \['paged-int8-torch', 'paged-reference', 'paged-torch', 'triton', 'triton-int8'\], got 'tirton'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \['paged-int8-torch', 'paged-reference', 'paged-torch', 'triton', 'triton-int8', 'triton-ragged'\], got 'tirton'"):
         paged_backend("tirton", store, batch)

@@ -3,7 +3,7 @@
 The planned paged decode (``_paged_decode_kernel`` with ``PLANNED``) and its merge (``_merge_planned_kernel``), and the
 fp8 cache write (``_reshape_and_cache_fp8_kernel``), at the named models' heads (SmolLM2's 9/3/64, Llama-3-8B's
 32/8/128), in every query dtype, on float and int8 pools, with the launch parameters the wrappers pick on each GPU.
-:mod:`kvcourse.kernels.compile_check` records and compiles the launches (``compile_launch``); its sweep does not
+:mod:`kvcourse.bench.compile_check` records and compiles the launches (``compile_launch``); its sweep does not
 know these kernels yet, so they are recorded here (the same way: each kernel's ``run`` replaced by a recorder).
 """
 
@@ -17,7 +17,7 @@ from tests.test_kernels_native import ROOT, TIMEOUT, _env
 
 SCRIPT = r"""
 import functools, json, torch
-from kvcourse.kernels import compile_check as cc
+from kvcourse.bench import compile_check as cc
 from kvcourse.kernels import triton_cache_fp8, triton_paged
 from kvcourse.kernels.split_plan import SplitPlan
 
