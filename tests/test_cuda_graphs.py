@@ -373,3 +373,29 @@ def test_static_buffers_are_loaded_from_host_tensors_made_on_the_cpu_on_purpose(
     finally:
         torch.set_default_device(None)
     assert graphs.input_ids[0].item() == 7
+
+
+@kernels_on_cpu
+def test_a_decode_graph_splits_from_the_steps_real_lengths(monkeypatch):
+    """Issue 50: the decode forward reads a split plan filled from the step's own lengths, not the graph's
+    "up to the context length"; the recording sees an empty plan, as it sees padding."""
+    import kvcourse.backends.triton as triton_backend
+
+    model = tiny_llama(2)
+    runner, graphs = _graphs(model)
+    runner.step([(0, [1, 2, 3, 4, 5]), (1, [6, 7])])
+    for seq_id in (0, 1):
+        runner.block_manager.append_slots(seq_id, 1)
+    table = runner.block_manager.block_table
+    graphs.load_inputs([SeqSlice([8], 5, table(0)), SeqSlice([9], 2, table(1))], ("decode", 2))
+    plan = graphs.split_plan
+    assert plan.chunk > 0 and plan.seqs[:2, 1].tolist() == [1, 1]  # one chunk each: no GPU, nothing to split
+    assert graphs.static_batch(("decode", 2)).split_plan is plan
+    assert graphs.static_batch(("mixed", 64)).split_plan is None  # the ragged kernel plans nothing
+    planned = []
+    real = triton_backend.paged_decode_planned
+    monkeypatch.setattr(triton_backend, "paged_decode_planned", lambda *a, **k: planned.append(1) or real(*a, **k))
+    graphs.forward(("decode", 2))
+    assert len(planned) == model.config.num_hidden_layers  # every layer's decode read the plan
+    graphs.load_padding(("decode", 2))
+    assert plan.chunk == 0  # what a graph is recorded on

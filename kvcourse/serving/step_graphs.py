@@ -24,7 +24,9 @@ How a step runs from a graph:
   into the graph, or fail), or choose shapes from device values. The model's
   :meth:`~kvcourse.LlamaModel.step_hidden_states` and both backends are written that way: every decision is
   made on the host, from the batch's host copies. Those copies describe the *graph*, not the step: context
-  length "up to the most a sequence can hold", which only the decode kernel's KV split count depends on.
+  length "up to the most a sequence can hold". The decode kernel's split-KV work is the one thing that depends
+  on the real lengths: it is planned on the host every step into a static buffer the graph reads
+  (:mod:`kvcourse.kernels.split_plan`), so a replayed step splits as its own lengths need.
 
 ``capture=False`` runs the very same padded, static-buffer forward eagerly (``ModelRunner(cuda_graphs="eager")``):
 how the bookkeeping is tested on a machine without a GPU (``tests/test_step_graphs.py``, kernels in Triton's
@@ -42,6 +44,7 @@ import torch
 from ..backends import backend_class
 from ..batch import ForwardBatch, SeqSlice
 from ..checks import check_int
+from ..kernels.split_plan import SplitPlan, plan_capacity
 
 __all__ = ["GraphKey", "StepGraphs", "bucket_for", "graph_batch_sizes", "token_buckets"]
 
@@ -109,6 +112,10 @@ class StepGraphs:
         self.lanes = torch.zeros(2 * lanes + 1, **i32)  # seq_lens [lanes], then query_start_loc [lanes + 1]
         self.seq_lens, self.query_start_loc = self.lanes[:lanes], self.lanes[lanes:]
         self.block_tables = torch.zeros(lanes, self.max_blocks, **i32)
+        # A decode step's split-KV work, planned from its real lengths into a buffer the graph reads (the lengths
+        # the graph was recorded with say "up to the context length", which would split every step alike).
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+        self.split_plan = SplitPlan(plan_capacity(lanes, kv_store.num_kv_heads, self.num_sms), lanes, device)
         self.hidden = torch.zeros(rows, config.hidden_size, dtype=model.dtype, device=device)  # the graphs' output
         self.pinned = device.type == "cuda"  # host buffers pinned: copies to the GPU that do not wait
         # RoPE's tables, made now for every position: nothing may grow them inside a capture.
@@ -188,6 +195,7 @@ class StepGraphs:
         # Columns past ``width`` keep older steps' entries: a kernel reads only the blocks under seq_lens.
         self.block_tables[: len(seqs), :width].copy_(table_rows, non_blocking=nb)
         if kind == "decode":
+            self.split_plan.fill(lens + [0] * spare, self.kv_store.num_kv_heads, self.num_sms)
             return slice(0, len(seqs))
         last = torch.tensor(qsl[1 : len(seqs) + 1], dtype=torch.int64, device="cpu") - 1
         return last.pin_memory().to(self.hidden.device, non_blocking=True) if self.pinned else last
@@ -196,6 +204,7 @@ class StepGraphs:
         """Every row and lane padding: nothing is written, nothing is read (before a recording)."""
         self.slot_mapping[: key[1]].fill_(-1)
         self.seq_lens.zero_()
+        self.split_plan.clear()
         if key[0] == "decode":  # one row a lane, as every decode step has
             self.query_start_loc.copy_(torch.arange(len(self.query_start_loc), dtype=torch.int32, device="cpu"))
         else:  # no lane owns a row
@@ -214,6 +223,7 @@ class StepGraphs:
             block_tables=self.block_tables[:lanes], block_size=self.block_size, query_start_loc_host=qsl_host,
             seq_lens_host=(self.model.config.max_position_embeddings,) * lanes,
             max_block_host=self.kv_store.num_blocks - 1, token_range_host=(0, 0), checked=True,
+            split_plan=self.split_plan if kind == "decode" else None,
         )  # fmt: skip
 
     def forward(self, key: GraphKey) -> None:
