@@ -136,6 +136,33 @@ def test_a_checks_tensors_reach_the_student_on_the_host_and_come_back_written(de
     assert out.device.type == device.type and out.cpu().tolist() == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
 
 
+def test_a_strided_view_reaches_the_student_with_its_layout_from_any_device(device):
+    """Chapter 5's hidden cases pad K/V's rows and interleave K and V in one buffer, and hand the kernel the
+    strides: the view must arrive with them, on its whole buffer, from a GPU too (``.cpu()`` packed it there, and
+    the kernel read outside it). What the student writes through the view comes back into the check's buffer."""
+    checker, student = _pair()
+    seen = []
+
+    def kernel_like(k, v):
+        seen.append((k.stride(), v.stride(), k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()))
+        v.mul_(-1)
+
+    buffers: list[bytes] = []
+    proxy = checker.decode(student.encode(kernel_like, buffers), buffers)
+    done, thread = _serving(student)
+    try:
+        kv = torch.arange(2 * 3 * 12, dtype=torch.float32, device=device).reshape(3, 2, 12)  # K and V side by side
+        k, v = kv[:, 0, :8], kv[:, 1, :8]  # padded rows: 8 values of 12
+        before = kv.clone()
+        proxy(k, v)
+    finally:
+        done.set()
+        thread.join(5)
+    assert seen == [((24, 1), (24, 1), True)]  # the strides the check drew, on one shared buffer
+    assert torch.equal(kv[:, 1, :8], -before[:, 1, :8]) and torch.equal(kv[:, 0], before[:, 0])
+    assert torch.equal(kv[:, 1, 8:], before[:, 1, 8:])  # the padding is untouched
+
+
 def test_objects_cross_as_proxies_and_the_checker_lends_calls_only():
     checker, student = _pair()
     secrets = {"reference": "the answer"}

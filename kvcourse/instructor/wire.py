@@ -131,6 +131,7 @@ class Endpoint:
         self._lent: dict[int, Any] = {}  # id -> object lent to the peer
         self._lent_ids: dict[int, int] = {}  # id(object) -> its id on the wire
         self._kept: dict[int, Any] = {}  # storages sent to the peer stay alive, so their keys stay unique
+        self._host_copies: dict[int, Any] = {}  # device storage -> its host copy, within one message
         self._mirrors: OrderedDict[int, Any] = OrderedDict()  # the peer's storage key -> a local uint8 mirror
         self.mirror_bytes = 0  # held in _mirrors, at most MIRROR_BUDGET
         self._types: dict[str, type] = {}  # proxy classes by the peer's type name
@@ -151,6 +152,8 @@ class Endpoint:
 
         if depth > 100:
             raise WireError("the value is nested more than 100 levels deep")
+        if depth == 0:  # a new message: device storages are copied to the host afresh
+            self._host_copies: dict[int, Any] = {}
         if obj is None or type(obj) in (bool, int, str):
             return obj
         if obj is NotImplemented:  # a student copy's value answer not written yet: the check reports it
@@ -202,13 +205,25 @@ class Endpoint:
         t = t.detach()
         if t.layout != torch.strided or t.is_quantized:
             t = t.to_dense() if t.layout != torch.strided else t.dequantize()
-        if t.device.type != "cpu":
-            t = t.cpu()
         if t.dtype not in [getattr(torch, d) for d in _DTYPES]:
             raise WireError(f"tensors of dtype {t.dtype} cannot be graded")
         storage = t.untyped_storage()
         if storage.nbytes() > _MIRROR_LIMIT or any(s < 0 for s in t.stride()):
             t = t.contiguous().clone()
+            storage = t.untyped_storage()
+        if t.device.type != "cpu":
+            # The whole storage to host memory, the view rebuilt on it: t.cpu() would pack a view that is not
+            # dense (padded rows, K and V interleaved), and the strides a kernel is handed would then point
+            # outside it (chapter 5's strided cases crashed the student's process on a GPU that way).
+            # Views of one device buffer share one host copy in a message, as they share the buffer (K and V).
+            host = self._host_copies.get(storage.data_ptr())
+            if host is None:
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu")
+                host.copy_(torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),),
+                                                                                    (1,)))  # fmt: skip
+                self._host_copies[storage.data_ptr()] = host
+            t = torch.empty(0, dtype=t.dtype, device="cpu").set_(host.untyped_storage(), t.storage_offset(),
+                                                                 t.shape, t.stride())  # fmt: skip
             storage = t.untyped_storage()
         self._kept[storage.data_ptr()] = storage
         raw = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage, 0, (storage.nbytes(),), (1,))
