@@ -103,38 +103,17 @@ nbval: setup
 
 # The CPU picks the kernels: an AMD EPYC (Zen 4) and an Intel Xeon both run torch's own AVX-512 ops, but MKL's
 # fp32 GEMMs and oneDNN's bf16 GEMMs take other paths on each (oneDNN: avx512_core_bf16 instructions on the EPYC,
-# AMX tiles on a recent Xeon), and round a sum's last bit differently. Harmless in fp32, but through bf16, a
+# Intel's own bf16 path on a Xeon), and round a sum's last bit differently. Harmless in fp32, but through bf16, a
 # quantizer, an argmax or a top-k it can move a result (issues 22 and 44). These variables hold all three libraries
 # to their AVX2 kernels on either machine: a third kernel set, so one machine checks that a glued or asserted value
 # does not follow the kernels. tests/test_other_cpu.py checks that each one takes effect.
 OTHER_CPU := MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 OTHER_CPU_TESTS := tests/test_quant.py tests/test_quant_paged.py tests/test_dropping.py tests/test_window.py tests/test_backends.py
-# The chapters whose cells pass through reduced precision on the CPU: int8/fp16 kernels (5), bf16 (6), quantizers (8).
+# The chapters whose cells pass through reduced precision on the CPU: int8/fp16 kernels (5), quantizers (8), bf16 (9).
 OTHER_CPU_NOTEBOOKS := book/05_triton_kernels.ipynb book/08_compressing_the_cache.ipynb book/09_gpu_step.ipynb
 other-cpu: setup
 	$(OTHER_CPU) $(PY) -m pytest $(OTHER_CPU_TESTS) -q -p no:cacheprovider
 	$(OTHER_CPU) $(PY) -m pytest -q --nbval $(OTHER_CPU_NOTEBOOKS) --nbval-sanitize-with book/nbval-sanitize.cfg --nbval-cell-timeout 900 -p no:cacheprovider
-
-notebooks: setup
-	$(PY) -m kvcourse.tools.sync_notebooks
-
-test: setup pyodide unit other-cpu nbval check-book
-
-unit: setup
-	$(PY) -m pytest tests -q
-
-nbval: setup
-	$(PY) -m pytest -q --nbval $(NOTEBOOKS) --nbval-sanitize-with book/nbval-sanitize.cfg --nbval-cell-timeout 900 -p no:cacheprovider
-
-# AMD and Intel CPUs round a matmul's last bit differently (other kernels: AVX2 on a Zen 3, AVX-512 on a
-# Xeon). Harmless in fp32, but through a quantizer, an argmax or a top-k it can move a result (issue 22).
-# These variables make MKL and ATen pick the AVX2 kernels on an AVX-512 Intel CPU too (on an AMD Zen 3 they
-# are what it runs anyway), so one machine checks both: the tests and the chapter that go through quantizers.
-OTHER_CPU := MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2
-OTHER_CPU_TESTS := tests/test_quant.py tests/test_quant_paged.py tests/test_dropping.py tests/test_window.py
-other-cpu: setup
-	$(OTHER_CPU) $(PY) -m pytest $(OTHER_CPU_TESTS) -q -p no:cacheprovider
-	$(OTHER_CPU) $(PY) -m pytest -q --nbval book/08_compressing_the_cache.ipynb --nbval-sanitize-with book/nbval-sanitize.cfg --nbval-cell-timeout 900 -p no:cacheprovider
 
 notebooks: setup
 	$(PY) -m kvcourse.tools.run_notebooks $(NOTEBOOKS)
