@@ -34,7 +34,7 @@ ONE_BYTE_KV = ("paged-int8", "paged-int8-cvt", "paged-fp8")  # a byte per K/V va
 TORCH_BASELINES = ("sdpa", "flex")  # timed as torch
 _PROVENANCE = ("date", "torch", "triton", "python", "commit", "gpu", "compute_capability", "sms", "cuda", "driver")
 _SHAPE = ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "dtype")
-_SPLITS = re.compile(r"num_splits=(\d+)")
+_SPLITS = re.compile(r"num_splits=(\d+)(?:, [^=]*)?")  # "num_splits=2" or "num_splits=2, kept buffers"
 
 # What the plot draws, in this order: variant -> (label, colour, marker).
 PLOTTED = {
