@@ -50,14 +50,14 @@ def test_measurement_plot_says_when_nothing_was_measured(monkeypatch, capsys):
 
 
 def test_measurement_plot_reads_committed_results(capsys):
-    # The committed H200 run (kvcourse/results/kernels-nvidia-h200-2026-11-26.json) is the newest measurement.
+    # The committed H200 run of 2026-11-28 (kvcourse/results/kernels-nvidia-h200-2026-11-28.json) is the newest.
     fig, status = provenance.plot_kernel_measurements()
     assert status == ("Measured on NVIDIA H200 with python -m kvcourse.bench kernels "
-                      "(kernels-nvidia-h200-2026-11-26.json): 2 of 5 speed targets met.")  # fmt: skip
+                      "(kernels-nvidia-h200-2026-11-28.json): 2 of 6 speed targets met.")  # fmt: skip
     assert fig.axes[0].get_ylabel() == "effective bandwidth (GB/s), log scale"
     printed = capsys.readouterr().out
     assert "driver 580.159.04, CUDA 13.0, torch 2.11.0+cu130, triton 3.6.0" in printed
-    assert "int8 >= 1.5x fp16 at context >= 16k (worst shape): 0.5 (not met)" in printed
+    assert "int8 >= 1.5x fp16 at context >= 16k (worst shape): 0.32 (not met)" in printed
 
 
 def test_measurement_plot_refuses_what_is_not_an_axes():

@@ -15,10 +15,11 @@ SMOL = {"num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 64}
 
 
 def committed():
-    run = kvcourse.results.load(kvcourse.results.newest("gpu-engine-*.json"))
+    # Chapter 9's: the H100 engine run the trace profile was taken beside, and the H100 runs by request count.
+    run = kvcourse.results.load("gpu-engine-nvidia-h100-80gb-hbm3-2026-11-26.json")
     profile = kvcourse.results.load(kvcourse.results.newest("gpu-trace-profile-*.json"))
     first = kvcourse.results.load(kvcourse.results.find("gpu-trace-profile-*-first.json")[-1])
-    runs = [kvcourse.results.load(n) for n in kvcourse.results.find("gpu-engine-*.json")]
+    runs = [kvcourse.results.load(n) for n in kvcourse.results.find("gpu-engine-nvidia-h100-*.json")]
     return run, profile, first, runs
 
 

@@ -70,8 +70,9 @@ def command(argv: list[str], writable: list[str], env: dict[str, str] | None = N
     args = [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
     for device in sorted(glob.glob("/dev/nvidia*")):  # a kernel on a GPU machine uses CUDA
         args += ["--dev-bind", device, device]
-    # After --tmpfs /tmp: a path under /tmp is bound into the new, empty one.
-    for place in readable:
+    # After --tmpfs /tmp: a path under /tmp is bound into the new, empty one: what the caller names, and the
+    # installation itself when it lives there (a checkout cloned into /tmp, its .venv and editable package).
+    for place in [*_installation_under_tmp(), *readable]:
         args += ["--ro-bind", place, place]
     for folder in writable:
         args += ["--bind", folder, folder]
@@ -83,6 +84,21 @@ def command(argv: list[str], writable: list[str], env: dict[str, str] | None = N
     for name, value in (env or {}).items():
         args += ["--setenv", name, value]
     return [*args, "--", *argv]
+
+
+def _installation_under_tmp() -> list[str]:
+    """The folders directly under /tmp that hold the running Python, its environment, the kvcourse package or an
+    import path: hidden by ``--tmpfs /tmp``, they are bound back read-only, or nothing could start."""
+    import kvcourse
+
+    tmp = os.path.realpath("/tmp") + os.sep
+    places = [sys.prefix, sys.executable, os.path.dirname(os.path.dirname(kvcourse.__file__)), *sys.path]
+    tops = set()
+    for place in places:
+        real = os.path.realpath(place) if place else ""
+        if real.startswith(tmp):
+            tops.add(tmp + real[len(tmp):].split(os.sep)[0])
+    return sorted(t for t in tops if os.path.exists(t))
 
 
 @functools.lru_cache(maxsize=1)
