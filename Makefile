@@ -12,7 +12,7 @@ CHAPTERS  := $(sort $(wildcard book/[0-9][0-9]_*.ipynb))
 STUDENT_COPIES = $(PY) -m kvcourse.instructor student book --out
 export PYTHONHASHSEED := 0
 
-.PHONY: setup pyodide book published check-book sync-notebooks test unit nbval other-cpu notebooks bench bench-engine bench-grading student clean help test-kernels-native compile-report gpu-check
+.PHONY: setup pyodide format format-check book published check-book sync-notebooks test unit nbval other-cpu notebooks bench bench-engine bench-grading student clean help test-kernels-native compile-report gpu-check
 
 help:
 	@echo "make setup      create .venv with kvcourse, its dev tools and the SmolLM2 weights"
@@ -20,6 +20,7 @@ help:
 	@echo "make test       unit tests + nbval over every notebook (+ the numerics again on the other x86 kernels)"
 	@echo "make other-cpu  the reduced-precision tests and chapters 5, 8 and 9 again on AVX2 kernels (torch, MKL and oneDNN)"
 	@echo "make notebooks  re-execute every notebook in place"
+	@echo "make format    format the package, tests and benchmarks with ruff (make test checks it)"
 	@echo "make test-kernels-native  compile chapter 5's kernels for sm_75/80/90 over the full configuration sweep (no GPU needed)"
 	@echo "make compile-report       the same sweep, written to benchmarks/results/compile-report-<date>.json"
 	@echo "make gpu-check  on a CUDA GPU, under 8 minutes: kernel benchmark, engine benchmark, kernel tests compiled, every device test on cuda, all eight chapters (exit 3 without a GPU)"
@@ -93,7 +94,14 @@ check-book: book
 sync-notebooks: setup
 	$(PY) -m kvcourse.tools.sync_notebooks
 
-test: setup pyodide unit other-cpu nbval check-book
+test: setup pyodide format-check unit other-cpu nbval check-book
+
+# The formatter (ruff, configured in pyproject.toml): `make format` applies it, `make test` checks it.
+format: setup
+	$(VENV)/bin/ruff format
+
+format-check: setup
+	$(VENV)/bin/ruff format --check
 
 unit: setup
 	$(PY) -m pytest tests -q

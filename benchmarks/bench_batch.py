@@ -85,11 +85,15 @@ def main(argv=None) -> dict:
         "repeats": args.repeats,
         "batches": [],
     }
-    contiguous = [t for _ in range(args.repeats) for t in contiguous_decode_step_times(model, tok, args.prompt_len, args.steps)]
+    contiguous = [
+        t for _ in range(args.repeats) for t in contiguous_decode_step_times(model, tok, args.prompt_len, args.steps)
+    ]
     result["contiguous_batch1_step_ms"] = 1e3 * statistics.median(contiguous)
     print(f"{'batch':>5} {'step ms':>9} {'tokens/s':>9} {'x batch 1':>9}")
     for b in args.batch_sizes:
-        times = [t for _ in range(args.repeats) for t in paged_decode_step_times(model, tok, b, args.prompt_len, args.steps)]
+        times = [
+            t for _ in range(args.repeats) for t in paged_decode_step_times(model, tok, b, args.prompt_len, args.steps)
+        ]
         step = statistics.median(times)
         row = {"batch": b, "step_ms": 1e3 * step, "tokens_per_s": b / step}
         result["batches"].append(row)
@@ -98,8 +102,10 @@ def main(argv=None) -> dict:
     by_batch = {r["batch"]: r for r in result["batches"]}
     if 1 in by_batch:
         result["paged_over_contiguous_batch1"] = by_batch[1]["step_ms"] / result["contiguous_batch1_step_ms"]
-        print(f"contiguous KVCache at batch 1: {result['contiguous_batch1_step_ms']:.1f} ms per step; "
-              f"paged-torch / contiguous = {result['paged_over_contiguous_batch1']:.2f} (target <= 1.2)")
+        print(
+            f"contiguous KVCache at batch 1: {result['contiguous_batch1_step_ms']:.1f} ms per step; "
+            f"paged-torch / contiguous = {result['paged_over_contiguous_batch1']:.2f} (target <= 1.2)"
+        )
     if 1 in by_batch and 16 in by_batch:
         result["throughput_16_over_1"] = by_batch[16]["tokens_per_s"] / by_batch[1]["tokens_per_s"]
         print(f"throughput at batch 16 / batch 1 = {result['throughput_16_over_1']:.2f} (target >= 4)")

@@ -91,8 +91,11 @@ def quantization(model, ids, ref, chat, chat_ref, new_tokens, names=None) -> lis
             make = lambda kw=kwargs: QuantizedKVCache.for_model(model.config, **kw)  # noqa: E731
             row["greedy"] = _greedy(Q.greedy_agreement(model, chat, make, new_tokens, reference=chat_ref))
         rows.append(row)
-        print(f"{name:28s} {row['bytes_per_token']:8.0f} B/token  ppl {row['ppl']:8.3f}  top-1 {row['top1']:.3f}  "
-              f"KL {row['kl']:.4f}", flush=True)  # fmt: skip
+        print(
+            f"{name:28s} {row['bytes_per_token']:8.0f} B/token  ppl {row['ppl']:8.3f}  top-1 {row['top1']:.3f}  "
+            f"KL {row['kl']:.4f}",
+            flush=True,
+        )
     return rows
 
 
@@ -128,13 +131,20 @@ def dropping(model, tok, ids, chat, chat_ref, new_tokens) -> dict:
         for method in DROP_METHODS:
             budget = int(n_context * frac)
             logits = compressed_continuation_logits(model, context, continuation, budget, method, prefilled)
-            greedy = Q.GreedyAgreement([list(r) for r in chat_ref], [
-                generate_compressed(model, p, max(1, int(len(p) * frac)), method, new_tokens, c)
-                for p, c in zip(chat, chat_prefilled)])
+            greedy = Q.GreedyAgreement(
+                [list(r) for r in chat_ref],
+                [
+                    generate_compressed(model, p, max(1, int(len(p) * frac)), method, new_tokens, c)
+                    for p, c in zip(chat, chat_prefilled)
+                ],
+            )
             rows.append({"method": method, "budget_frac": frac, "budget": budget, "greedy": _greedy(greedy),
                          **_quality(Q.compare(logits[:-1], ref[:-1], continuation[1:]))})  # fmt: skip
-            print(f"{method:10s} {frac:.0%}  ppl {rows[-1]['ppl']:8.3f}  top-1 {rows[-1]['top1']:.3f}  "
-                  f"greedy {rows[-1]['greedy']['agreement']:.2f}", flush=True)  # fmt: skip
+            print(
+                f"{method:10s} {frac:.0%}  ppl {rows[-1]['ppl']:8.3f}  top-1 {rows[-1]['top1']:.3f}  "
+                f"greedy {rows[-1]['greedy']['agreement']:.2f}",
+                flush=True,
+            )
     hay = Q.heldout_ids(tok, NEEDLE_HAYSTACK[1], offset=NEEDLE_HAYSTACK[0])
     found = {"full": 0, **{f"{m} {f:.0%}": 0 for f in DROP_FRACTIONS for m in DROP_METHODS}}
     for secret in NEEDLE_SECRETS:
@@ -142,7 +152,9 @@ def dropping(model, tok, ids, chat, chat_ref, new_tokens) -> dict:
         for depth in NEEDLE_DEPTHS:
             prompt = Q.needle_prompt(tok, hay, depth, secret)
             prefilled = prefill_prompt(model, prompt)
-            found["full"] += generate_compressed(model, prompt, None, max_new_tokens=len(want), prefilled=prefilled) == want
+            found["full"] += (
+                generate_compressed(model, prompt, None, max_new_tokens=len(want), prefilled=prefilled) == want
+            )
             for frac in DROP_FRACTIONS:
                 for method in DROP_METHODS:
                     out = generate_compressed(model, prompt, int(len(prompt) * frac), method, len(want), prefilled)
@@ -157,8 +169,9 @@ def dropping(model, tok, ids, chat, chat_ref, new_tokens) -> dict:
 def pooled_heads(model, ids, ref, chat, chat_ref, new_tokens) -> dict:
     with pooled_kv_heads(model, 1):
         logits = Q.stream_logits(model, ids)
-        greedy = Q.greedy_agreement(model, chat, lambda: kvcourse.KVCache.for_model(model.config), new_tokens,
-                                    reference=chat_ref)  # fmt: skip
+        greedy = Q.greedy_agreement(
+            model, chat, lambda: kvcourse.KVCache.for_model(model.config), new_tokens, reference=chat_ref
+        )
     row = {"name": "MQA (3 KV heads mean-pooled into 1)", "num_kv_heads": 1, **_quality(Q.compare(logits[:-1], ref[:-1], ids[1:])),
            "greedy": _greedy(greedy)}  # fmt: skip
     print(f"MQA pooled: ppl {row['ppl']:.3f}  top-1 {row['top1']:.3f}", flush=True)
@@ -171,9 +184,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens per chat prompt (default 32)")
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--note", default="", help="what to record about the machine (shared? loaded?)")
-    parser.add_argument("--parts", default=",".join(PARTS),
-                        help=f"comma-separated parts to run (default all: {','.join(PARTS)}), to split the sweep "
-                             "over processes")  # fmt: skip
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"comma-separated parts to run (default all: {','.join(PARTS)}), to split the sweep over processes",
+    )
     parser.add_argument("--quant", help="semicolon-separated names from QUANT_CONFIGS to run (default all)")
     args = parser.parse_args()
     parts = args.parts.split(",")
@@ -182,7 +197,9 @@ def main() -> None:
         parser.error(f"--parts: unknown {unknown}, choose from {list(PARTS)}")
     names = args.quant.split(";") if args.quant else None
     if names and [n for n in names if n not in QUANT_CONFIGS]:
-        parser.error(f"--quant: unknown {[n for n in names if n not in QUANT_CONFIGS]}, choose from {list(QUANT_CONFIGS)}")
+        parser.error(
+            f"--quant: unknown {[n for n in names if n not in QUANT_CONFIGS]}, choose from {list(QUANT_CONFIGS)}"
+        )
     kvcourse.utils.seed_everything(0)
     model, tok = kvcourse.load_pretrained()
     ids = Q.heldout_ids(tok, args.tokens)
@@ -195,12 +212,21 @@ def main() -> None:
         "benchmark": "bench_compression",
         "machine": {**machine_info(), **({"note": args.note} if args.note else {})},
         "model": "SmolLM2-135M-Instruct (fp32 on CPU)",
-        "text": {"source": "pydoc_data.topics (kvcourse.quality.HELDOUT_TOPICS)", "tokens": len(ids),
-                 "digest": Q.ids_digest(ids)},  # fmt: skip
-        "full": {"ppl": Q.perplexity(ref[:-1], ids[1:]), "bytes_per_token_fp32": 4 * values_per_token,
-                 "bytes_per_token_fp16": 2 * values_per_token},  # fmt: skip
-        "chat": {"prompts": list(Q.CHAT_PROMPTS), "new_tokens": args.new_tokens,
-                 "reference": [tok.decode(r) for r in chat_ref]},  # fmt: skip
+        "text": {
+            "source": "pydoc_data.topics (kvcourse.quality.HELDOUT_TOPICS)",
+            "tokens": len(ids),
+            "digest": Q.ids_digest(ids),
+        },
+        "full": {
+            "ppl": Q.perplexity(ref[:-1], ids[1:]),
+            "bytes_per_token_fp32": 4 * values_per_token,
+            "bytes_per_token_fp16": 2 * values_per_token,
+        },
+        "chat": {
+            "prompts": list(Q.CHAT_PROMPTS),
+            "new_tokens": args.new_tokens,
+            "reference": [tok.decode(r) for r in chat_ref],
+        },
     }
     if "quantization" in parts:
         result["quantization"] = quantization(model, ids, ref, chat, chat_ref, args.new_tokens, names)

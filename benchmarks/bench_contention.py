@@ -92,9 +92,12 @@ def main() -> None:
         r = json.loads(out.stdout.strip().splitlines()[-1])
         r.update(threads=threads, omp_wait_policy=policy or "default")
         res["settings"].append(r)
-        print(f"threads={threads} OMP_WAIT_POLICY={policy or 'default':8s} quiet {r['quiet_tok_s']:6.1f} tok/s  "
-              f"loaded {r['loaded_tok_s']:6.1f} tok/s  slowdown {r['slowdown']:.2f}x  "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+        print(
+            f"threads={threads} OMP_WAIT_POLICY={policy or 'default':8s} quiet {r['quiet_tok_s']:6.1f} tok/s  "
+            f"loaded {r['loaded_tok_s']:6.1f} tok/s  slowdown {r['slowdown']:.2f}x  "
+            f"({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
     finish(res, args.json, "contention")
 
 

@@ -144,8 +144,10 @@ def run_hf_cb(hf, prompts, lens, pids=()) -> dict:
         manager.destroy()
     out = timed([results[i].generated_tokens if i in results else [] for i in ids], load)
     out["errors"] = sum(i not in results or results[i].error is not None for i in ids)
-    out["config"] = {k: getattr(resolved, k) for k in ("page_size", "num_blocks", "max_batch_tokens",
-                                                       "max_requests_per_batch", "scheduler_type")}  # fmt: skip
+    out["config"] = {
+        k: getattr(resolved, k)
+        for k in ("page_size", "num_blocks", "max_batch_tokens", "max_requests_per_batch", "scheduler_type")
+    }
     return out
 
 
@@ -154,8 +156,9 @@ def run_hf_padded(hf, prompts, new: int) -> dict:
     import transformers
 
     input_ids, mask = left_padded(prompts)
-    config = transformers.GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                           pad_token_id=0, eos_token_id=None)  # fmt: skip
+    config = transformers.GenerationConfig(
+        max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
     with OtherCPU() as load, torch.inference_mode():
         seqs = hf.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
     return timed(seqs[:, input_ids.shape[1] :].tolist(), load)
@@ -250,8 +253,10 @@ def ratio(a: dict, b: dict, key: str = "tok_s") -> float:
 
 
 def strip_outputs(section: dict) -> dict:
-    return {k: ({kk: vv for kk, vv in v.items() if kk != "outputs"} if isinstance(v, dict) else v)
-            for k, v in section.items()}  # fmt: skip
+    return {
+        k: ({kk: vv for kk, vv in v.items() if kk != "outputs"} if isinstance(v, dict) else v)
+        for k, v in section.items()
+    }
 
 
 # ---- the six measurements ------------------------------------------------------------------------------
@@ -268,8 +273,10 @@ def varied_trace(model, hf, prompts, lens, args, pids=()) -> dict:
 
 def short_batch(model, hf, prompts, new, args) -> dict:
     lens = [new] * len(prompts)
-    sec = {"engine": repeat(lambda: run_engine(model, prompts, lens), args.repeats, args.noise_threshold),
-           "one_at_a_time": repeat(lambda: run_one_at_a_time(model, prompts, new), args.repeats, args.noise_threshold)}  # fmt: skip
+    sec = {
+        "engine": repeat(lambda: run_engine(model, prompts, lens), args.repeats, args.noise_threshold),
+        "one_at_a_time": repeat(lambda: run_one_at_a_time(model, prompts, new), args.repeats, args.noise_threshold),
+    }
     sec["engine_over_one_at_a_time"] = ratio(sec["engine"], sec["one_at_a_time"])
     if hf is not None:
         sec["hf_padded"] = repeat(lambda: run_hf_padded(hf, prompts, new), args.repeats, args.noise_threshold)
@@ -281,8 +288,10 @@ def short_batch(model, hf, prompts, new, args) -> dict:
 def batch_one(model, prompt, new, args) -> dict:
     # Time per output token: the whole request's time (prefill included) over its new tokens.
     per_token = lambda r: {**r, "s_per_token": r["seconds"] / new}  # noqa: E731
-    runs = {"engine": lambda: per_token(run_engine(model, [prompt], [new], max_num_seqs=1)),
-            "generate": lambda: per_token(run_generate(model, prompt, new))}  # fmt: skip
+    runs = {
+        "engine": lambda: per_token(run_engine(model, [prompt], [new], max_num_seqs=1)),
+        "generate": lambda: per_token(run_generate(model, prompt, new)),
+    }
     sec = {name: repeat(run, args.repeats, args.noise_threshold, "s_per_token") for name, run in runs.items()}
     sec["engine_over_generate"] = ratio(sec["engine"], sec["generate"], "s_per_token")
     sec["same_tokens"] = sec["engine"]["outputs"] == sec["generate"]["outputs"]
@@ -352,9 +361,14 @@ def table(res: dict) -> list[tuple[str, str, str]]:
     for backend, target in (("paged-torch", "<= 15%"), ("paged-reference", "(comparison)")):
         x = a[backend]
         if "profile" in a[backend]:
-            rows.append((f"framework calls of a batch-{res['sizes']['attn_seqs']} decode step, {backend}",
-                         f"{a[backend]['profile']['aten_calls']:,.0f} ({a[backend]['profile']['aten_calls_top']:,.0f} "
-                         f"called from Python)", "<= 2,000" if backend == "paged-torch" else "(comparison)"))
+            rows.append(
+                (
+                    f"framework calls of a batch-{res['sizes']['attn_seqs']} decode step, {backend}",
+                    f"{a[backend]['profile']['aten_calls']:,.0f} ({a[backend]['profile']['aten_calls_top']:,.0f} "
+                    f"called from Python)",
+                    "<= 2,000" if backend == "paged-torch" else "(comparison)",
+                )
+            )
         rows.append((f"attention share of a batch-{res['sizes']['attn_seqs']} decode step, {backend}",
                      f"{num(x['share'], 100, '.1f', '%')} ({x['attention_ms']['median']:.1f} of "
                      f"{x['step_ms']['median']:.1f} ms)", target))  # fmt: skip
@@ -428,18 +442,30 @@ def main() -> None:
 
         sys.exit(bench_engine_gpu.main(sys.argv[1:]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cpu"], default="cpu",
-                        help="cpu (this benchmark); cuda runs the GPU one, benchmarks/bench_engine_gpu.py")
-    parser.add_argument("--requests", type=int, default=None,
-                        help="requests in the varied trace (default 64; 6 with --quick)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="repeats of every measurement (default 3; 1 with --quick)")
+    parser.add_argument(
+        "--device",
+        choices=["cpu"],
+        default="cpu",
+        help="cpu (this benchmark); cuda runs the GPU one, benchmarks/bench_engine_gpu.py",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=None, help="requests in the varied trace (default 64; 6 with --quick)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="repeats of every measurement (default 3; 1 with --quick)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--noise-threshold", type=float, default=0.15,
-                        help="a repeat is noisy when other processes kept more than this many cores busy on average")
+    parser.add_argument(
+        "--noise-threshold",
+        type=float,
+        default=0.15,
+        help="a repeat is noisy when other processes kept more than this many cores busy on average",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test; skips the neighbour")
-    parser.add_argument("--skip-hf", action="store_true", help="leave out Hugging Face (continuous batching and generate)")
+    parser.add_argument(
+        "--skip-hf", action="store_true", help="leave out Hugging Face (continuous batching and generate)"
+    )
     parser.add_argument("--skip-neighbour", action="store_true", help="leave out (6), the run beside a busy neighbour")
     parser.add_argument("--note", default="", help="recorded with the results, e.g. whether the machine was shared")
     parser.add_argument("--json", help="where to write the results (default benchmarks/results/cpu-engine-DATE.json)")
@@ -479,7 +505,9 @@ def main() -> None:
     ]  # fmt: skip
     if not (args.quick or args.skip_neighbour):
         n = size.neighbour_requests
-        steps.append(("neighbour", "(6) under a neighbour", lambda: under_neighbour(model, hf, prompts[:n], lens[:n], args)))
+        steps.append(
+            ("neighbour", "(6) under a neighbour", lambda: under_neighbour(model, hf, prompts[:n], lens[:n], args))
+        )
     results = {}
     for key, title, run in steps:
         start = time.perf_counter()

@@ -140,13 +140,32 @@ PRESETS = {
     # make gpu-check's: the H100 runs of 2026-11-26 took 10-20 s for (c), 1-8 s for (b) with graphs, about
     # 8 s a pass of Hugging Face over 32 of (a)'s requests (two passes) and 26 s for (d): about 90 s with loading.
     # The lease tries the three configurations that warm up in seconds (torch.compile's take minutes).
-    "lease": dataclasses.replace(_FULL, requests=32, comparisons=False, run_timeout_s=60.0,
-                                 hf_configs=("sdpa", "eager", "sdpa+async")),
-    "smoke": Preset(requests=3, min_len=4, max_len=10, trace_requests=3, trace_prompt=(16, 32), trace_output=(4, 6),
-                    batches=(1, 4), context=(8, 24), timed_steps=2, profiled_steps=1, generate_tokens=4,
-                    agree_requests=2, agree_prompt=(8, 16), agree_new=4, hf_batch=2, pilot=1, comparisons=True,
-                    run_timeout_s=None, hf_configs=("sdpa", "eager", "sdpa+async"), protocol=(4, 4, 10),
-                    profile_repeats=2),  # fmt: skip
+    "lease": dataclasses.replace(
+        _FULL, requests=32, comparisons=False, run_timeout_s=60.0, hf_configs=("sdpa", "eager", "sdpa+async")
+    ),
+    "smoke": Preset(
+        requests=3,
+        min_len=4,
+        max_len=10,
+        trace_requests=3,
+        trace_prompt=(16, 32),
+        trace_output=(4, 6),
+        batches=(1, 4),
+        context=(8, 24),
+        timed_steps=2,
+        profiled_steps=1,
+        generate_tokens=4,
+        agree_requests=2,
+        agree_prompt=(8, 16),
+        agree_new=4,
+        hf_batch=2,
+        pilot=1,
+        comparisons=True,
+        run_timeout_s=None,
+        hf_configs=("sdpa", "eager", "sdpa+async"),
+        protocol=(4, 4, 10),
+        profile_repeats=2,
+    ),
 }
 
 
@@ -183,8 +202,9 @@ def nano_vllm_workload(n: int, lo: int, hi: int, seed: int) -> tuple[list[list[i
     return prompts, [rng.randint(lo, hi) for _ in range(n)]
 
 
-def uniform_trace(n: int, prompt: tuple[int, int], output: tuple[int, int],
-                  seed: int) -> tuple[list[list[int]], list[int]]:
+def uniform_trace(
+    n: int, prompt: tuple[int, int], output: tuple[int, int], seed: int
+) -> tuple[list[list[int]], list[int]]:
     """``n`` requests, prompt and output lengths uniform in the given ranges (both ends included), random ids."""
     rng = np.random.default_rng(seed)
     prompt_lens = rng.integers(prompt[0], prompt[1] + 1, n)
@@ -225,6 +245,7 @@ def log(message: str) -> None:
 
 # ---- the engine's runs -----------------------------------------------------------------------------------
 
+
 def make_engine(model, shape: Shape, num_blocks: int, backend: str, graphs: bool) -> tuple[Engine, str]:
     """The engine, and how its steps run: ``"captured"`` CUDA graphs (recorded when the engine starts), their
     ``"eager twin"`` (no CUDA: the same static-buffer forward run eagerly, ``cuda_graphs="eager"``) or ``"off"``."""
@@ -236,8 +257,9 @@ def make_engine(model, shape: Shape, num_blocks: int, backend: str, graphs: bool
     return eng, {"off": "off", "capture": "captured", "eager": "eager twin"}[mode]
 
 
-def run_engine(model, prompts, lens, shape: Shape, backend: str, graphs: bool, pilot: int,
-               deadline: float | None) -> dict:
+def run_engine(
+    model, prompts, lens, shape: Shape, backend: str, graphs: bool, pilot: int, deadline: float | None
+) -> dict:
     """Our engine: set up and piloted untimed, then the whole workload from the first ``add_request`` to
     the last token (each step reads its tokens back to the host, so the end is synchronised)."""
     t0 = time.perf_counter()
@@ -261,9 +283,13 @@ def run_engine(model, prompts, lens, shape: Shape, backend: str, graphs: bool, p
     sync(model.device)
     seconds = time.perf_counter() - start
     out = timed_result([eng.output(i) for i in ids], lens, seconds, setup_s, timed_out)
-    out.update(backend=backend, graphs=mode, steps=len(eng.events) - steps,
-               graph_steps=eng.runner.graph_steps - replays,  # steps served from a graph, of either kind
-               mixed_graph_steps=(eng.runner.graphs.replays["mixed"] - mixed) if eng.runner.graphs else 0)
+    out.update(
+        backend=backend,
+        graphs=mode,
+        steps=len(eng.events) - steps,
+        graph_steps=eng.runner.graph_steps - replays,  # steps served from a graph, of either kind
+        mixed_graph_steps=(eng.runner.graphs.replays["mixed"] - mixed) if eng.runner.graphs else 0,
+    )
     return out
 
 
@@ -315,8 +341,10 @@ class Throughput:
         """Run one server on the workload (see :func:`attempt`)."""
         result = self.runs[name] = attempt(name, run, deadline)
         if result.get("tok_s"):
-            log(f"  {name}: {result['tok_s']:.0f} tok/s over {result['seconds']:.1f} s (setup {result['setup_s']} s)"
-                + (" TIMED OUT" if result.get("timed_out") else ""))  # fmt: skip
+            log(
+                f"  {name}: {result['tok_s']:.0f} tok/s over {result['seconds']:.1f} s (setup {result['setup_s']} s)"
+                + (" TIMED OUT" if result.get("timed_out") else "")
+            )
         else:
             log(f"  {name}: {result.get('error')}")
         return result
@@ -339,8 +367,10 @@ ENGINE_RUNS = {  # name -> (backend, graphs)
     "engine_triton_eager": ("triton", False),
     "engine_paged_torch": ("paged-torch", False),
 }
-COMPARED = {"graphs_on_over_off": ("engine_triton_graphs", "engine_triton_eager"),
-            "triton_over_paged_torch": ("engine_triton_graphs", "engine_paged_torch")}  # fmt: skip
+COMPARED = {
+    "graphs_on_over_off": ("engine_triton_graphs", "engine_triton_eager"),
+    "triton_over_paged_torch": ("engine_triton_graphs", "engine_paged_torch"),
+}
 
 
 # ---- (c): one decode step --------------------------------------------------------------------------------
@@ -369,8 +399,11 @@ def profile_runner(model, sizes: Preset, graphs: bool, seed: int) -> dict:
         if i < most:
             chunk.append(i)
     sync(device)  # with graphs, every one was recorded when the runner was made
-    out = {"setup_s": round(time.perf_counter() - t0, 2), "context_tokens": [int(contexts.min()), int(contexts.max())],
-           "batches": {}}  # fmt: skip
+    out = {
+        "setup_s": round(time.perf_counter() - t0, 2),
+        "context_tokens": [int(contexts.min()), int(contexts.max())],
+        "batches": {},
+    }
     for b in sizes.batches:
 
         def step(b: int = b) -> None:
@@ -433,8 +466,9 @@ def step_profile_section(run: Run) -> dict:
         if graphs and run.device.type != "cuda":
             sec[key] = {"skipped": "CUDA graphs need a CUDA device"}
             continue
-        sec[key] = attempt(f"(c) step profile, {key}", lambda dl, g=graphs: profile_runner(run.model, p, g, run.seed),
-                           None)  # fmt: skip
+        sec[key] = attempt(
+            f"(c) step profile, {key}", lambda dl, g=graphs: profile_runner(run.model, p, g, run.seed), None
+        )
     sec["generate_batch_1"] = attempt("(c) generate", lambda dl: run_generate(run.model, p, run.seed), None)
     on, off = sec["graphs_on"].get("batches", {}), sec["graphs_off"].get("batches", {})
     sec["graphs_speedup"] = {b: off[b]["step_ms_median"] / on[b]["step_ms_median"] for b in on if b in off}
@@ -464,8 +498,11 @@ def nano_section(run: Run) -> dict:
     full_prompts, full_lens = nano_vllm_workload(n, lo, hi, run.seed)
     full_shape = nano_shape(n)
     log(f"  the whole protocol: {n} requests of {lo}-{hi} tokens each way")
-    whole = attempt("(a) the whole protocol", lambda dl: run_engine(run.model, full_prompts, full_lens, full_shape,
-                                                                    "triton", True, p.pilot, dl), run.deadline())  # fmt: skip
+    whole = attempt(
+        "(a) the whole protocol",
+        lambda dl: run_engine(run.model, full_prompts, full_lens, full_shape, "triton", True, p.pilot, dl),
+        run.deadline(),
+    )
     prompts, lens = nano_vllm_workload(p.requests, p.min_len, p.max_len, run.seed)
     t = Throughput(prompts, lens, nano_shape(len(prompts)), {
         "protocol": "nano-vllm bench.py: random.seed, prompt lengths randint(min_len, max_len) of "
@@ -475,8 +512,11 @@ def nano_section(run: Run) -> dict:
     t.add_engine("engine_triton_graphs", run)
     tried, skipped = runnable_configs(p.hf_configs, run.device.type == "cuda")
     for name in tried:  # "hf_cb": the first runs' configuration, under its old name
-        t.add(hf_run_name(name), lambda dl, name=name: run_hf_cb(run.hf, prompts, lens, t.shape, p.pilot, dl, name),
-              run.deadline())  # fmt: skip
+        t.add(
+            hf_run_name(name),
+            lambda dl, name=name: run_hf_cb(run.hf, prompts, lens, t.shape, p.pilot, dl, name),
+            run.deadline(),
+        )
     if p.comparisons:
         t.add_engine("engine_triton_eager", run)
         t.add_engine("engine_paged_torch", run)
@@ -495,7 +535,7 @@ def nano_section(run: Run) -> dict:
         "triton_vs_paged_torch": agreement(r.get("engine_triton_graphs", {}), r.get("engine_paged_torch", {})),
         "graphs_on_vs_off": agreement(r.get("engine_triton_graphs", {}), r.get("engine_triton_eager", {})),
         "engine_vs_hf_cb": agreement(r.get("engine_triton_graphs", {}), r.get("hf_cb", {})),
-    }  # fmt: skip
+    }
     return sec
 
 
@@ -596,8 +636,11 @@ def targets(res: dict, full_model: bool, cuda: bool) -> dict:
     nano, trace, prof = res.get("nano_vllm", {}), res.get("issue_trace", {}), res.get("step_profile", {})
     graphs = (trace.get("runs") or {}).get("engine_triton_graphs", {})
     tok_s = graphs.get("tok_s") if not graphs.get("timed_out") else None
-    full_trace = (trace.get("requests") == 96 and trace.get("trace_prompt") == [16, 1024]
-                  and trace.get("trace_output") == [16, 256])  # fmt: skip
+    full_trace = (
+        trace.get("requests") == 96
+        and trace.get("trace_prompt") == [16, 1024]
+        and trace.get("trace_output") == [16, 256]
+    )
     step64 = ((prof.get("graphs_on") or {}).get("batches") or {}).get("64", {})
     idle64 = (step64.get("profile") or {}).get("gpu_idle_fraction")
     whole = nano.get("whole_protocol") or {}
@@ -675,8 +718,10 @@ def print_report(res: dict) -> None:
         rows.append((f"(e) {name}", f"{fmt(t['value'], '.3g')} vs {t['target']:g}: {met}"
                      + ("" if t["issue_conditions"] else " (not the issue's conditions)")))  # fmt: skip
     width = max(len(r[0]) for r in rows)
-    print(f"{res['provenance'].get('gpu', 'CPU')}, {res['dtype']}, {res['model']['layers']} layers"
-          f"{' (smoke run: numbers mean nothing)' if res['smoke'] else ''}")  # fmt: skip
+    print(
+        f"{res['provenance'].get('gpu', 'CPU')}, {res['dtype']}, {res['model']['layers']} layers"
+        f"{' (smoke run: numbers mean nothing)' if res['smoke'] else ''}"
+    )
     for name, value in rows:
         print(f"  {name:{width}s}  {value}")
 
@@ -703,24 +748,32 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bench_engine_gpu.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS),
-                        help="full (default on a GPU), lease (make gpu-check's, about 90 s), smoke (tiny; on a CPU)")
+    parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="full (default on a GPU), lease (make gpu-check's, about 90 s), smoke (tiny; on a CPU)",
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu for the smoke preset")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 on a GPU, fp32 on a CPU")
-    parser.add_argument("--layers", type=int,
-                        help="keep only the first N decoder layers (default: all; 2 for a CPU smoke run)")
+    parser.add_argument(
+        "--layers", type=int, help="keep only the first N decoder layers (default: all; 2 for a CPU smoke run)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where the JSON goes")
     parser.add_argument("--note", default="", help="recorded with the results")
     args = parser.parse_args(argv)
     args.device = torch.device(args.device)
     if args.device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA GPU here (torch.cuda.is_available() is False); "
-                     "--device cpu --preset smoke is the smoke run")  # fmt: skip
+        parser.error(
+            "--device cuda: no CUDA GPU here (torch.cuda.is_available() is False); "
+            "--device cpu --preset smoke is the smoke run"
+        )
     args.preset = args.preset or ("full" if args.device.type == "cuda" else "smoke")
     if args.device.type == "cpu" and args.preset != "smoke":
-        parser.error(f"--preset {args.preset}: on a CPU only the smoke preset is meant to run "
-                     "(the CPU benchmark is bench_engine.py)")  # fmt: skip
+        parser.error(
+            f"--preset {args.preset}: on a CPU only the smoke preset is meant to run "
+            "(the CPU benchmark is bench_engine.py)"
+        )
     if args.layers is None and args.preset == "smoke" and args.device.type == "cpu":
         args.layers = 2  # Triton's interpreter runs every kernel program in Python: 30 layers take minutes
     if args.layers is not None and args.layers < 1:
@@ -739,8 +792,10 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     prov = provenance(device) | {"cpu_cores": os.cpu_count(), "transformers": transformers.__version__}
-    log(f"{prov.get('gpu', 'CPU')}, torch {prov['torch']}, triton {prov['triton']}, "
-        f"transformers {prov['transformers']}; preset {args.preset}")  # fmt: skip
+    log(
+        f"{prov.get('gpu', 'CPU')}, torch {prov['torch']}, triton {prov['triton']}, "
+        f"transformers {prov['transformers']}; preset {args.preset}"
+    )
     res: dict = {
         "benchmark": "bench_engine_gpu", "provenance": prov, "device": device.type,
         "dtype": str(dtype).removeprefix("torch."), "preset": args.preset,

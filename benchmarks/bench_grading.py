@@ -50,8 +50,18 @@ def main() -> None:
         for path in chapters:
             shutil.copy(path, student / path.name)
         out = Path(tmp) / "grades.csv"
-        command = [sys.executable, "-m", "kvcourse.instructor", "grade", str(student.parent), "--out", str(out),
-                   "--book", str(args.book), "--quiet"] + ([] if args.jobs is None else ["--jobs", str(args.jobs)])
+        command = [
+            sys.executable,
+            "-m",
+            "kvcourse.instructor",
+            "grade",
+            str(student.parent),
+            "--out",
+            str(out),
+            "--book",
+            str(args.book),
+            "--quiet",
+        ] + ([] if args.jobs is None else ["--jobs", str(args.jobs)])
         print("$", " ".join(command), file=sys.stderr)
         with OtherCPU() as load:
             start = time.perf_counter()
@@ -84,7 +94,9 @@ def main() -> None:
         "all_reference_exercises_pass": res["passed"] == res["exercises"] == len(EXERCISES),
     }
     for name, nb in res["notebooks"].items():
-        print(f"  {name:34s} run {nb['run_s']:7.1f} s   checks {nb['checks_s']:6.1f} s   {nb['passed']}/{nb['exercises']}")
+        print(
+            f"  {name:34s} run {nb['run_s']:7.1f} s   checks {nb['checks_s']:6.1f} s   {nb['passed']}/{nb['exercises']}"
+        )
     print(f"  whole book: {wall:.0f} s ({wall / 60:.1f} min); other processes kept {load.cores:.2f} cores busy")
     finish(res, args.json, "grading")
 

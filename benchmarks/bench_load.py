@@ -75,8 +75,11 @@ def main() -> None:
                                               "steps": len(engine.events), "quiet": quiet})  # fmt: skip
             if quiet:
                 events += engine.events
-            print(f"rate {rate:5.1f}/s repeat {r}: {len(engine.events)} steps, TTFT p50 {summary['ttft_p50']:.3f} s, "
-                  f"other processes {noise.cores:.2f} cores", file=sys.stderr)  # fmt: skip
+            print(
+                f"rate {rate:5.1f}/s repeat {r}: {len(engine.events)} steps, TTFT p50 {summary['ttft_p50']:.3f} s, "
+                f"other processes {noise.cores:.2f} cores",
+                file=sys.stderr,
+            )
     if not events:
         sys.exit("every repeat was noisy: nothing to fit; run again on a quieter machine")
     cost, r2 = fit_step_cost(events)
@@ -93,15 +96,27 @@ def main() -> None:
 
     res = {
         **machine_info(),
-        "workload": {"requests": args.requests, "prompt_tokens": "8-63", "max_new_tokens": 12, "seed": args.seed,
-                     "engine": {"num_blocks": 64, "block_size": 16, "max_num_seqs": 16,
-                                "max_num_batched_tokens": 256}},  # fmt: skip
-        "step_cost": {"fixed_s": cost.fixed_s, "per_token_s": cost.per_token_s, "per_seq_s": cost.per_seq_s,
-                      "r2": r2, "steps": len(events)},  # fmt: skip
+        "workload": {
+            "requests": args.requests,
+            "prompt_tokens": "8-63",
+            "max_new_tokens": 12,
+            "seed": args.seed,
+            "engine": {"num_blocks": 64, "block_size": 16, "max_num_seqs": 16, "max_num_batched_tokens": 256},
+        },
+        "step_cost": {
+            "fixed_s": cost.fixed_s,
+            "per_token_s": cost.per_token_s,
+            "per_seq_s": cost.per_seq_s,
+            "r2": r2,
+            "steps": len(events),
+        },
         "real_time": {str(k): v for k, v in real.items()},
         "check": check,
-        "targets": {f"modelled/real {k} at {rate}/s": round(c["modelled_over_real"][k], 2)
-                    for rate, c in check.items() for k in ("ttft_p50", "tpot_p50")},  # fmt: skip
+        "targets": {
+            f"modelled/real {k} at {rate}/s": round(c["modelled_over_real"][k], 2)
+            for rate, c in check.items()
+            for k in ("ttft_p50", "tpot_p50")
+        },
     }
     finish(res, args.json, "load")
 

@@ -97,9 +97,12 @@ def main() -> None:
     res["micro"] = {"tokens": args.tokens, "rows": rows}
     print(f"swap vs recompute, {args.tokens} tokens ({rows[0]['bytes'] / 2**20:.1f} MiB of K/V):")
     for r in rows:
-        print(f"  block {r['block_size']:3d}: recompute {r['recompute_s'] * 1e3:7.1f} ms, swap out+in batched "
-              f"{(r['swap_out_s'] + r['swap_in_s']) * 1e3:6.2f} ms, one copy per block "
-              f"{(r['swap_out_per_block_s'] + r['swap_in_per_block_s']) * 1e3:7.2f} ms", flush=True)  # fmt: skip
+        print(
+            f"  block {r['block_size']:3d}: recompute {r['recompute_s'] * 1e3:7.1f} ms, swap out+in batched "
+            f"{(r['swap_out_s'] + r['swap_in_s']) * 1e3:6.2f} ms, one copy per block "
+            f"{(r['swap_out_per_block_s'] + r['swap_in_per_block_s']) * 1e3:7.2f} ms",
+            flush=True,
+        )
 
     # Short chat prompts, long answers: admission sees small prompts and takes everyone in, then the
     # pool, with room for about half the requests at full length, runs out as the answers grow.
@@ -129,11 +132,13 @@ def main() -> None:
     res["targets"] = {
         "outputs_equal": res["engine"]["outputs_equal"] and res["cold_tier"]["outputs_equal"],
         "swap_vs_recompute_at_block_16": round((mid["swap_out_s"] + mid["swap_in_s"]) / mid["recompute_s"], 4),
-        "engine_swap_speedup": round(engine_res["swap"]["output_tokens_per_s"]
-                                     / engine_res["recompute"]["output_tokens_per_s"], 3),  # fmt: skip
+        "engine_swap_speedup": round(
+            engine_res["swap"]["output_tokens_per_s"] / engine_res["recompute"]["output_tokens_per_s"], 3
+        ),
         "cold_tier_ttft_speedup": round(cold["recompute"]["ttft_s"] / cold["host"]["ttft_s"], 2),
     }
     finish(res, args.json, "offload")
+
 
 if __name__ == "__main__":
     main()

@@ -76,12 +76,15 @@ def stat(eng: Engine, rids) -> dict:
     ttft = [x.ttft for x in m]
     s = eng.stats
     return {
-        "ttft_mean_s": round(float(np.mean(ttft)), 4), "ttft_p50_s": round(float(np.percentile(ttft, 50)), 4),
+        "ttft_mean_s": round(float(np.mean(ttft)), 4),
+        "ttft_p50_s": round(float(np.percentile(ttft, 50)), 4),
         "ttft_p99_s": round(float(np.percentile(ttft, 99)), 4),
         "prefix_cache_hit_tokens": s["prefix_cache_hit_tokens"],
         "prefix_cache_queried_tokens": s["prefix_cache_queried_tokens"],
-        "prefix_cache_hit_rate": None if s["prefix_cache_queried_tokens"] == 0 else round(s["prefix_cache_hit_rate"], 4),
-    }  # fmt: skip
+        "prefix_cache_hit_rate": None
+        if s["prefix_cache_queried_tokens"] == 0
+        else round(s["prefix_cache_hit_rate"], 4),
+    }
 
 
 def run_sequential(model, prompts, params, caching) -> tuple[dict, list]:
@@ -168,14 +171,19 @@ def main() -> None:
         "requests": args.requests, "new_tokens": args.new_tokens, "block_size": 16, "max_num_batched_tokens": 256,
         "prompt_tokens_mean": float(np.mean([len(p) for p in prompts])), "shared_prefix_tokens": shared,
     }  # fmt: skip
-    print(f"{args.requests} chat requests, {res['prompt_tokens_mean']:.0f} prompt tokens on average, {shared} shared "
-          f"(system prompt + template); {res['threads']} threads, {res['processor']}")  # fmt: skip
+    print(
+        f"{args.requests} chat requests, {res['prompt_tokens_mean']:.0f} prompt tokens on average, {shared} shared "
+        f"(system prompt + template); {res['threads']} threads, {res['processor']}"
+    )
     for name, run in (("sequential", run_sequential), ("burst", run_burst)):
         off, outs_off = run(model, prompts, params, False)
         on, outs_on = run(model, prompts, params, True)
         res[name] = {"off": off, "on": on, "outputs_equal": outs_off == outs_on}
-        print(f"{name:10s} TTFT p50 off {off['ttft_p50_s']:.3f}s on {on['ttft_p50_s']:.3f}s; "
-              f"hit rate {on['prefix_cache_hit_rate']:.0%}; outputs equal: {outs_off == outs_on}", flush=True)  # fmt: skip
+        print(
+            f"{name:10s} TTFT p50 off {off['ttft_p50_s']:.3f}s on {on['ttft_p50_s']:.3f}s; "
+            f"hit rate {on['prefix_cache_hit_rate']:.0%}; outputs equal: {outs_off == outs_on}",
+            flush=True,
+        )
     # 0% hit rate: distinct prompts, one salt each.
     rng = np.random.default_rng(args.seed)
     ids = tok.encode(TEXT * 8)
@@ -207,9 +215,12 @@ def main() -> None:
         "sequential_ttft_speedup": round(seq["off"]["ttft_rest_mean_s"] / seq["on"]["ttft_rest_mean_s"], 2),
         "outputs_equal": seq["outputs_equal"] and res["burst"]["outputs_equal"] and equal,
     }
-    print(f"0% hits: {off:.1f} tok/s off, {on:.1f} on: {loss:+.1%} throughput lost (medians of {args.repeats}); "
-          f"lookup + registration took {max(fractions):.2%} of the time at most")
+    print(
+        f"0% hits: {off:.1f} tok/s off, {on:.1f} on: {loss:+.1%} throughput lost (medians of {args.repeats}); "
+        f"lookup + registration took {max(fractions):.2%} of the time at most"
+    )
     finish(res, args.json, "prefix")
+
 
 if __name__ == "__main__":
     main()

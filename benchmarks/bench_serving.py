@@ -71,7 +71,9 @@ def run_engine(model, prompts, params, batch_size, chunked: bool) -> dict:
 def run_static(model, prompts, params, batch_size) -> dict:
     run = serve_static(model, prompts, params, batch_size)
     out = summary(run.metrics)
-    out.update(steps=len(run.events), padded_tokens=sum(n for e in run.events for *_, n, k in e.scheduled if k == "pad"))
+    out.update(
+        steps=len(run.events), padded_tokens=sum(n for e in run.events for *_, n, k in e.scheduled if k == "pad")
+    )
     return out
 
 
@@ -106,14 +108,19 @@ def main() -> None:
     }
     if not args.skip_hf:
         modes["hf_padded"] = lambda p, sp: run_hf_padded(p, [s.max_new_tokens for s in sp], args.batch_size)
-    header = f"{'mode':20s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s} {'time':>7s}"
+    header = (
+        f"{'mode':20s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'TPOT p50':>9s} {'TPOT p99':>9s} {'time':>7s}"
+    )
     print(f"{args.requests} requests, {sum(output_lens)} output tokens, {res['threads']} threads, {res['processor']}")
     print(header)
     for name, run in modes.items():
         r = run(prompts, params)
         res["modes"][name] = r
-        print(f"{name:20s} {r['output_tokens_per_s']:7.1f} {r['ttft_p50']:8.2f}s {r['ttft_p99']:8.2f}s "
-              f"{r['tpot_p50'] * 1e3:7.0f}ms {r['tpot_p99'] * 1e3:7.0f}ms {r['duration']:6.1f}s", flush=True)  # fmt: skip
+        print(
+            f"{name:20s} {r['output_tokens_per_s']:7.1f} {r['ttft_p50']:8.2f}s {r['ttft_p99']:8.2f}s "
+            f"{r['tpot_p50'] * 1e3:7.0f}ms {r['tpot_p99'] * 1e3:7.0f}ms {r['duration']:6.1f}s",
+            flush=True,
+        )
     res["first_16"] = {name: modes[name](prompts[:16], params[:16]) for name in ("one_at_a_time", "continuous_chunked")}
     m, f16 = res["modes"], res["first_16"]
     speedup16 = f16["continuous_chunked"]["output_tokens_per_s"] / f16["one_at_a_time"]["output_tokens_per_s"]
@@ -127,6 +134,7 @@ def main() -> None:
     }
     print(f"first 16 requests: continuous (chunked) {speedup16:.1f}x one-at-a-time throughput")
     finish(res, args.json, "serving")
+
 
 if __name__ == "__main__":
     main()

@@ -75,8 +75,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_result(outputs: list[list[int]], lens: Sequence[int], seconds: float, setup_s: float,
-                 timed_out: bool) -> dict:
+def timed_result(
+    outputs: list[list[int]], lens: Sequence[int], seconds: float, setup_s: float, timed_out: bool
+) -> dict:
     """One timed run: the time, the tokens, and the outputs (which the JSON leaves out)."""
     n = sum(len(o) for o in outputs)
     return {"seconds": seconds, "output_tokens": n, "tok_s": n / seconds if seconds > 0 else None,
@@ -118,8 +119,9 @@ def run_hf_padded(prompts, output_lens, batch_size) -> dict:
         input_ids, mask = left_padded([prompts[i] for i in batch])
         longest = max(output_lens[i] for i in batch)
         clock = Clock()
-        config = transformers.GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-                                               pad_token_id=0, eos_token_id=None)  # fmt: skip
+        config = transformers.GenerationConfig(
+            max_new_tokens=longest, min_new_tokens=longest, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
         start = time.perf_counter()
         with torch.inference_mode():
             hf.generate(input_ids=input_ids, attention_mask=mask, generation_config=config, streamer=clock)
@@ -144,8 +146,9 @@ def run_hf_generate(hf, prompts, lens, batch: int, deadline: float | None) -> di
     t0 = time.perf_counter()
     with torch.inference_mode():  # one tiny call first: CUDA's and cuBLAS's first-call costs are setup
         warm = torch.tensor([[1, 2, 3, 4]], device=device)
-        hf.generate(input_ids=warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False,
-                    pad_token_id=0)
+        hf.generate(
+            input_ids=warm, attention_mask=torch.ones_like(warm), max_new_tokens=2, do_sample=False, pad_token_id=0
+        )
     sync(device)
     setup_s = time.perf_counter() - t0
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -154,8 +157,9 @@ def run_hf_generate(hf, prompts, lens, batch: int, deadline: float | None) -> di
         rows = range(first, min(first + batch, len(prompts)))
         input_ids, mask = left_padded([prompts[i] for i in rows])
         longest = max(lens[i] for i in rows)
-        config = transformers.GenerationConfig(max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
-                                               pad_token_id=0, eos_token_id=None)  # fmt: skip
+        config = transformers.GenerationConfig(
+            max_new_tokens=longest, min_new_tokens=longest, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
         with torch.inference_mode():
             seqs = hf.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device), generation_config=config)
         new = seqs[:, input_ids.shape[1] :].tolist()  # to the host: the batch is done
@@ -212,14 +216,18 @@ def runnable_configs(names: Sequence[str], cuda: bool) -> tuple[list[str], dict[
         if config.gpu_only and not cuda:
             skipped[name] = "needs a CUDA GPU"
         elif config.needs and importlib.util.find_spec(config.needs) is None:
-            skipped[name] = (f"needs the {config.needs} package, which is not installed here (on the GPU image it "
-                             f"cannot be carried: a compiled CUDA extension; nothing can be fetched)")  # fmt: skip
+            skipped[name] = (
+                f"needs the {config.needs} package, which is not installed here (on the GPU image it "
+                f"cannot be carried: a compiled CUDA extension; nothing can be fetched)"
+            )
         else:
             run.append(name)
     return run, skipped
 
 
-def hf_cb_config(shape: Shape, num_blocks: int, cuda_graphs: bool, overrides: dict | None = None) -> tuple[object, dict]:
+def hf_cb_config(
+    shape: Shape, num_blocks: int, cuda_graphs: bool, overrides: dict | None = None
+) -> tuple[object, dict]:
     """Hugging Face's ``ContinuousBatchingConfig`` sized like the engine (plus a configuration's ``overrides``), with
     only the fields this transformers version has (the GPU machine's may be older than ``constraints.txt``'s)."""
     from transformers import ContinuousBatchingConfig
@@ -267,8 +275,9 @@ def run_hf_cb(hf, prompts, lens, shape: Shape, pilot: int, deadline: float | Non
     t0 = time.perf_counter()
     cuda = hf.device.type == "cuda"
     chosen = HF_CB_CONFIGS[config]
-    cb, asked = hf_cb_config(shape, pool_blocks(prompts, lens, shape.block_size), cuda_graphs=cuda,
-                             overrides=chosen.overrides)  # fmt: skip
+    cb, asked = hf_cb_config(
+        shape, pool_blocks(prompts, lens, shape.block_size), cuda_graphs=cuda, overrides=chosen.overrides
+    )
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(lens))  # greedy, no EOS
     loaded_attn = hf.config._attn_implementation
     if hasattr(hf, "destroy_cached_continuous_batching_manager"):  # a cached manager would keep the last config
@@ -324,8 +333,11 @@ def run_hf_cb(hf, prompts, lens, shape: Shape, pilot: int, deadline: float | Non
 
 def best_hf_run(runs: dict[str, dict]) -> tuple[str | None, dict | None]:
     """The fastest of Hugging Face's runs that served the whole workload (name and run), or ``(None, None)``."""
-    done = {name: r for name, r in runs.items()
-            if r.get("tok_s") and not r.get("timed_out") and not r.get("errors") and "error" not in r}  # fmt: skip
+    done = {
+        name: r
+        for name, r in runs.items()
+        if r.get("tok_s") and not r.get("timed_out") and not r.get("errors") and "error" not in r
+    }
     if not done:
         return None, None
     name = max(done, key=lambda n: done[n]["tok_s"])

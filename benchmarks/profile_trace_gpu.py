@@ -79,6 +79,7 @@ class StepClock:
             finally:
                 if self.current is not None:
                     self.current["batch"] += time.perf_counter() - start
+
         self._build, self._timed_build = build, timed_build
 
     def _wrap(self, obj, name: str, part: str | None, after=None, around: bool = False) -> None:
@@ -104,6 +105,7 @@ class StepClock:
             if after is not None:
                 after(result)
             return result
+
         setattr(obj, name, timed)
 
     def _note_schedule(self, out) -> None:
@@ -111,8 +113,12 @@ class StepClock:
             return
         lens = [len(s.token_ids) for s in out.scheduled]
         prefills = [n for n in lens if n > 1]
-        self.current.update(seqs=len(lens), tokens=sum(lens), prefill_seqs=len(prefills),
-                            kind="decode" if not prefills else "prefill" if len(prefills) == len(lens) else "mixed")
+        self.current.update(
+            seqs=len(lens),
+            tokens=sum(lens),
+            prefill_seqs=len(prefills),
+            kind="decode" if not prefills else "prefill" if len(prefills) == len(lens) else "mixed",
+        )
 
     def step(self) -> None:
         self.current = collections.defaultdict(float)
@@ -152,29 +158,40 @@ def summarize(steps: list[dict]) -> dict:
             continue
         walls = [s["wall"] * 1e3 for s in rows]
         out[kind] = {
-            "steps": len(rows), "graph_steps": sum(bool(s["graph"]) for s in rows),
-            "tokens": int(sum(s.get("tokens", 0) for s in rows)), "seconds": round(sum(s["wall"] for s in rows), 4),
+            "steps": len(rows),
+            "graph_steps": sum(bool(s["graph"]) for s in rows),
+            "tokens": int(sum(s.get("tokens", 0) for s in rows)),
+            "seconds": round(sum(s["wall"] for s in rows), 4),
             "parts_s": {p: round(sum(s[p] for s in rows), 4) for p in PARTS},
-            "median_ms": round(statistics.median(walls), 3), "max_ms": round(max(walls), 2),
+            "median_ms": round(statistics.median(walls), 3),
+            "max_ms": round(max(walls), 2),
             "forward_gpu_s": round(sum(s.get("forward_gpu_ms", 0.0) for s in rows) / 1e3, 4),
-        }  # fmt: skip
+        }
     slow = sorted(steps, key=lambda s: s["wall"], reverse=True)[:12]
     out["slowest"] = [{k: (round(v * 1e3, 2) if k in PARTS + ("wall",) else v) for k, v in s.items()} for s in slow]
     return out
 
 
-def serve(model, prompts, lens, shape: Shape, *, graphs: bool, passes: int, profiler=None,
-          mixed: bool = True) -> list[dict]:  # fmt: skip
+def serve(
+    model, prompts, lens, shape: Shape, *, graphs: bool, passes: int, profiler=None, mixed: bool = True
+) -> list[dict]:
     """A fresh engine, piloted untimed, then ``passes`` timed passes of the trace, every step clocked.
     ``mixed=False``: only decode-only steps replay graphs (the engine before mixed-step graphs)."""
     cuda = model.device.type == "cuda"
     num_blocks = pool_blocks(prompts, lens, shape.block_size)
-    eng = Engine(model, num_blocks=num_blocks, block_size=shape.block_size, max_num_seqs=shape.max_num_seqs,
-                 max_num_batched_tokens=shape.max_num_batched_tokens, enable_chunked_prefill=True,
-                 backend="triton", cuda_graphs=graphs and cuda)  # fmt: skip; graphs recorded at start-up
+    eng = Engine(
+        model,
+        num_blocks=num_blocks,
+        block_size=shape.block_size,
+        max_num_seqs=shape.max_num_seqs,
+        max_num_batched_tokens=shape.max_num_batched_tokens,
+        enable_chunked_prefill=True,
+        backend="triton",
+        cuda_graphs=graphs and cuda,
+    )  # graphs recorded at start-up
     if not mixed and eng.runner.graphs is not None:  # mixed steps eager: the lookup finds decode graphs only
         lookup = eng.runner.graphs.lookup
-        eng.runner.graphs.lookup = lambda seqs: (key if (key := lookup(seqs)) and key[0] == "decode" else None)
+        eng.runner.graphs.lookup = lambda seqs: key if (key := lookup(seqs)) and key[0] == "decode" else None
     pp, pl = pilot_workload(prompts, 8)
     eng.generate(pp, [SamplingParams(max_new_tokens=n, stop_token_ids=()) for n in pl], use_tqdm=False)
     sync(model.device)
@@ -195,8 +212,9 @@ def serve(model, prompts, lens, shape: Shape, *, graphs: bool, passes: int, prof
                         "by_kind": summarize(clock.steps)})  # fmt: skip
         for s in clock.steps:
             s.pop("graph", None)
-        results[-1]["steps"] = [{k: (round(v * 1e3, 3) if k in PARTS + ("wall",) else v) for k, v in s.items()}
-                                for s in clock.steps]  # fmt: skip
+        results[-1]["steps"] = [
+            {k: (round(v * 1e3, 3) if k in PARTS + ("wall",) else v) for k, v in s.items()} for s in clock.steps
+        ]
     return results
 
 
@@ -315,8 +333,11 @@ def main(argv: list[str] | None = None) -> int:
             res["runs"][v] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
         res["runs"][v]["wall_s"] = round(time.perf_counter() - start, 1)
         r = res["runs"][v]
-        kinds = {k: {kk: vv for kk, vv in s.items() if kk != "parts_s"} | s["parts_s"]
-                 for k, s in r.get("by_kind", {}).items() if k != "slowest"}  # fmt: skip
+        kinds = {
+            k: {kk: vv for kk, vv in s.items() if kk != "parts_s"} | s["parts_s"]
+            for k, s in r.get("by_kind", {}).items()
+            if k != "slowest"
+        }
         log(f"  {r.get('tok_s')} tok/s; " + json.dumps(kinds))
     try:
         res["sdpa_new_shapes"] = sdpa_new_shapes(device, dtype, args.seed)

@@ -81,7 +81,9 @@ class ForwardBatch:
             if all(isinstance(t, torch.Tensor) for t in tensors):
                 object.__setattr__(self, "query_start_loc_host", tuple(self.query_start_loc.tolist()))
                 object.__setattr__(self, "seq_lens_host", tuple(self.seq_lens.tolist()))
-                object.__setattr__(self, "max_block_host", int(self.block_tables.max()) if self.block_tables.numel() else -1)
+                object.__setattr__(
+                    self, "max_block_host", int(self.block_tables.max()) if self.block_tables.numel() else -1
+                )
             if isinstance(self.input_ids, torch.Tensor) and self.input_ids.numel():
                 object.__setattr__(self, "token_range_host", tuple(torch.stack(torch.aminmax(self.input_ids)).tolist()))
 
@@ -97,9 +99,7 @@ class ForwardBatch:
 
     # ---- building -----------------------------------------------------------------------------
     @classmethod
-    def build(
-        cls, seqs: Sequence[SeqSlice], block_size: int, device: torch.device | str = "cpu"
-    ) -> ForwardBatch:
+    def build(cls, seqs: Sequence[SeqSlice], block_size: int, device: torch.device | str = "cpu") -> ForwardBatch:
         """Pack ``seqs`` into one step: positions, slot mapping, ``query_start_loc``, ``seq_lens``, tables.
 
         Each sequence is checked once, on the host; the per-token fields are computed with tensor ops.
@@ -258,9 +258,7 @@ def _validate(batch: ForwardBatch) -> tuple[list[int], list[int], int]:
     if qsl[0] != 0 or qsl[-1] != n:
         raise ValueError(f"query_start_loc must run from 0 to the token count {n}, got {qsl}")
     if any(a >= b for a, b in zip(qsl, qsl[1:])):
-        raise ValueError(
-            f"query_start_loc must be strictly increasing, got {qsl}: sequences would overlap or be empty"
-        )
+        raise ValueError(f"query_start_loc must be strictly increasing, got {qsl}: sequences would overlap or be empty")
     positions, slots, tables = batch.positions.tolist(), batch.slot_mapping.tolist(), batch.block_tables.tolist()
     max_block = -1
     for b, (lo, hi) in enumerate(zip(qsl, qsl[1:])):

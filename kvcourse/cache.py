@@ -39,8 +39,10 @@ def check_update(cache, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> Non
     check_int("layer_idx", layer_idx, min=0, max=cache.num_layers - 1)
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point torch.Tensor [B, H_kv, T, D], got "
-                            f"{getattr(t, 'dtype', type(t).__name__)}")  # fmt: skip
+            raise TypeError(
+                f"{name} must be a floating-point torch.Tensor [B, H_kv, T, D], got "
+                f"{getattr(t, 'dtype', type(t).__name__)}"
+            )
         if t.ndim != 4:
             raise ValueError(f"{name} must have shape [B, H_kv, T, D], got {list(t.shape)}")
     expected = (cache.batch_size, cache.num_kv_heads, k.shape[2], cache.head_dim)

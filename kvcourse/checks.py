@@ -60,8 +60,7 @@ def is_int(value: object) -> bool:
     return isinstance(value, _INTS) and not isinstance(value, _BOOLS)
 
 
-def _range_text(kind: str, min: float | None, max: float | None, min_open: bool = False,
-                max_open: bool = False) -> str:  # fmt: skip
+def _range_text(kind: str, min: float | None, max: float | None, min_open: bool = False, max_open: bool = False) -> str:
     if min is not None and max is not None:
         return f"{kind} in {'(' if min_open else '['}{min}, {max}{')' if max_open else ']'}"
     if min is not None:
@@ -71,8 +70,9 @@ def _range_text(kind: str, min: float | None, max: float | None, min_open: bool 
     return kind
 
 
-def check_int(name: str, value: object, *, min: int | None = None, max: int | None = None,
-              none_ok: bool = False) -> int | None:  # fmt: skip
+def check_int(
+    name: str, value: object, *, min: int | None = None, max: int | None = None, none_ok: bool = False
+) -> int | None:
     """``value`` as an ``int`` in ``[min, max]`` (either bound may be ``None``: unbounded).
 
     ``none_ok``: ``None`` is accepted too and returned as is (an optional limit).
@@ -145,8 +145,9 @@ def check_hashable(name: str, value: T) -> T:
     try:
         hash(value)
     except TypeError:
-        raise TypeError(f"{name} must be hashable (usable as a dict key), got {type(value).__name__} "
-                        f"{_shown(value)}") from None  # fmt: skip
+        raise TypeError(
+            f"{name} must be hashable (usable as a dict key), got {type(value).__name__} {_shown(value)}"
+        ) from None
     return value
 
 
@@ -155,6 +156,7 @@ def check_token_ids(name: str, ids: object, vocab_size: int, *, hint: str = " (u
     ``[0, vocab_size)``."""
     import numpy as np  # here, not at the top: the block manager uses this module and needs neither
     import torch
+
     if isinstance(ids, (torch.Tensor, np.ndarray)):
         if ids.ndim != 1:
             raise ValueError(f"{name} must be a 1-D list of token ids, got an array of shape {tuple(ids.shape)}")

@@ -310,8 +310,9 @@ class ReservationPool:
         """Slots handed to ``seq_id``: its reservation."""
         return self._held[seq_id][1]
 
-    def admit(self, seq, max_num_new_tokens: int, *, chunked: bool = True, keep_free: int = 0,
-              cache_salt: str | None = None) -> Admission | None:  # fmt: skip
+    def admit(
+        self, seq, max_num_new_tokens: int, *, chunked: bool = True, keep_free: int = 0, cache_salt: str | None = None
+    ) -> Admission | None:
         """Reserve ``seq``'s range if one is free (first fit); ``None`` if not. ``keep_free`` and ``chunked``
         are unused: a reservation never grows, and the prompt is admitted whole."""
         n = num_tokens_to_admit(seq.num_tokens, max_num_new_tokens, chunked=False)
@@ -340,8 +341,9 @@ class PagedPool(BlockManager):
     than the prompt, for the token the step makes (the simulator counts a token's slot from the step
     that makes it). Prompts are admitted whole."""
 
-    def admit(self, seq, max_num_new_tokens: int, *, chunked: bool = True, keep_free: int = 0,
-              cache_salt: str | None = None) -> Admission | None:  # fmt: skip
+    def admit(
+        self, seq, max_num_new_tokens: int, *, chunked: bool = True, keep_free: int = 0, cache_salt: str | None = None
+    ) -> Admission | None:
         n = num_tokens_to_admit(seq.num_tokens, max_num_new_tokens, chunked=False)
         if n is None or self.blocks_needed(n + 1) > self.num_free_blocks - keep_free:
             return None
@@ -456,7 +458,8 @@ def simulate(
     that produces it: both pools admit a prompt with one slot more.
     """
     pool_tokens, block_size, max_len, max_running = _check_simulate_args(
-        trace, pool_tokens, strategy, block_size, max_len, max_running, watermark)  # fmt: skip
+        trace, pool_tokens, strategy, block_size, max_len, max_running, watermark
+    )
     pool = _make_pool(trace, pool_tokens, strategy, block_size, max_len, contiguous)
     # A reservation never grows: nothing to keep free for growth.
     scheduler = Scheduler(pool, max_num_seqs=max_running, watermark=watermark if strategy == "paged" else 0.0)
@@ -515,8 +518,10 @@ def reservation_live_fraction(prompt_lens, output_lens, max_len: int) -> float:
     p = np.asarray(prompt_lens, dtype=np.float64)
     o = np.asarray(output_lens, dtype=np.float64)
     if p.ndim != 1 or o.shape != p.shape or not len(p):
-        raise ValueError(f"prompt_lens and output_lens must be two 1-D sequences of one length >= 1, got shapes "
-                         f"{p.shape} and {o.shape}")
+        raise ValueError(
+            f"prompt_lens and output_lens must be two 1-D sequences of one length >= 1, got shapes "
+            f"{p.shape} and {o.shape}"
+        )
     if (p < 1).any() or (o < 1).any() or (p + o > max_len).any():
         raise ValueError(f"every request needs prompt_lens >= 1, output_lens >= 1 and a total <= max_len={max_len}")
     return float((o * (p + (o + 1) / 2)).sum() / o.sum() / max_len)

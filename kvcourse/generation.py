@@ -35,8 +35,9 @@ def _check_ids(model, ids) -> list[int]:
     return check_token_ids("ids", ids, model.config.vocab_size)
 
 
-def _sampling_params(max_new_tokens: int | None, sampling_params: SamplingParams | None, sampling: dict
-                     ) -> SamplingParams:  # fmt: skip
+def _sampling_params(
+    max_new_tokens: int | None, sampling_params: SamplingParams | None, sampling: dict
+) -> SamplingParams:
     """One :class:`SamplingParams` from either ``max_new_tokens`` and the ``sampling`` keywords (its
     fields; ``eos_token_ids`` is its ``stop_token_ids``) or ``sampling_params`` (not both)."""
     if sampling_params is None:
@@ -46,8 +47,11 @@ def _sampling_params(max_new_tokens: int | None, sampling_params: SamplingParams
                 f"eos_token_ids must be a list of token ids, e.g. [{eos!r}], or None (the model's), "
                 f"got {type(eos).__name__} {eos!r}"
             )
-        params = SamplingParams(max_new_tokens=16 if max_new_tokens is None else max_new_tokens,
-                                stop_token_ids=None if eos is None else tuple(eos), **sampling)  # fmt: skip
+        params = SamplingParams(
+            max_new_tokens=16 if max_new_tokens is None else max_new_tokens,
+            stop_token_ids=None if eos is None else tuple(eos),
+            **sampling,
+        )
     elif not isinstance(sampling_params, SamplingParams):
         raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
     elif max_new_tokens is not None or sampling:

@@ -133,7 +133,9 @@ def _blocks(data: np.ndarray, block_bytes: int) -> torch.Tensor:
     """A tensor's raw bytes as ``[num_blocks, block_bytes]`` uint8, without copying the memory map."""
     with warnings.catch_warnings():  # read-only memory map: we only read it
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(memoryview(np.ascontiguousarray(data)).cast("B"), dtype=torch.uint8).view(-1, block_bytes)
+        return torch.frombuffer(memoryview(np.ascontiguousarray(data)).cast("B"), dtype=torch.uint8).view(
+            -1, block_bytes
+        )
 
 
 def _fp16(column: torch.Tensor) -> torch.Tensor:

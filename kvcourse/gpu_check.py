@@ -111,7 +111,7 @@ def jobs(root: Path, out: Path, quick_bench: bool = False, save_notebooks: Path 
         Job("chapter 5's kernel exercises graded on the GPU", pytest + ["tests/test_catalog.py", "-k", "ch05"]),
         Job("tests that take a device, on cuda", pytest + device_test_files(root) + ["-k", "cuda"]),
         *chapters[2:],
-    ]  # fmt: skip
+    ]
 
 
 def kernel_test_files(root: Path) -> list[str]:
@@ -184,8 +184,9 @@ def execute_notebook(path: Path, save_to: Path | None = None) -> int:
 
     nb = nbformat.read(path, as_version=4)
     start = time.perf_counter()
-    client = NotebookClient(nb, timeout=900, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": str(path.parent)}})  # fmt: skip
+    client = NotebookClient(
+        nb, timeout=900, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(path.parent)}}
+    )
     client.execute()
     errors = []
     for index, cell in enumerate(nb.cells):
@@ -233,21 +234,30 @@ def missing_requirements() -> list[str]:
 
 
 def no_gpu_message() -> str:
-    return ("kvcourse.gpu_check: no CUDA GPU here (torch.cuda.is_available() is False), so nothing was run. "
-            "Without a GPU, chapter 5's kernels are tested in Triton's interpreter (make test) and compiled for "
-            "sm_75/80/90 without running (make test-kernels-native), and device bugs are caught with torch's "
-            "default device set to meta (tests/test_meta_device.py).")  # fmt: skip
+    return (
+        "kvcourse.gpu_check: no CUDA GPU here (torch.cuda.is_available() is False), so nothing was run. "
+        "Without a GPU, chapter 5's kernels are tested in Triton's interpreter (make test) and compiled for "
+        "sm_75/80/90 without running (make test-kernels-native), and device bugs are caught with torch's "
+        "default device set to meta (tests/test_meta_device.py)."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcourse.gpu_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="where the JSON goes")
-    parser.add_argument("--quick-bench", action="store_true",
-                        help="the kernel benchmark's quick shapes only, the engine benchmark's smoke sizes")
+    parser.add_argument(
+        "--quick-bench",
+        action="store_true",
+        help="the kernel benchmark's quick shapes only, the engine benchmark's smoke sizes",
+    )
     parser.add_argument("--parallel", type=int, default=2, help="jobs at a time after the benchmark (default 2)")
     parser.add_argument("--budget", type=float, default=450, help="seconds for all jobs together (default 450)")
-    parser.add_argument("--only", nargs="+", metavar="PATTERN",
-                        help="run only the jobs whose name one of these regular expressions finds (case ignored)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="PATTERN",
+        help="run only the jobs whose name one of these regular expressions finds (case ignored)",
+    )
     parser.add_argument("--allow-no-gpu", action="store_true", help=f"exit 0, not {NO_GPU}, when there is no GPU")
     parser.add_argument("--save-notebooks", type=Path, metavar="DIR", help="write the executed chapters there")
     parser.add_argument("--execute-notebook", type=Path, metavar="NOTEBOOK", help=argparse.SUPPRESS)
@@ -266,8 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     from .bench.kernels import provenance
 
     prov = provenance(torch.device("cuda")) | dict(versions=versions(), cpu_cores=os.cpu_count())
-    print(f"{prov['gpu']} (sm_{prov['compute_capability'].replace('.', '')}), driver {prov['driver']}, "
-          f"CUDA {prov['cuda']}, torch {prov['torch']}, triton {prov['triton']}, Python {prov['python']}")  # fmt: skip
+    print(
+        f"{prov['gpu']} (sm_{prov['compute_capability'].replace('.', '')}), driver {prov['driver']}, "
+        f"CUDA {prov['cuda']}, torch {prov['torch']}, triton {prov['triton']}, Python {prov['python']}"
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = "".join(c if c.isalnum() else "-" for c in prov["gpu"]).strip("-").lower()
     path = args.out / f"gpu-check-{gpu}-{prov['date'][:10]}.json"
@@ -292,8 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"== {job.name} ({left:.0f} s left): {' '.join(job.command)}", flush=True)
             job.result = run_job(job, ROOT, env, min(left, job.timeout_s or left))
-        print(f"   {job.name}: {'passed' if job.result['passed'] else 'FAILED'} in {job.result['seconds']} s",
-              flush=True)  # fmt: skip
+        print(
+            f"   {job.name}: {'passed' if job.result['passed'] else 'FAILED'} in {job.result['seconds']} s", flush=True
+        )
         if not job.result["passed"]:
             print("   " + job.result.get("output_tail", job.result.get("skipped", ""))[-1500:].replace("\n", "\n   "))
         write()

@@ -41,8 +41,9 @@ from .model import apply_rope, rope_cos_sin
 __all__ = ["LatentCache", "MLAConfig", "MultiHeadLatentAttention", "kv_values_per_token", "pooled_kv_heads"]
 
 
-def kv_values_per_token(kind: str, num_heads: int, head_dim: int, num_groups: int = 1, kv_lora_rank: int = 0,
-                        rope_dim: int = 0) -> int:  # fmt: skip
+def kv_values_per_token(
+    kind: str, num_heads: int, head_dim: int, num_groups: int = 1, kv_lora_rank: int = 0, rope_dim: int = 0
+) -> int:
     """Values cached per token per layer for ``kind`` in ``"MHA"``, ``"GQA"``, ``"MQA"``, ``"MLA"``."""
     if kind == "MHA":
         return 2 * num_heads * head_dim

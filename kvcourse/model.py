@@ -37,7 +37,16 @@ from .backends import AttentionBackend, ContiguousBackend, KVCacheLike, NoCache,
 from .batch import ForwardBatch
 from .kernels.fused import add_rms_norm, rms_norm, rope, rope_tables_signed, silu_and_mul
 
-__all__ = ["KVCacheLike", "Linear", "LlamaConfig", "LlamaModel", "PackedRows", "apply_rope", "pack_state_dict", "rope_cos_sin"]
+__all__ = [
+    "KVCacheLike",
+    "Linear",
+    "LlamaConfig",
+    "LlamaModel",
+    "PackedRows",
+    "apply_rope",
+    "pack_state_dict",
+    "rope_cos_sin",
+]
 
 
 @dataclass
@@ -287,7 +296,9 @@ class LlamaModel(nn.Module):
         if not isinstance(batch, ForwardBatch):
             raise TypeError(f"batch must be a kvcourse.batch.ForwardBatch, got {type(batch).__name__}")
         if batch.block_size != kv_pool.block_size:
-            raise ValueError(f"batch.block_size ({batch.block_size}) must equal kv_pool.block_size ({kv_pool.block_size})")
+            raise ValueError(
+                f"batch.block_size ({batch.block_size}) must equal kv_pool.block_size ({kv_pool.block_size})"
+            )
         if batch.max_block_host >= kv_pool.num_blocks:
             raise ValueError(
                 f"batch.block_tables name block {batch.max_block_host}, but kv_pool has {kv_pool.num_blocks} blocks"
@@ -360,7 +371,9 @@ class LlamaModel(nn.Module):
         """The fp32 tables of at least ``needed`` positions on ``device`` (a tensor's device: ``cuda:0``)."""
         cos, sin = self._rope_tables.get(device, (None, None))
         if cos is None or cos.shape[0] < needed:
-            length = min(max(needed, 2 * (0 if cos is None else cos.shape[0]), 256), self.config.max_position_embeddings)
+            length = min(
+                max(needed, 2 * (0 if cos is None else cos.shape[0]), 256), self.config.max_position_embeddings
+            )
             cos, sin = rope_cos_sin(torch.arange(length, device=device), self.config.head_dim, self.config.rope_theta)
             self._rope_tables[device] = (cos, sin)
         return cos, sin
@@ -383,4 +396,3 @@ class LlamaModel(nn.Module):
             f"kv_heads={c.num_key_value_heads}, head_dim={c.head_dim}, rope_theta={c.rope_theta:g}, "
             f"params={self.num_parameters() / 1e6:.1f}M"
         )
-

@@ -127,8 +127,9 @@ def model_decode_case(model, prompts: Sequence[Sequence[int]], layer: int) -> Mo
         ks.append(cache.keys(layer)[0])
         vs.append(cache.values(layer)[0])
     s_max = max(len(p) for p in prompts)
-    k = torch.full((len(prompts), *ks[0].shape[:1], s_max, ks[0].shape[-1]), float("nan"), dtype=model.dtype,
-                   device=model.device)  # fmt: skip
+    k = torch.full(
+        (len(prompts), *ks[0].shape[:1], s_max, ks[0].shape[-1]), float("nan"), dtype=model.dtype, device=model.device
+    )
     v = torch.full_like(k, float("nan"))
     for b, (kb, vb) in enumerate(zip(ks, vs)):
         k[b, :, : kb.shape[1]], v[b, :, : vb.shape[1]] = kb, vb

@@ -72,8 +72,10 @@ def heldout_ids(tok, num_tokens: int, offset: int = 0) -> list[int]:
     check_int("num_tokens", num_tokens, min=2)
     ids = tok.encode(heldout_text())
     if not is_int(offset) or offset < 0 or offset + num_tokens > len(ids):
-        raise ValueError(f"offset + num_tokens must fit in the {len(ids)} tokens of the held-out text, "
-                         f"got offset={offset!r}, num_tokens={num_tokens}")  # fmt: skip
+        raise ValueError(
+            f"offset + num_tokens must fit in the {len(ids)} tokens of the held-out text, "
+            f"got offset={offset!r}, num_tokens={num_tokens}"
+        )
     return ids[offset : offset + num_tokens]
 
 
@@ -101,16 +103,18 @@ def stream_logits(model, ids: Sequence[int], cache=None, chunk_size: int | None 
 
 def _check_logits(logits: torch.Tensor, ref_logits: torch.Tensor) -> None:
     if logits.shape != ref_logits.shape or logits.ndim != 2:
-        raise ValueError(f"logits and ref_logits must both be [N, vocab], got {tuple(logits.shape)} "
-                         f"and {tuple(ref_logits.shape)}")  # fmt: skip
+        raise ValueError(
+            f"logits and ref_logits must both be [N, vocab], got {tuple(logits.shape)} and {tuple(ref_logits.shape)}"
+        )
 
 
 def perplexity(logits: torch.Tensor, targets: Sequence[int] | torch.Tensor) -> float:
     """``exp`` of the mean negative log-likelihood of ``targets [N]`` under ``logits [N, vocab]``."""
     targets = torch.as_tensor(targets, device=logits.device)
     if logits.ndim != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"logits must be [N, vocab] and targets [N], got {tuple(logits.shape)} and "
-                         f"{tuple(targets.shape)}")  # fmt: skip
+        raise ValueError(
+            f"logits must be [N, vocab] and targets [N], got {tuple(logits.shape)} and {tuple(targets.shape)}"
+        )
     return math.exp(F.cross_entropy(logits.float(), targets).item())
 
 
@@ -180,9 +184,12 @@ class GreedyAgreement:
 
 
 def greedy_agreement(
-    model, prompts: Sequence[Sequence[int]], make_cache: Callable[[], object], max_new_tokens: int = 32,
+    model,
+    prompts: Sequence[Sequence[int]],
+    make_cache: Callable[[], object],
+    max_new_tokens: int = 32,
     reference: Sequence[Sequence[int]] | None = None,
-) -> GreedyAgreement:  # fmt: skip
+) -> GreedyAgreement:
     """Greedy outputs for ``prompts`` with caches from ``make_cache()`` against the full cache's.
 
     Pass ``reference`` (the full cache's outputs) to reuse it across several caches.
@@ -205,5 +212,7 @@ def needle_prompt(tok, haystack: Sequence[int], depth: float, secret: str) -> li
         raise ValueError(f"depth must be in [0, 1], got {depth!r}")
     at = round(depth * len(haystack))
     needle = tok.encode(f"\n\nThe secret code of the blue door is {secret}.\n\n")
-    question = tok.encode("\n\nQuestion: what is the secret code of the blue door?\nAnswer: the secret code of the blue door is")
+    question = tok.encode(
+        "\n\nQuestion: what is the secret code of the blue door?\nAnswer: the secret code of the blue door is"
+    )
     return list(haystack[:at]) + needle + list(haystack[at:]) + question

@@ -133,4 +133,3 @@ def strip_pragmas(source: str) -> str:
     if not isinstance(source, str):
         raise TypeError(f"source must be a str, got {type(source).__name__}")
     return _PRAGMA.sub("", source)
-

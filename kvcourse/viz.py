@@ -147,13 +147,18 @@ def cache_grid_frames(num_layers: int, prompt_len: int, new_tokens: int, mode: s
     return frames
 
 
-def memory_bill_frames(kv_bytes_per_token: int, weight_bytes: int, context_len: int,
-                       start_tokens: int = 1024, until: float = 2.0) -> list[BillFrame]:
+def memory_bill_frames(
+    kv_bytes_per_token: int, weight_bytes: int, context_len: int, start_tokens: int = 1024, until: float = 2.0
+) -> list[BillFrame]:
     """The memory bill scene: cache bytes as one sequence grows to ``context_len`` tokens (doubling from
     ``start_tokens``), then as the batch of full-context sequences doubles, until the cache holds at
     least ``until`` times the weight bytes."""
-    for name, value in (("kv_bytes_per_token", kv_bytes_per_token), ("weight_bytes", weight_bytes),
-                        ("context_len", context_len), ("start_tokens", start_tokens)):
+    for name, value in (
+        ("kv_bytes_per_token", kv_bytes_per_token),
+        ("weight_bytes", weight_bytes),
+        ("context_len", context_len),
+        ("start_tokens", start_tokens),
+    ):
         check_int(name, value, min=1)
     if not until > 0:
         raise ValueError(f"until must be > 0, got {until!r}")
@@ -171,8 +176,15 @@ def memory_bill_frames(kv_bytes_per_token: int, weight_bytes: int, context_len: 
         cache = seq_len * batch * kv_bytes_per_token
         who = f"{seq_len:,} tokens" if batch == 1 else f"{batch} sequences x {seq_len:,} tokens"
         verdict = ": it outweighs the model" if cache > weight_bytes else ""
-        frames.append(BillFrame(seq_len, batch, cache, weight_bytes,
-                                f"memory bill, {who}: the cache is {cache / weight_bytes:.2g}x the weights{verdict}"))
+        frames.append(
+            BillFrame(
+                seq_len,
+                batch,
+                cache,
+                weight_bytes,
+                f"memory bill, {who}: the cache is {cache / weight_bytes:.2g}x the weights{verdict}",
+            )
+        )
     return frames
 
 
@@ -211,8 +223,15 @@ def cache_grid_animation(
     else:
         fig, ax = plt.subplots(figsize=(10, 4.8), dpi=dpi)
         fig.subplots_adjust(left=0.1, right=0.97, top=0.78, bottom=0.14)
-    image = ax.imshow(frames[0].state, cmap=ListedColormap(_COLORS), vmin=EMPTY, vmax=COMPUTED, aspect="auto",
-                      origin="lower", interpolation="nearest")
+    image = ax.imshow(
+        frames[0].state,
+        cmap=ListedColormap(_COLORS),
+        vmin=EMPTY,
+        vmax=COMPUTED,
+        aspect="auto",
+        origin="lower",
+        interpolation="nearest",
+    )
     ax.set_xticks(np.arange(-0.5, width, 1), minor=True)
     ax.set_yticks(np.arange(-0.5, num_layers, 1), minor=True)
     ax.grid(which="minor", color="white", linewidth=1.5)
@@ -225,8 +244,14 @@ def cache_grid_animation(
     xlabel = ax.set_xlabel(token_label, fontsize=12)
     ax.set_ylabel("layer", fontsize=12)
     ax.axvline(prompt_len - 0.5, color="black", linewidth=1.5)
-    ax.legend(handles=[Patch(color=c, label=lab) for c, lab in zip(_COLORS, _LABELS)], loc="lower center",
-              bbox_to_anchor=(0.5, 1.0), ncol=4, fontsize=11, frameon=False)
+    ax.legend(
+        handles=[Patch(color=c, label=lab) for c, lab in zip(_COLORS, _LABELS)],
+        loc="lower center",
+        bbox_to_anchor=(0.5, 1.0),
+        ncol=4,
+        fontsize=11,
+        frameon=False,
+    )
     title = fig.suptitle(frames[0].caption, fontsize=13, x=0.535, y=0.975)
     artists = [image, title, xlabel]
     if bill:

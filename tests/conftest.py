@@ -72,8 +72,10 @@ def pytest_configure(config):
 def pytest_report_header(config):
     missing = isolation_missing()
     if missing:
-        return [f"grading tests run WITHOUT isolation ({missing})"
-                + ("; KVCOURSE_REQUIRE_ISOLATION=1: they fail" if ISOLATION_REQUIRED else "")]
+        return [
+            f"grading tests run WITHOUT isolation ({missing})"
+            + ("; KVCOURSE_REQUIRE_ISOLATION=1: they fail" if ISOLATION_REQUIRED else "")
+        ]
     return []
 
 

@@ -55,7 +55,9 @@ class PackageOnMeta(TorchFunctionMode):
         devices = {t.device.type for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         if "meta" in devices and len(devices) > 1:
             name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-            raise RuntimeError(f"{name} mixes meta tensors (made without a device) with {sorted(devices - {'meta'})} ones")
+            raise RuntimeError(
+                f"{name} mixes meta tensors (made without a device) with {sorted(devices - {'meta'})} ones"
+            )
         return func(*args, **kwargs)
 
 

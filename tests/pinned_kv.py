@@ -41,8 +41,13 @@ class KVPins:
         for name, got, want in (("k", k, pinned_k), ("v", v, pinned_v)):
             # What this run computed must be the reference's K/V up to fp32 rounding through the layers below.
             scale = max(float(want.abs().max()), 1.0)
-            torch.testing.assert_close(got, want, rtol=0, atol=LOGIT_REL_TOL * scale,
-                                       msg=lambda m, n=name: f"layer {layer_idx} {n} differs from the reference: {m}")
+            torch.testing.assert_close(
+                got,
+                want,
+                rtol=0,
+                atol=LOGIT_REL_TOL * scale,
+                msg=lambda m, n=name: f"layer {layer_idx} {n} differs from the reference: {m}",
+            )
         return pinned_k, pinned_v
 
 

@@ -116,12 +116,17 @@ def test_repeat_kv_maps_query_head_to_its_group():
         (lambda: ([1.0], torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)), TypeError, "q"),
         (lambda: (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 4, 8)), ValueError, "same shape"),
         (lambda: (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)), ValueError, "head_dim"),
-        (lambda: (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None, 3), ValueError,
-         "q_offset=3"),
-        (lambda: (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None, -1), ValueError,
-         "q_offset"),
-        (lambda: (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), 0.0), ValueError,
-         "scale"),
+        (
+            lambda: (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None, 3),
+            ValueError,
+            "q_offset=3",
+        ),
+        (
+            lambda: (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None, -1),
+            ValueError,
+            "q_offset",
+        ),
+        (lambda: (torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), 0.0), ValueError, "scale"),
     ],
 )
 def test_causal_attention_rejects_bad_input(make, exc, word):

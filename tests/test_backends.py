@@ -118,8 +118,9 @@ def test_the_additive_mask_attends_exactly_as_the_boolean_one(dtype, seed):
     assert bias.dtype == dtype and bias.shape == keep.shape
     assert torch.equal(bias == 0, keep) and torch.isneginf(bias[~keep]).all()
     F = torch.nn.functional
-    assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=keep),
-                       F.scaled_dot_product_attention(q, k, v, attn_mask=bias))  # fmt: skip
+    assert torch.equal(
+        F.scaled_dot_product_attention(q, k, v, attn_mask=keep), F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    )
 
 
 SEED_WITH_BOTH = 5  # _case_step(5, ...) mixes three decodes and two prefills
@@ -147,8 +148,14 @@ def test_the_step_hands_sdpa_float_masks(monkeypatch):
 
 # ---- the registry and the stores ---------------------------------------------------------------------
 def test_every_backend_is_named_and_knows_its_store():
-    assert backend_names() == ["paged-int8-torch", "paged-reference", "paged-torch", "triton", "triton-int8",
-                               "triton-ragged"]
+    assert backend_names() == [
+        "paged-int8-torch",
+        "paged-reference",
+        "paged-torch",
+        "triton",
+        "triton-int8",
+        "triton-ragged",
+    ]
     for name in backend_names():
         cls = backend_class(name)
         assert cls.name == name
@@ -203,9 +210,11 @@ def test_build_equals_the_slot_formula_token_by_token(seed):
         seqs.append(SeqSlice([rnd.randrange(50) for _ in range(n)], start, table))
     batch = ForwardBatch.build(seqs, bs)
     want_pos = [p for s in seqs for p in range(s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids))]
-    want_slots = [x for s in seqs
-                  for x in slot_mapping(s.block_table, range(s.num_computed_tokens,
-                                                             s.num_computed_tokens + len(s.token_ids)), bs)]  # fmt: skip
+    want_slots = [
+        x
+        for s in seqs
+        for x in slot_mapping(s.block_table, range(s.num_computed_tokens, s.num_computed_tokens + len(s.token_ids)), bs)
+    ]
     assert batch.positions.tolist() == want_pos
     assert batch.slot_mapping.tolist() == want_slots
     # What build checked per sequence, check() confirms field by field.

@@ -160,22 +160,28 @@ def test_the_memory_check_uses_what_is_available(tiny, monkeypatch):
         ModelRunner(tiny, num_blocks=11)
 
 
-@pytest.mark.parametrize("clock, exc, match", [
-    ("x", TypeError, "clock must be a function returning seconds"),
-    (lambda: "now", TypeError, r"clock\(\) must be a finite number, got str"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "clock, exc, match",
+    [
+        ("x", TypeError, "clock must be a function returning seconds"),
+        (lambda: "now", TypeError, r"clock\(\) must be a finite number, got str"),
+    ],
+)
 def test_a_clock_that_is_not_one(tiny, clock, exc, match):
     with pytest.raises(exc, match=match):
         Engine(tiny, num_blocks=4, clock=clock)
 
 
 # ---- silently accepted, or unclear ------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(use_cache="no"), TypeError, r"use_cache must be a bool \(True or False\), got str 'no'"),
-    (dict(temperature=float("inf")), ValueError, "temperature must be a finite number >= 0"),
-    (dict(eos_token_ids=5), TypeError, r"eos_token_ids must be a list of token ids, e.g. \[5\]"),
-    (dict(ids=[1, np.int64(VOCAB)]), ValueError, r"ids has token ids outside the vocabulary \[0, 101\): \[101\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(use_cache="no"), TypeError, r"use_cache must be a bool \(True or False\), got str 'no'"),
+        (dict(temperature=float("inf")), ValueError, "temperature must be a finite number >= 0"),
+        (dict(eos_token_ids=5), TypeError, r"eos_token_ids must be a list of token ids, e.g. \[5\]"),
+        (dict(ids=[1, np.int64(VOCAB)]), ValueError, r"ids has token ids outside the vocabulary \[0, 101\): \[101\]"),
+    ],
+)
 def test_generate_refuses_what_it_used_to_accept_or_garble(tiny, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         kvcourse.generate(tiny, **(dict(ids=[1, 2], max_new_tokens=2) | kwargs))
@@ -194,8 +200,9 @@ def test_numpy_token_ids_are_token_ids(tiny):
     assert_greedy_equal(tiny, prompt, out, want)
     assert_greedy_equal(tiny, prompt, eng.output(rid), want)
     runner = ModelRunner(tiny, num_blocks=4, block_size=4)
-    torch.testing.assert_close(runner.step([(0, np.array(prompt))])[0], tiny(torch.tensor([prompt]))[0, -1],
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        runner.step([(0, np.array(prompt))])[0], tiny(torch.tensor([prompt]))[0, -1], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_unhashable_request_ids_get_a_clear_error(tiny):
@@ -235,11 +242,14 @@ def test_quantizing_an_inf_is_refused_not_turned_into_nans():
     assert torch.isfinite(scale).all()
 
 
-@pytest.mark.parametrize("key, value", [
-    ("use_sliding_window", "false"),  # was read as true: a windowed cache for a model without one
-    ("multi_query", "no"),  # was read as MQA: 1 KV head
-    ("new_decoder_architecture", 1),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("use_sliding_window", "false"),  # was read as true: a windowed cache for a model without one
+        ("multi_query", "no"),  # was read as MQA: 1 KV head
+        ("new_decoder_architecture", 1),
+    ],
+)
 def test_memory_config_flags_must_be_json_booleans(tmp_path, capsys, key, value):
     cfg = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, "sliding_window": 16,
            "model_type": "qwen2", key: value}  # fmt: skip
@@ -301,8 +311,9 @@ def test_transfers_run_before_copy_on_write_copies(tiny):
     want.step([(0, r0)])
     ref_block = want.block_manager.block_table(0)[1]
     for layer in range(tiny.config.num_hidden_layers):
-        torch.testing.assert_close(eng.runner.host_kv_store.k_cache[layer][moved.dst],
-                                   want.kv_store.k_cache[layer][ref_block], rtol=0, atol=0)  # fmt: skip
+        torch.testing.assert_close(
+            eng.runner.host_kv_store.k_cache[layer][moved.dst], want.kv_store.k_cache[layer][ref_block], rtol=0, atol=0
+        )
     # And a later request on R0's prompt, served through that host block, equals one alone.
     out = eng.generate([r0 + [19]], SamplingParams(max_new_tokens=3, stop_token_ids=()))[0]
     assert eng.stats["prefix_cache_host_hit_tokens"] > 0

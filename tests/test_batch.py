@@ -17,7 +17,6 @@ from kvcourse.serving import ModelRunner
 from .tolerances import assert_logits_close
 
 
-
 # ---- the slot-mapping formula and building a batch ------------------------------------------------
 def test_slot_mapping_formula():
     assert slot_mapping([7, 2, 5], [0, 3, 4, 9, 11], block_size=4) == [28, 31, 8, 21, 23]
@@ -62,10 +61,17 @@ def test_hand_made_batch_is_checked():
         (dict(positions=torch.tensor([0, 2, 3, 9])), r"positions of sequence 0 must be consecutive"),  # skips
         (dict(positions=torch.tensor([0, 1, 2, 8])), r"positions of sequence 1 .* end at seq_lens\[1\] - 1 = 9"),
         (dict(slot_mapping=torch.tensor([12, 13, 14, 5, 6])), "slot_mapping has 5 entries but input_ids has 4"),
-        (dict(block_tables=torch.tensor([[3, -1, -1], [0, 2, -1]], dtype=torch.int32)),
-         r"block_tables\[1\] is too short for seq_lens\[1\] = 10"),
-        (dict(query_start_loc=torch.tensor([0, 3, 3, 4], dtype=torch.int32),
-              seq_lens=torch.tensor([3, 1, 10], dtype=torch.int32)), "block_tables B rows"),
+        (
+            dict(block_tables=torch.tensor([[3, -1, -1], [0, 2, -1]], dtype=torch.int32)),
+            r"block_tables\[1\] is too short for seq_lens\[1\] = 10",
+        ),
+        (
+            dict(
+                query_start_loc=torch.tensor([0, 3, 3, 4], dtype=torch.int32),
+                seq_lens=torch.tensor([3, 1, 10], dtype=torch.int32),
+            ),
+            "block_tables B rows",
+        ),
         (dict(query_start_loc=torch.tensor([0, 4, 4], dtype=torch.int32)), "strictly increasing"),
         (dict(query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32)), "from 0 to the token count 4"),
         (dict(slot_mapping=torch.tensor([12, 13, 14, 9])), "slot_mapping of sequence 1 does not match"),

@@ -42,8 +42,9 @@ def run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: make gpu-check runs the real thing")
 def test_the_cpu_smoke_run_writes_every_section(tmp_path):
     start = time.perf_counter()
-    proc = run_script(["benchmarks/bench_engine_gpu.py", "--device", "cpu", "--preset", "smoke", "--out", str(tmp_path)],
-                      600)  # fmt: skip
+    proc = run_script(
+        ["benchmarks/bench_engine_gpu.py", "--device", "cpu", "--preset", "smoke", "--out", str(tmp_path)], 600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob("gpu-engine-cpu-*.json")
     res = json.loads(path.read_text())
@@ -93,8 +94,14 @@ def test_the_cpu_smoke_run_writes_every_section(tmp_path):
     assert nano["agreement"]["triton_vs_paged_torch"]["identical"] >= 0
     # (e) the targets: computed where measured, never claimed as the issue's conditions on a CPU.
     t = res["targets"]
-    assert set(t) == {"decode_step_batch_64_ms", "trace_tok_s", "engine_over_hf_best", "hf_configs_tried",
-                      "gpu_idle_fraction_batch_64", "nano_vllm_requests"}
+    assert set(t) == {
+        "decode_step_batch_64_ms",
+        "trace_tok_s",
+        "engine_over_hf_best",
+        "hf_configs_tried",
+        "gpu_idle_fraction_batch_64",
+        "nano_vllm_requests",
+    }
     for entry in t.values():
         assert set(entry) == {"value", "target", "met", "issue_conditions", "note"}
         assert entry["issue_conditions"] is False
@@ -134,8 +141,10 @@ def test_agreement_counts_and_refuses_unfinished_runs(bench):
     assert bench.agreement(a, b) == {"requests": 3, "identical": 1, "mismatching": 2, "first_difference_median": 1.0}
     assert bench.agreement(a, b | {"timed_out": True}) is None
     assert bench.agreement(a, {"error": "boom"}) is None
-    res = {"nano_vllm": {"runs": {"hf_cb": {"error": "TypeError: x"}, "engine": {"tok_s": 1.0}}},
-           "agreement": {"error": "y"}}
+    res = {
+        "nano_vllm": {"runs": {"hf_cb": {"error": "TypeError: x"}, "engine": {"tok_s": 1.0}}},
+        "agreement": {"error": "y"},
+    }
     assert bench.errors_in(res) == ["nano_vllm.runs.hf_cb", "agreement"]
 
 
@@ -152,15 +161,24 @@ def test_targets_read_this_runs_numbers(bench):
     }  # fmt: skip
     t = bench.targets(res, full_model=True, cuda=True)
     met = {name: x["met"] for name, x in t.items()}
-    assert met == {"decode_step_batch_64_ms": True, "trace_tok_s": False, "engine_over_hf_best": True,
-                   "hf_configs_tried": True, "gpu_idle_fraction_batch_64": False, "nano_vllm_requests": True}
+    assert met == {
+        "decode_step_batch_64_ms": True,
+        "trace_tok_s": False,
+        "engine_over_hf_best": True,
+        "hf_configs_tried": True,
+        "gpu_idle_fraction_batch_64": False,
+        "nano_vllm_requests": True,
+    }
     assert t["trace_tok_s"]["target"] == 25_000 and all(x["issue_conditions"] for x in t.values())
     assert "sdpa+async" in t["engine_over_hf_best"]["note"]
     res["issue_trace"]["requests"] = 40  # a budget cut the trace short: measured, but not the issue's trace
     res["issue_trace"]["runs"]["engine_triton_graphs"]["timed_out"] = True
     t = bench.targets(res, full_model=True, cuda=True)
     assert {k: t["trace_tok_s"][k] for k in ("value", "met", "issue_conditions")} == {
-        "value": None, "met": None, "issue_conditions": False}  # fmt: skip
+        "value": None,
+        "met": None,
+        "issue_conditions": False,
+    }
     assert "40 of its requests" in t["trace_tok_s"]["note"]
     t = bench.targets({"dtype": "bfloat16", "nano_vllm": {"error": "x"}}, full_model=True, cuda=True)
     assert all(x["value"] is None and x["met"] is None for x in t.values())
@@ -172,8 +190,9 @@ def test_presets_are_fixed_and_runs_are_guarded(bench):
     full, lease, smoke = (bench.PRESETS[k] for k in ("full", "lease", "smoke"))
     assert (full.requests, full.trace_requests, full.batches, full.comparisons, full.run_timeout_s) == (
         128, 96, (1, 16, 64), True, None)  # fmt: skip
-    assert lease == bench.dataclasses.replace(full, requests=32, comparisons=False, run_timeout_s=60.0,
-                                              hf_configs=("sdpa", "eager", "sdpa+async"))
+    assert lease == bench.dataclasses.replace(
+        full, requests=32, comparisons=False, run_timeout_s=60.0, hf_configs=("sdpa", "eager", "sdpa+async")
+    )
     assert full.protocol == lease.protocol == (256, 100, 1024)  # nano-vllm's whole protocol, in both
     assert set(full.hf_configs) == set(bench.HF_CB_CONFIGS) and full.profile_repeats == lease.profile_repeats == 3
     assert smoke.comparisons and max(smoke.batches) < 64 and smoke.requests < lease.requests
@@ -196,7 +215,9 @@ def test_hf_cb_config_asks_only_for_fields_this_transformers_has(bench):
 
     import hf_serving  # the Hugging Face runs beside bench_serving's (the bench fixture put benchmarks/ on the path)
 
-    cb, asked = hf_serving.hf_cb_config(hf_serving.Shape(max_num_seqs=64, max_num_batched_tokens=2048), 100, cuda_graphs=True)
+    cb, asked = hf_serving.hf_cb_config(
+        hf_serving.Shape(max_num_seqs=64, max_num_batched_tokens=2048), 100, cuda_graphs=True
+    )
     assert isinstance(cb, ContinuousBatchingConfig) and cb.page_size == 16 and cb.num_blocks == 100
     assert cb.max_batch_tokens == 2048 and cb.max_requests_per_batch == 64 and cb.use_cuda_graph is True
     assert asked["not_in_this_version"] == [] and "use_async_batching" not in asked["asked"]  # the GPU: HF decides
@@ -211,8 +232,12 @@ def test_hf_configurations_this_machine_cannot_run_are_skipped_saying_why(bench)
     run, skipped = hf_serving.runnable_configs(["sdpa", "flash"], cuda=True)
     if "flash" in skipped:  # flash attention is not on this machine (nor on the GPU image)
         assert run == ["sdpa"] and "flash_attn" in skipped["flash"]
-    cb, asked = hf_serving.hf_cb_config(hf_serving.Shape(64, 2048), 100, cuda_graphs=True,
-                                        overrides=hf_serving.HF_CB_CONFIGS["sdpa+async+compile3"].overrides)
+    cb, asked = hf_serving.hf_cb_config(
+        hf_serving.Shape(64, 2048),
+        100,
+        cuda_graphs=True,
+        overrides=hf_serving.HF_CB_CONFIGS["sdpa+async+compile3"].overrides,
+    )
     assert cb.use_async_batching is True and cb.default_compile_level == 3 and cb.auto_switch_to_flash is False
     runs = {"a": {"tok_s": 5.0}, "b": {"tok_s": 9.0, "timed_out": True}, "c": {"tok_s": 7.0}, "d": {"error": "x"}}
     assert hf_serving.best_hf_run(runs) == ("c", {"tok_s": 7.0})  # the fastest that served everything

@@ -29,8 +29,9 @@ def test_the_sweep_times_every_count_and_finds_the_fastest():
     assert row["chosen_over_best"] == 3.0 and len(calls) == 3
     assert all(torch.allclose(c, calls[0], atol=1e-2) for c in calls)  # fp16: every split count, one answer
     summary = splits.summarize(rows)
-    assert summary["heuristic_off_by_10pct"] == [{"batch": 1, "context": 64, "chosen": 1, "best": 2,
-                                                  "chosen_over_best": 3.0}]  # fmt: skip
+    assert summary["heuristic_off_by_10pct"] == [
+        {"batch": 1, "context": 64, "chosen": 1, "best": 2, "chosen_over_best": 3.0}
+    ]
     assert summary["worst"]["context"] == 64
 
 

@@ -257,7 +257,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 
 BlockManagerMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase

@@ -45,7 +45,8 @@ def test_plumbing_cells_are_hidden(path):
         if plumbing:
             tags = cell.get("metadata", {}).get("tags", [])
             assert {"remove-cell", "hide-input", "hide-cell", "remove-input"} & set(tags), (
-                f"plumbing cell in {path.name} is not hidden: {lines[0][:60]}")
+                f"plumbing cell in {path.name} is not hidden: {lines[0][:60]}"
+            )
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
@@ -142,8 +143,10 @@ def test_chapter_conventions(path):
 
 # What a chapter makes for the model, and must therefore put on its device (a static check; the GPU run is the proof).
 # QuantizedKVCache and DroppingKVCache allocate from the first K/V they store, so they follow the model by themselves.
-_DEVICE_BOUND = re.compile(r"\b(KVCache\.for_model|PagedKVCache\.for_model|PagedKVStore\(|"
-                           r"Int8PagedKVStore\.for_model|SinkKVCache\.for_model)")
+_DEVICE_BOUND = re.compile(
+    r"\b(KVCache\.for_model|PagedKVCache\.for_model|PagedKVStore\(|"
+    r"Int8PagedKVStore\.for_model|SinkKVCache\.for_model)"
+)
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
@@ -162,7 +165,8 @@ def test_chapter_runs_on_the_learners_device(path):
         comments.append(line)
     load = lines[at]
     assert "device=DEVICE" in load and "fp32" in load + "".join(comments), (
-        f"{path.name}: load on DEVICE and say the dtype: {load}")
+        f"{path.name}: load on DEVICE and say the dtype: {load}"
+    )
     assert 'print(f"running on {DEVICE}' in setup or "kernels run as" in setup
     for src in code[2:]:
         assert "load_pretrained(" not in src or "device=" in src, f"{path.name}: a model loaded off the device"
@@ -213,13 +217,17 @@ def test_inline_code_may_break_only_after_a_dot_an_underscore_or_a_parenthesis()
     keeps the pieces holding a hyphen or a slash whole; tags and entities are left alone."""
     from kvcourse.tools.sphinx_book import _INLINE_CODE, _break_points
 
-    html = ('<p><code class="docutils literal notranslate"><span class="pre">BlockManager.can_allocate(n)</span> '
-            '<span class="pre">--gpu-memory</span> <span class="pre">a&lt;b</span></code> not.code_here</p>')
+    html = (
+        '<p><code class="docutils literal notranslate"><span class="pre">BlockManager.can_allocate(n)</span> '
+        '<span class="pre">--gpu-memory</span> <span class="pre">a&lt;b</span></code> not.code_here</p>'
+    )
     out = _INLINE_CODE.sub(_break_points, html)
-    assert out == ('<p><code class="docutils literal notranslate"><span class="pre">BlockManager.<wbr>can_<wbr>'
-                   'allocate(<wbr><span class="kv-nobr">n)</span></span> <span class="pre"><span class="kv-nobr">'
-                   '--gpu-memory</span></span> <span class="pre"><span class="kv-nobr">a&lt;b</span></span></code> '
-                   'not.code_here</p>')
+    assert out == (
+        '<p><code class="docutils literal notranslate"><span class="pre">BlockManager.<wbr>can_<wbr>'
+        'allocate(<wbr><span class="kv-nobr">n)</span></span> <span class="pre"><span class="kv-nobr">'
+        '--gpu-memory</span></span> <span class="pre"><span class="kv-nobr">a&lt;b</span></span></code> '
+        "not.code_here</p>"
+    )
 
 
 def prose_words(nb: dict) -> int:
@@ -229,8 +237,9 @@ def prose_words(nb: dict) -> int:
     for cell in nb["cells"]:
         if cell["cell_type"] != "markdown" or "chapter-header" in cell.get("metadata", {}).get("tags", []):
             continue
-        words += sum(len(line.split()) for line in "".join(cell["source"]).splitlines()
-                     if not line.lstrip().startswith("|"))  # fmt: skip
+        words += sum(
+            len(line.split()) for line in "".join(cell["source"]).splitlines() if not line.lstrip().startswith("|")
+        )
     return words
 
 

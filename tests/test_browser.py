@@ -31,9 +31,17 @@ CHROMEDRIVER = os.environ.get("KVCOURSE_CHROMEDRIVER", "/usr/bin/chromedriver")
 REQUIRED = os.environ.get("KVCOURSE_REQUIRE_BROWSER") == "1"
 # Flags for a machine without outside network: no component updates, sync or QUIC probes.
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-dev-shm-usage", "--window-size=1366,900", "--hide-scrollbars",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1366,900",
+    "--hide-scrollbars",
 ]
 
 
@@ -270,14 +278,18 @@ def test_code_keeps_its_shape_and_scrolls_in_its_box(opened, page):
     # Lines are never broken mid-token (white-space: pre); a long one scrolls inside its block, and the page
     # itself does not scroll sideways.
     result = opened[page]
-    assert not result["unscrollable"], f"{page}: code/output blocks spill out of their column: {result['unscrollable'][:3]}"
+    assert not result["unscrollable"], (
+        f"{page}: code/output blocks spill out of their column: {result['unscrollable'][:3]}"
+    )
     assert result["wrapped"] == 0, f"{page}: {result['wrapped']} code/output blocks wrap their lines"
     assert result["page_overflow"] <= 1, f"{page}: the page scrolls sideways by {result['page_overflow']} px"
 
 
 @pytest.mark.parametrize("page", PAGES)
 def test_every_figure_has_real_alt_text(opened, page):
-    assert not opened[page]["bad_alts"], f"{page}: figures whose alt text is empty or a hash: {opened[page]['bad_alts']}"
+    assert not opened[page]["bad_alts"], (
+        f"{page}: figures whose alt text is empty or a hash: {opened[page]['bad_alts']}"
+    )
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -318,16 +330,21 @@ def test_the_menu_opens_on_a_narrow_screen_and_leads_to_a_chapter(browser, site,
         toggle = next(b for b in browser.find_elements(By.CSS_SELECTOR, ".primary-toggle") if b.is_displayed())
         toggle.click()
         WebDriverWait(browser, 10).until(
-            lambda d: d.execute_script("return document.getElementById('pst-primary-sidebar-modal').open"))
+            lambda d: d.execute_script("return document.getElementById('pst-primary-sidebar-modal').open")
+        )
         target = CHAPTER_PAGES[3]
-        link = next(a for a in browser.find_elements(By.CSS_SELECTOR, "#pst-primary-sidebar-modal a")
-                    if a.get_attribute("href").split("#")[0].endswith(target) and a.is_displayed())
+        link = next(
+            a
+            for a in browser.find_elements(By.CSS_SELECTOR, "#pst-primary-sidebar-modal a")
+            if a.get_attribute("href").split("#")[0].endswith(target) and a.is_displayed()
+        )
         link.click()
         WebDriverWait(browser, 30).until(lambda d: d.current_url.split("#")[0].endswith(target))
         # the page at this width does not scroll sideways either
         WebDriverWait(browser, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")
         overflow = browser.execute_script(
-            "return document.documentElement.scrollWidth - document.documentElement.clientWidth")
+            "return document.documentElement.scrollWidth - document.documentElement.clientWidth"
+        )
         assert overflow <= 1, f"{target} at {width} px scrolls sideways by {overflow} px"
     finally:
         browser.set_window_size(1366, 900)
@@ -341,7 +358,8 @@ def test_no_page_scrolls_sideways_on_a_phone(browser, site):
         for page in PAGES:
             _open(browser, f"{site}/{page}")
             overflow = browser.execute_script(
-                "return document.documentElement.scrollWidth - document.documentElement.clientWidth")
+                "return document.documentElement.scrollWidth - document.documentElement.clientWidth"
+            )
             if overflow > 1:
                 wide[page] = overflow
             probe = browser.execute_script(_PHONE_PROBE)
@@ -374,8 +392,9 @@ def test_the_menu_button_collapses_the_sidebar_on_a_wide_screen(browser, site):
     # The button's tooltip, shown while the pointer rests on it, can sit over the button itself: the pointer leaves,
     # and the second real click waits until the tooltip has gone.
     browser.execute_script("arguments[0].dispatchEvent(new MouseEvent('mouseleave'))", toggle)
-    WebDriverWait(browser, 10).until(lambda d: not [t for t in d.find_elements(By.CSS_SELECTOR, ".tooltip")
-                                                    if t.is_displayed()])
+    WebDriverWait(browser, 10).until(
+        lambda d: not [t for t in d.find_elements(By.CSS_SELECTOR, ".tooltip") if t.is_displayed()]
+    )
     toggle.click()
     WebDriverWait(browser, 10).until(lambda d: not d.execute_script(hidden))
 
@@ -384,7 +403,9 @@ def test_the_menu_button_collapses_the_sidebar_on_a_wide_screen(browser, site):
 def test_math_renders_offline(opened, page, site):
     result = opened[page]
     assert result["mathjax_scripts"] or not result["math"], f"{page}: has equations but MathJax is not loaded"
-    assert all(s.startswith(site) for s in result["mathjax_scripts"]), f"{page}: MathJax from {result['mathjax_scripts']}"
+    assert all(s.startswith(site) for s in result["mathjax_scripts"]), (
+        f"{page}: MathJax from {result['mathjax_scripts']}"
+    )
     assert result["math_errors"] == 0, f"{page}: MathJax reported {result['math_errors']} errors"
     assert result["math_rendered"] >= result["math"], (
         f"{page}: {result['math']} equations, {result['math_rendered']} rendered by MathJax"
@@ -467,14 +488,18 @@ def test_published_notebooks_read_cleanly():
             setup = "".join(next(c for c in nb["cells"] if c["cell_type"] == "code")["source"])
             assert f"git+{CFG.repository_url}@" in setup and "--no-deps" in setup
             has_solutions = any("solution" in c.get("metadata", {}).get("tags", []) for c in nb["cells"])
-            assert has_solutions == (folder == "book"), f"{folder}/{name}: solutions {'missing' if folder == 'book' else 'left in'}"
+            assert has_solutions == (folder == "book"), (
+                f"{folder}/{name}: solutions {'missing' if folder == 'book' else 'left in'}"
+            )
 
 
 def test_the_playground_script_is_only_on_the_pages_that_hold_it(opened):
     """Chapters 4, 6 and 7 hold a widget and load kvplay.js (13 kB); no other page loads it."""
     with_widget = sorted(Path(p).name[:2] for p, r in opened.items() if r["kvplay_widgets"])
     assert with_widget == ["04", "06", "07"]
-    assert {p: r["kvplay_script"] for p, r in opened.items()} == {p: bool(r["kvplay_widgets"]) for p, r in opened.items()}
+    assert {p: r["kvplay_script"] for p, r in opened.items()} == {
+        p: bool(r["kvplay_widgets"]) for p, r in opened.items()
+    }
 
 
 # ---- the playground (issue 32): the real scheduler, in Pyodide, on chapters 4, 6 and 7 -------------------------
@@ -504,7 +529,8 @@ def _open_playground(browser, site, chapter: str, before_click=None):
         before_click(root)
     root.find_element(By.CSS_SELECTOR, "button.kvplay-open").click()
     WebDriverWait(browser, 3 * PLAYGROUND_READY_LIMIT_S).until(
-        lambda d: root.get_attribute("data-ready") == "1" or "could not start" in root.text)
+        lambda d: root.get_attribute("data-ready") == "1" or "could not start" in root.text
+    )
     assert root.get_attribute("data-ready") == "1", root.text[:500]
     return root
 
@@ -595,7 +621,9 @@ def test_the_playground_replays_a_scripted_session_as_cpython_decides(browser, s
     records = _records(browser, root)
     assert records == expected[:5]
     log = [li.text for li in root.find_elements(By.CSS_SELECTOR, ".kvplay-log li")]
-    assert log == [d["text"] + (f" line {d['line']}" if d["line"] is not None else "") for d in records[-1]["decisions"]]
+    assert log == [
+        d["text"] + (f" line {d['line']}" if d["line"] is not None else "") for d in records[-1]["decisions"]
+    ]
     first = next(d for d in records[-1]["decisions"] if d["line"] is not None)
     root.find_element(By.CSS_SELECTOR, ".kvplay-log li .kvplay-link").click()
     chosen = root.find_elements(By.CSS_SELECTOR, ".kvplay-chosen")
@@ -624,7 +652,8 @@ def test_the_playground_replays_a_scripted_session_as_cpython_decides(browser, s
         browser.set_window_size(1366, 900)
     assert sum("preempted" in d["text"] for r in records for d in r["decisions"]) > 0  # the session is not trivial
     resources = browser.execute_script(
-        "return performance.getEntriesByType('resource').map(e => [e.name, e.transferSize, e.encodedBodySize])")
+        "return performance.getEntriesByType('resource').map(e => [e.name, e.transferSize, e.encodedBodySize])"
+    )
     outside = [u for u, *_ in resources if not u.startswith(site) and not u.startswith("data:")]
     assert not outside, f"fetched from outside the site: {outside}"
     errors = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
@@ -670,7 +699,8 @@ def test_the_playground_runs_on_the_other_chapters_with_their_presets(browser, s
     pool = root.find_elements(By.CSS_SELECTOR, ".kvplay-pool .kvplay-block")
     assert len(pool) >= PRESETS[chapter].num_blocks
     outside = browser.execute_script(
-        "return performance.getEntriesByType('resource').map(e => e.name).filter(n => !n.startsWith(location.origin))")
+        "return performance.getEntriesByType('resource').map(e => e.name).filter(n => !n.startsWith(location.origin))"
+    )
     assert not outside
 
 
@@ -703,7 +733,9 @@ def test_the_first_click_costs_what_the_page_says(browser, site):
 
     from kvcourse.tools.playground_site import measured_first_click
 
-    manifest = json.loads((PLAYGROUND / "manifest.json").read_text()) if (PLAYGROUND / "manifest.json").is_file() else {}
+    manifest = (
+        json.loads((PLAYGROUND / "manifest.json").read_text()) if (PLAYGROUND / "manifest.json").is_file() else {}
+    )
     stated = {}
 
     def throttle(root):
@@ -711,17 +743,22 @@ def test_the_first_click_costs_what_the_page_says(browser, site):
         mbit = THROTTLE["download_mbit_s"] * 1e6 / 8
         browser.execute_cdp_cmd("Network.enable", {})
         browser.execute_cdp_cmd("Network.setCacheDisabled", {"cacheDisabled": True})
-        browser.execute_cdp_cmd("Network.emulateNetworkConditions", {
-            "offline": False, "latency": THROTTLE["latency_ms"], "downloadThroughput": mbit, "uploadThroughput": mbit})
+        browser.execute_cdp_cmd(
+            "Network.emulateNetworkConditions",
+            {"offline": False, "latency": THROTTLE["latency_ms"], "downloadThroughput": mbit, "uploadThroughput": mbit},
+        )
 
     try:
         root = _open_playground(browser, site, "07", before_click=throttle)
         ready_s = browser.execute_script("return arguments[0].kvplay.readyMs", root) / 1000
         resources = browser.execute_script(
-            "return performance.getEntriesByType('resource').map(e => [e.name, e.encodedBodySize])")
+            "return performance.getEntriesByType('resource').map(e => [e.name, e.encodedBodySize])"
+        )
     finally:
-        browser.execute_cdp_cmd("Network.emulateNetworkConditions", {
-            "offline": False, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1})
+        browser.execute_cdp_cmd(
+            "Network.emulateNetworkConditions",
+            {"offline": False, "latency": 0, "downloadThroughput": -1, "uploadThroughput": -1},
+        )
         browser.execute_cdp_cmd("Network.setCacheDisabled", {"cacheDisabled": False})
     on_click = sum(size for url, size in resources if "/_static/playground/" in url)
     measured = {
@@ -732,8 +769,8 @@ def test_the_first_click_costs_what_the_page_says(browser, site):
         "machine": f"{_cpu_name()}, {os.cpu_count()} cores",
         "date": datetime.date.today().isoformat(),
         "how": "tests/test_browser.py: the book served by Python's http.server on localhost, uncompressed; "
-               "Network.emulateNetworkConditions and Network.setCacheDisabled through execute_cdp_cmd; "
-               "from the click on 'Open the playground' to the first step ready",
+        "Network.emulateNetworkConditions and Network.setCacheDisabled through execute_cdp_cmd; "
+        "from the click on 'Open the playground' to the first step ready",
     }
     path = Path(HTML).parent / "playground-cost.json"
     cost = json.loads(path.read_text()) if path.is_file() else {}

@@ -29,9 +29,14 @@ _LABELS = [(name, e.label) for name, nb in _NOTEBOOKS.items() for e in find_exer
 
 def _check_call(source: str) -> tuple[str, tuple[str, ...]]:
     """The check a solution cell calls (``chNN.check_x``) and the names it passes, ``model`` as MODEL."""
-    calls = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
-             and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("check_")
-             and isinstance(node.func.value, ast.Name)]
+    calls = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr.startswith("check_")
+        and isinstance(node.func.value, ast.Name)
+    ]
     assert len(calls) == 1, f"expected one check call, found {len(calls)}"
     call = calls[0]
     names = tuple(MODEL if a.id == "model" else a.id for a in call.args if isinstance(a, ast.Name))
@@ -65,8 +70,10 @@ def test_references_are_read_from_the_checks_source():
     import kvcourse
     from kvcourse.exercises import ch01, ch04
 
-    assert references_of(ch01.check_attention) == [["kvcourse.kernels.reference", "causal_attention"],
-                                                   ["kvcourse.kernels.reference", "decode_attention_ref"]]
+    assert references_of(ch01.check_attention) == [
+        ["kvcourse.kernels.reference", "causal_attention"],
+        ["kvcourse.kernels.reference", "decode_attention_ref"],
+    ]
     assert references_of(ch04.check_block_manager) == [["kvcourse.paged.block_manager", "BlockManager"]]
     assert references_of(ch01.check_causal_mask) == []
     assert kvcourse.causal_attention.__module__ == "kvcourse.kernels.reference"
@@ -87,8 +94,9 @@ def test_untouched_student_copy_fails_every_exercise(chapter):
     student = student_copy(_NOTEBOOKS[chapter])
     for exercise in find_exercises(student):
         verdict = _graded(student, exercise.label)
-        assert not verdict.passed and ("NotImplementedError" in verdict.message or "not written yet" in verdict.message), \
-            (exercise.label, verdict.message)
+        assert not verdict.passed and (
+            "NotImplementedError" in verdict.message or "not written yet" in verdict.message
+        ), (exercise.label, verdict.message)
 
 
 # ---- answers written the natural way: reusing the chapter's earlier answers and data (issue 36, item 8) ----
@@ -101,7 +109,8 @@ _NATURAL = {
         "    kv_heads = config['num_key_value_heads']\n"
         "    per_head = bytes_per_token(config, bytes_per_value) // kv_heads  # the earlier answer, per head\n"
         "    return per_head * max(1, kv_heads // tp_size) * seq_len\n\n"
-        "ch03.check_bytes_per_rank(bytes_per_rank)\n"),
+        "ch03.check_bytes_per_rank(bytes_per_rank)\n"
+    ),
     "ch03-ex-fit": (
         "def max_sequences(config, num_parameters, seq_len, gpu_bytes, weight_bytes_per_value, kv_bytes_per_value,\n"
         "                  utilization=0.9):\n"
@@ -110,7 +119,8 @@ _NATURAL = {
         "    return max(0, int(budget // per_seq))\n\n"
         "ch03.check_max_sequences(max_sequences)\n"
         "qwen = CATALOG['qwen2.5-7b']\n"
-        "print(max_sequences(qwen.config, qwen.num_parameters, 32768, gpus['80 GB (A100, H100)'], 2, 1))  # the card\n"),
+        "print(max_sequences(qwen.config, qwen.num_parameters, 32768, gpus['80 GB (A100, H100)'], 2, 1))  # the card\n"
+    ),
     "ch07-ex-lookup": (
         "def find_longest_cache_hit(token_ids, block_size, cache_salt, hash_fn, get_cached_block):\n"
         "    hits = []\n"
@@ -120,7 +130,8 @@ _NATURAL = {
         "            break\n"
         "        hits.append(block)\n"
         "    return hits\n\n"
-        "ch07.check_prefix_lookup(find_longest_cache_hit, model)\n"),
+        "ch07.check_prefix_lookup(find_longest_cache_hit, model)\n"
+    ),
 }
 
 

@@ -69,8 +69,16 @@ def test_notebook_cache_runs_the_real_model_like_kvcourse_cache(model, tok, Simp
 
 def test_notebook_forward_pass_equals_the_model(model, tok, SimpleKVCache):
     cfg = model.config
-    namespace = {"torch": torch, "F": F, "rope_cos_sin": rope_cos_sin, "apply_rope": apply_rope, "cfg": cfg,
-                 "D": cfg.head_dim, "Hq": cfg.num_attention_heads, "Hkv": cfg.num_key_value_heads}
+    namespace = {
+        "torch": torch,
+        "F": F,
+        "rope_cos_sin": rope_cos_sin,
+        "apply_rope": apply_rope,
+        "cfg": cfg,
+        "D": cfg.head_dim,
+        "Hq": cfg.num_attention_heads,
+        "Hkv": cfg.num_key_value_heads,
+    }
     exec(_notebook_code("@torch.inference_mode()\ndef forward_with_cache"), namespace)
     forward_with_cache = namespace["forward_with_cache"]
     ids = tok.encode("Once upon a time, in a small village,")

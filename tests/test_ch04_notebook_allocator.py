@@ -36,8 +36,11 @@ def SimpleBlockManager():
 def _state(ours, package):
     """Everything both allocators expose, in one comparable form each."""
     mine = ({s: ours.block_table(s) for s in ours.tables}, list(ours.ref_count), ours.num_free_blocks)
-    theirs = ({s: package.block_table(s) for s in package.seq_ids},
-              [package.ref_count(b) for b in range(package.num_blocks)], package.num_free_blocks)
+    theirs = (
+        {s: package.block_table(s) for s in package.seq_ids},
+        [package.ref_count(b) for b in range(package.num_blocks)],
+        package.num_free_blocks,
+    )
     return mine, theirs
 
 

@@ -37,7 +37,8 @@ def _workflow() -> dict:
 def test_classroom_workflow_matches_the_github_schema():
     result = subprocess.run(
         [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.github-workflows", str(WORKFLOW)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -67,7 +68,9 @@ def test_classroom_workflow_grades_exercises_and_reports_points():
     assert "grade exercises --out grades.csv --reports feedback" in grade
     points = next(s for s in steps if "kvcourse.instructor points" in s.get("run", ""))
     assert points["run"].endswith('points grades.csv >> "$GITHUB_OUTPUT"')
-    reporter = next(s for s in steps if s.get("uses", "").startswith("classroom-resources/autograding-grading-reporter@"))
+    reporter = next(
+        s for s in steps if s.get("uses", "").startswith("classroom-resources/autograding-grading-reporter@")
+    )
     runner = reporter["with"]["runners"]
     assert reporter["env"] == {f"{runner.upper()}_RESULTS": f"${{{{ steps.{points['id']}.outputs.result }}}}"}
     # the feedback page it shows is the one grade writes for a flat folder named exercises
@@ -76,15 +79,19 @@ def test_classroom_workflow_grades_exercises_and_reports_points():
 
 def test_points_are_the_reporters_format(tmp_path, capsys):
     grades = tmp_path / "grades.csv"
-    grades.write_text("notebook,exercise,passed,message\n01_a.ipynb,ch01-ex-mask,1,ok\n"
-                      "01_a.ipynb,ch01-ex-pairs,0,\"off by one, see the hint\"\n")
+    grades.write_text(
+        "notebook,exercise,passed,message\n01_a.ipynb,ch01-ex-mask,1,ok\n"
+        '01_a.ipynb,ch01-ex-pairs,0,"off by one, see the hint"\n'
+    )
     assert main(["points", str(grades)]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith("result=")
     result = json.loads(base64.b64decode(line.removeprefix("result=")))
     assert result["version"] == 1 and result["status"] == "fail" and result["max_score"] == 2
     assert [(t["name"], t["status"], t["score"]) for t in result["tests"]] == [
-        ("01_a.ipynb: ch01-ex-mask", "pass", 1), ("01_a.ipynb: ch01-ex-pairs", "fail", 0)]
+        ("01_a.ipynb: ch01-ex-mask", "pass", 1),
+        ("01_a.ipynb: ch01-ex-pairs", "fail", 0),
+    ]
     assert result["tests"][1]["message"] == "off by one, see the hint"
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     for bad in ("other.csv", "missing.csv"):

@@ -26,8 +26,9 @@ BARE = re.compile(r"""^(True|False|None|-?[\d.,]+%?|'[^'\n]*'|"[^"\n]*")$""")
 
 def _run(path: Path) -> nbformat.NotebookNode:
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(path.parent)}}).execute()  # fmt: skip
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", allow_errors=True, resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
     return nb
 
 
@@ -46,8 +47,9 @@ def published(tmp_path_factory):
     out = tmp_path_factory.mktemp("published")
     reader_copies([str(BOOK / name) for name in READERS] + ["--out", str(out / "book"), "--ref", "test"])
     assert instructor(["student", str(BOOK), "--out", str(out / "student-src")]) == 0
-    reader_copies([str(out / "student-src" / STUDENT), "--out", str(out / "exercises"), "--glue-from", str(BOOK),
-                   "--ref", "test"])  # fmt: skip
+    reader_copies(
+        [str(out / "student-src" / STUDENT), "--out", str(out / "exercises"), "--glue-from", str(BOOK), "--ref", "test"]
+    )
     return out
 
 

@@ -83,8 +83,10 @@ def test_the_control_plane_runs_in_pyodide_as_in_cpython(tmp_path):
     node), on nothing but the control plane's own files, makes the same decisions as CPython."""
     node = shutil.which("node")
     if node is None or not PYODIDE.is_dir():
-        pytest.skip(f"Pyodide (npm package, run with node) is not installed at {PYODIDE}: `make pyodide` installs "
-                    f"it where npm exists (npm install --prefix .venv/pyodide pyodide@{PYODIDE_VERSION})")
+        pytest.skip(
+            f"Pyodide (npm package, run with node) is not installed at {PYODIDE}: `make pyodide` installs "
+            f"it where npm exists (npm install --prefix .venv/pyodide pyodide@{PYODIDE_VERSION})"
+        )
     files = control_plane_files()  # what the book's wheel holds (kvcourse.tools.playground_site)
     assert "kvcourse/control/__init__.py" in files and not any("model" in f or "kernels" in f for f in files)
     script = tmp_path / "driver.py"
@@ -138,11 +140,14 @@ def test_lazy_packages_import_names_on_first_use_and_keep_exports_over_submodule
     """``import kvcourse`` imports no torch until a name that needs it is read; ``kvcourse.generate`` stays the
     function after the submodule that defines it, ``kvcourse/generation.py``, is imported (no submodule
     shares an exported name, so the import system never sets the package's attribute to a module)."""
-    code = BLOCK_TORCH + """
+    code = (
+        BLOCK_TORCH
+        + """
 import kvcourse, kvcourse.paged, kvcourse.serving
 print(set(kvcourse.paged.__all__) <= set(dir(kvcourse.paged)))
 print(kvcourse.paged.BlockManager.__name__, kvcourse.serving.Scheduler.__name__)
 """
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["True", "BlockManager", "Scheduler"]

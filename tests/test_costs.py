@@ -34,8 +34,13 @@ def test_the_seed_500x_figure_is_the_projection_ratio_for_a_one_token_prompt():
 
 def test_forward_flops_by_hand():
     cfg = LlamaConfig(
-        vocab_size=10, hidden_size=4, intermediate_size=6, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=2,
+        vocab_size=10,
+        hidden_size=4,
+        intermediate_size=6,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=2,
     )
     # per token per layer: q 4x4, k 4x2, v 4x2, o 4x4, mlp 3 x 4x6 -> 2*(16+8+8+16+72) = 240
     # 3 tokens from position 0 see 1+2+3 = 6 keys: 2 (QK and PV) * 2 * 6 * q_dim(4) = 96 per layer
@@ -64,12 +69,20 @@ def test_flop_scaled_ms_scales_by_the_forward_flops():
     # twice the tokens: more than twice the time (attention's pairs), less than four times
     assert 2 * 10.0 < flop_scaled_ms(cfg, 10.0, 100, 200) < 4 * 10.0
     assert flop_scaled_ms(cfg, 10.0, 100, 200) == pytest.approx(
-        10.0 * forward_flops(cfg, 200) / forward_flops(cfg, 100))
+        10.0 * forward_flops(cfg, 200) / forward_flops(cfg, 100)
+    )
     assert flop_scaled_ms(cfg, 7.0, 64, 64) == pytest.approx(7.0)
 
 
-@pytest.mark.parametrize(("args", "name"), [((-1.0, 16, 384), "measured_ms"), ((1.0, 0, 384), "measured_tokens"),
-                                            ((1.0, 16, 0), "num_tokens"), ((float("nan"), 16, 384), "measured_ms")])
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [
+        ((-1.0, 16, 384), "measured_ms"),
+        ((1.0, 0, 384), "measured_tokens"),
+        ((1.0, 16, 0), "num_tokens"),
+        ((float("nan"), 16, 384), "measured_ms"),
+    ],
+)
 def test_flop_scaled_ms_refuses_bad_input(args, name):
     from kvcourse.costs import flop_scaled_ms
 

@@ -24,6 +24,7 @@ from kvcourse.serving.step_profile import SYNC_OPS
 
 from .conftest import real_model_on, tiny_llama
 
+
 def sync_ops(fn, within: str | None = None) -> collections.Counter:
     """The synchronising ops ``fn()`` runs, counted by torch's profiler (only those under a
     ``record_function(within)`` scope, if given: host-side work on CPU tensors outside it is no sync)."""
@@ -42,8 +43,9 @@ def sync_ops(fn, within: str | None = None) -> collections.Counter:
 
 # The static forward on CPU tensors runs chapter 5's kernels there: only in Triton's interpreter. A process
 # that compiles them for a GPU (make gpu-check) skips these; its cuda cases test the capture itself.
-kernels_on_cpu = pytest.mark.skipif(kernel_device().type != "cpu",
-                                    reason="Triton kernels take cuda tensors in this process, not cpu ones")
+kernels_on_cpu = pytest.mark.skipif(
+    kernel_device().type != "cpu", reason="Triton kernels take cuda tensors in this process, not cpu ones"
+)
 
 # A padding lane has no key to attend to: its row of the decode kernel divides 0 by 0 (a NaN nobody reads,
 # in a row no other row mixes with). Triton's CPU interpreter computes it with NumPy, which warns.
@@ -343,8 +345,9 @@ def test_captured_mixed_steps_of_the_real_model_equal_eager_cuda(model, tok):
         runs[graphs] = (eng.generate(prompts, params), eng.runner.graph_steps, len(eng.events))
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] == runs[True][2] and runs[False][1] == 0
-    runner = ModelRunner(model_on, 16, 16, backend="triton", cuda_graphs=True, max_num_seqs=4,
-                         max_num_batched_tokens=64)  # fmt: skip
+    runner = ModelRunner(
+        model_on, 16, 16, backend="triton", cuda_graphs=True, max_num_seqs=4, max_num_batched_tokens=64
+    )
     runner.step([(0, prompts[0])])  # a prompt alone is a mixed step too
     runner.step([(0, [5]), (1, prompts[1])])
     torch.cuda.synchronize()

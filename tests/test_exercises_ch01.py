@@ -62,8 +62,10 @@ def test_mask_rejects_wrong_answers_with_their_hint(wrong, hint):
 def test_mask_reports_a_crash_and_a_stub():
     with pytest.raises(ExerciseError, match="ZeroDivisionError"):
         ch01.check_causal_mask(lambda t, s: 1 / 0)
+
     def stub(t, s):
         raise NotImplementedError("write causal_mask")
+
     result = ch01.check_causal_mask(stub)  # reported, not raised: a student copy's "Run all" goes on
     assert not result and "not written yet" in result.message and "write causal_mask" in result.message
     assert not ch01.check_causal_mask(NotImplemented)  # a value answer left as the stub gives it
@@ -169,11 +171,13 @@ def right_pairs(p, n):
 def test_pairs_accept_right_answers():
     assert ch01.check_naive_attention_pairs(right_pairs)
     assert ch01.check_naive_attention_pairs(lambda p, n: float(right_pairs(p, n)))
+
     # a closed form works as well as the loop
     def closed(p, n):
         t0, t1 = p, p + n - 1
         squares = (t1 * (t1 + 1) * (2 * t1 + 1) - (t0 - 1) * t0 * (2 * t0 - 1)) // 6
         return (squares + (t1 * (t1 + 1) - (t0 - 1) * t0) // 2) // 2 if n else 0
+
     assert ch01.check_naive_attention_pairs(closed)
 
 
@@ -220,8 +224,9 @@ def frozen_by_dtype(step_a, step_b, past):
 
 
 def frozen_allclose(step_a, step_b, past):  # another fair answer: one tolerance loose enough for bf16
-    return sorted(n for n in step_a if torch.allclose(step_a[n][:past].float(), step_b[n][:past].float(),
-                                                      rtol=1e-2, atol=1e-3))  # fmt: skip
+    return sorted(
+        n for n in step_a if torch.allclose(step_a[n][:past].float(), step_b[n][:past].float(), rtol=1e-2, atol=1e-3)
+    )
 
 
 def frozen_as_the_hint_says(step_a, step_b, past):  # the hints' remedy, taken literally: allclose, rtol=1e-2
@@ -315,8 +320,11 @@ def test_predicted_naive_step_matches_the_package_model():
     cfg = kvcourse.LlamaConfig()
     per_pair = kvcourse.costs.forward_flops(cfg, 1, 1) - kvcourse.costs.forward_flops(cfg, 1, 0)
     per_token = kvcourse.costs.forward_flops(cfg, 1, 0) - per_pair
-    assert math.isclose(right_prediction(40.0, 16, 384, per_token, per_pair),
-                        kvcourse.costs.flop_scaled_ms(cfg, 40.0, 16, 384), rel_tol=1e-12)
+    assert math.isclose(
+        right_prediction(40.0, 16, 384, per_token, per_pair),
+        kvcourse.costs.flop_scaled_ms(cfg, 40.0, 16, 384),
+        rel_tol=1e-12,
+    )
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,9 @@ from kvcourse.exercises import ExerciseError, ch02
 # ---- 1. positions of new tokens ----------------------------------------------------------------
 def test_positions_accept_right_answers(device):
     assert ch02.check_new_positions(lambda lens, n: lens[:, None] + torch.arange(n, device=lens.device), device=device)
-    assert ch02.check_new_positions(lambda lens, n: torch.stack([torch.arange(s, s + n) for s in lens.tolist()]),
-                                    device=device)  # a result on the CPU is compared there  # fmt: skip
+    assert ch02.check_new_positions(
+        lambda lens, n: torch.stack([torch.arange(s, s + n) for s in lens.tolist()]), device=device
+    )  # a result on the CPU is compared there
 
 
 @pytest.mark.parametrize(
@@ -353,29 +354,52 @@ def test_outweigh_accepts_right_answers(model):
     assert ch02.check_tokens_to_outweigh(right_tokens)
     # the formula against a real cache: at that many tokens, a real KVCache holds >= the fp32 weights
     cfg = model.config
-    smol = dict(num_parameters=model.num_parameters(), num_hidden_layers=cfg.num_hidden_layers,
-                num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                head_dim=cfg.head_dim)
+    smol = dict(
+        num_parameters=model.num_parameters(),
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+    )
     n = right_tokens(smol, 1)
     cache = kvcourse.KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim)
     for layer in range(cfg.num_hidden_layers):
-        cache.update(layer, torch.zeros(1, cfg.num_key_value_heads, n - 1, cfg.head_dim),
-                     torch.zeros(1, cfg.num_key_value_heads, n - 1, cfg.head_dim))
+        cache.update(
+            layer,
+            torch.zeros(1, cfg.num_key_value_heads, n - 1, cfg.head_dim),
+            torch.zeros(1, cfg.num_key_value_heads, n - 1, cfg.head_dim),
+        )
     assert cache.nbytes < model.num_parameters() * 4 <= cache.nbytes + cache.nbytes // (n - 1)
 
 
 @pytest.mark.parametrize(
     ("wrong", "hint"),
     [
-        (lambda c, b: math.ceil(c["num_parameters"] / (c["num_hidden_layers"] * c["num_key_value_heads"]
-                                                        * c["head_dim"] * b)), "factor 2"),
-        (lambda c, b: math.ceil(c["num_parameters"] / (2 * c["num_hidden_layers"] * c["num_attention_heads"]
-                                                        * c["head_dim"] * b)), "query heads are not"),
+        (
+            lambda c, b: math.ceil(
+                c["num_parameters"] / (c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * b)
+            ),
+            "factor 2",
+        ),
+        (
+            lambda c, b: math.ceil(
+                c["num_parameters"] / (2 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"] * b)
+            ),
+            "query heads are not",
+        ),
         (lambda c, b: right_tokens(c, 1), "its own cache"),
-        (lambda c, b: c["num_parameters"] // (2 * c["num_hidden_layers"] * c["num_key_value_heads"]
-                                              * c["head_dim"] * b), "round up"),
-        (lambda c, b: c["num_parameters"] // (2 * c["num_hidden_layers"] * c["num_key_value_heads"]
-                                              * c["head_dim"] * b) + 1, "divide exactly"),
+        (
+            lambda c, b: (
+                c["num_parameters"] // (2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * b)
+            ),
+            "round up",
+        ),
+        (
+            lambda c, b: (
+                c["num_parameters"] // (2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * b) + 1
+            ),
+            "divide exactly",
+        ),
         (lambda c, b: str(right_tokens(c, b)), "should return an int"),
         (lambda c, b: right_tokens(c, b) * 4, "Divide the parameters"),
     ],
@@ -424,7 +448,10 @@ def _fed_sum(fed, n, fixed, per_token):
 @pytest.mark.parametrize(
     ("wrong", "hint"),
     [
-        (lambda p, n, f, t, c: _fed_sum(lambda i: (p if i == 0 else 1) if c else p + i + 1, n, f, t), "Off by one token"),
+        (
+            lambda p, n, f, t, c: _fed_sum(lambda i: (p if i == 0 else 1) if c else p + i + 1, n, f, t),
+            "Off by one token",
+        ),
         (lambda p, n, f, t, c: _fed_sum(lambda i: 1 if c else p + i, n, f, t), "prefill is one step"),
         (lambda p, n, f, t, c: right_generation_ms(p, n, f, t, not c), "use_cache decides"),
         (lambda p, n, f, t, c: right_generation_ms(p, n, f, t, c) - (n - 1) * f, "Every step pays the fixed cost"),

@@ -45,8 +45,10 @@ def _dim(c):
     [
         (lambda c, b: c["num_hidden_layers"] * _kv(c) * _dim(c) * b, "factor 2"),
         (lambda c, b: 2 * c["num_hidden_layers"] * c["num_attention_heads"] * _dim(c) * b, "not the query heads"),
-        (lambda c, b: 2 * c["num_hidden_layers"] * _kv(c) * (c["hidden_size"] // c["num_attention_heads"]) * b,
-         "config\\['head_dim'\\]"),
+        (
+            lambda c, b: 2 * c["num_hidden_layers"] * _kv(c) * (c["hidden_size"] // c["num_attention_heads"]) * b,
+            "config\\['head_dim'\\]",
+        ),
         (lambda c, b: 2 * c["num_hidden_layers"] * _kv(c) * _dim(c) * 2, "bytes_per_value"),
         (lambda c, b: 2 * _kv(c) * _dim(c) * b, "num_hidden_layers"),
         (lambda c, b: 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * _dim(c) * b, "multi-head attention"),
@@ -98,19 +100,45 @@ def _mla(c):
     ("wrong", "hint"),
     [
         # MLA read as GQA: DeepSeek's config says num_key_value_heads = 128 and has no head_dim
-        (lambda c, s, t, b: 2 * c["num_hidden_layers"] * max(1, c["num_key_value_heads"] // t)
-         * c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]) * s * b, "MLA caches no per-head"),
-        (lambda c, s, t, b: c["num_hidden_layers"] * (c["num_attention_heads"] // t)
-         * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"]) * s * b if _mla(c)
-         else per_rank(c, s, t, b), "decompressed"),
+        (
+            lambda c, s, t, b: (
+                2
+                * c["num_hidden_layers"]
+                * max(1, c["num_key_value_heads"] // t)
+                * c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+                * s
+                * b
+            ),
+            "MLA caches no per-head",
+        ),
+        (
+            lambda c, s, t, b: (
+                c["num_hidden_layers"]
+                * (c["num_attention_heads"] // t)
+                * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"] + c["v_head_dim"])
+                * s
+                * b
+                if _mla(c)
+                else per_rank(c, s, t, b)
+            ),
+            "decompressed",
+        ),
         (lambda c, s, t, b: 2 * per_rank(c, s, t, b) if _mla(c) else per_rank(c, s, t, b), "not a K and a V"),
-        (lambda c, s, t, b: c["num_hidden_layers"] * c["kv_lora_rank"] * s * b if _mla(c)
-         else per_rank(c, s, t, b), "shared RoPE key"),
+        (
+            lambda c, s, t, b: c["num_hidden_layers"] * c["kv_lora_rank"] * s * b if _mla(c) else per_rank(c, s, t, b),
+            "shared RoPE key",
+        ),
         (lambda c, s, t, b: per_rank(c, s, 1, b) / t, "replicated"),
         (lambda c, s, t, b: per_rank(c, s, t, b) / t if _mla(c) else per_rank(c, s, t, b), "every rank stores all"),
         (lambda c, s, t, b: per_rank(c, s, t, b) / 2 if not _mla(c) else per_rank(c, s, t, b), "factor 2"),
-        (lambda c, s, t, b: 2 * c["num_hidden_layers"] * max(1, c["num_attention_heads"] // t) * c["head_dim"] * s * b
-         if not _mla(c) else per_rank(c, s, t, b), "not the query heads"),
+        (
+            lambda c, s, t, b: (
+                2 * c["num_hidden_layers"] * max(1, c["num_attention_heads"] // t) * c["head_dim"] * s * b
+                if not _mla(c)
+                else per_rank(c, s, t, b)
+            ),
+            "not the query heads",
+        ),
         (lambda c, s, t, b: per_rank(c, 1, t, b), "multiply by seq_len"),
         (lambda c, s, t, b: None, "should return a number"),
         (lambda c, s, t, b: per_rank(c, s, t, b) + 1, "GQA: 2 x layers"),
@@ -144,8 +172,9 @@ def test_quantized_bytes_accepts_right_answers():
 def test_quantized_bytes_without_window_is_the_package_formula():
     # With no fp16 window, the package's per-group count (scale and zero point per group) gives the same bytes.
     cfg = {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128}
-    assert kivi_bytes(cfg, 4096, 4, 32, 0) == kv_cache_bytes(cfg | {"num_attention_heads": 32}, 4096, dtype="int4",
-                                                             quant_group_size=32)
+    assert kivi_bytes(cfg, 4096, 4, 32, 0) == kv_cache_bytes(
+        cfg | {"num_attention_heads": 32}, 4096, dtype="int4", quant_group_size=32
+    )
     # int4 in groups of 32: the scales and zero points add a quarter to the payload, not an eighth
     payload = kv_cache_bytes(cfg | {"num_attention_heads": 32}, 4096, dtype="int4")
     assert kivi_bytes(cfg, 4096, 4, 32, 0) == payload * 5 // 4
@@ -159,13 +188,21 @@ def _vals(c):
     ("wrong", "hint"),
     [
         # one fp16 scale per group, no zero point (symmetric quantization)
-        (lambda c, s, bits, g, r: _vals(c) * ((s - min(s, r)) * (bits / 8 + 2 / g) + min(s, r) * 2), "AND a zero point"),
+        (
+            lambda c, s, bits, g, r: _vals(c) * ((s - min(s, r)) * (bits / 8 + 2 / g) + min(s, r) * 2),
+            "AND a zero point",
+        ),
         (lambda c, s, bits, g, r: _vals(c) * s * (bits / 8 + 4 / g), "stay in fp16"),
         (lambda c, s, bits, g, r: _vals(c) * (s * (bits / 8 + 4 / g) + min(s, r) * 2), "not also stored quantized"),
         (lambda c, s, bits, g, r: _vals(c) * ((s - min(s, r)) * (bits + 4 / g) + min(s, r) * 2), "bits / 8 bytes"),
-        (lambda c, s, bits, g, r: _vals(c) * ((s - min(s, r)) * (bits / 8 + 4 / c["head_dim"]) + min(s, r) * 2),
-         "not one per head vector"),
-        (lambda c, s, bits, g, r: _vals(c) * ((s - min(s, r)) * (bits / 8 + 4 / g) + min(s, r) * 4), "2 bytes per value"),
+        (
+            lambda c, s, bits, g, r: _vals(c) * ((s - min(s, r)) * (bits / 8 + 4 / c["head_dim"]) + min(s, r) * 2),
+            "not one per head vector",
+        ),
+        (
+            lambda c, s, bits, g, r: _vals(c) * ((s - min(s, r)) * (bits / 8 + 4 / g) + min(s, r) * 4),
+            "2 bytes per value",
+        ),
         (lambda c, s, bits, g, r: kivi_bytes(c, s, bits, g, r) / 2, "factor 2"),
         (lambda c, s, bits, g, r: kivi_bytes(c, s, bits, g, r) * 1.5, "two kinds of token separately"),
     ],
@@ -207,6 +244,7 @@ def _variant(**mistake):
         budget = u * (gpu_bytes - weights) if mistake.get("left") else u * gpu_bytes - weights
         n = (math.ceil if mistake.get("ceil") else math.floor)(budget / per_seq)
         return n if mistake.get("negative") else max(0, n)
+
     return fn
 
 

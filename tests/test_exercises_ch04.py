@@ -49,6 +49,7 @@ def _mapping(start_of=lambda n, q: n - q, slot=lambda t, pos, b: t[pos // b] * b
             t = tables[0] if table_of == "first" else t
             out += [slot(t, pos, b) for pos in _positions(n, q, start_of)]
         return out
+
     return fn
 
 
@@ -63,8 +64,10 @@ def _mapping(start_of=lambda n, q: n - q, slot=lambda t, pos, b: t[pos // b] * b
         (_mapping(slot=lambda t, pos, b: t[pos // b] * b), "offset inside the block"),
         (_mapping(table_of="first"), "its own block table"),
         # every cached token too, not only the new ones
-        (lambda tables, lens, qs, b: [t[p // b] * b + p % b for t, n in zip(tables, lens) for p in range(n)],
-         "One slot per NEW token"),
+        (
+            lambda tables, lens, qs, b: [t[p // b] * b + p % b for t, n in zip(tables, lens) for p in range(n)],
+            "One slot per NEW token",
+        ),
         (lambda tables, lens, qs, b: "slots", "list of ints"),
         (lambda tables, lens, qs, b: [s + 1 for s in step_slots(tables, lens, qs, b)], "Position pos of sequence b"),
     ],
@@ -76,8 +79,11 @@ def test_slot_mapping_rejects_wrong_answers_with_their_hint(wrong, hint):
 
 def test_slot_mapping_refuses_the_package():
     with pytest.raises(ExerciseError, match="calls kvcourse's slot_mapping"):
-        ch04.check_slot_mapping(lambda tables, lens, qs, b: sum(
-            (slot_mapping(t, range(n - q, n), b) for t, n, q in zip(tables, lens, qs)), []))
+        ch04.check_slot_mapping(
+            lambda tables, lens, qs, b: sum(
+                (slot_mapping(t, range(n - q, n), b) for t, n, q in zip(tables, lens, qs)), []
+            )
+        )
 
 
 # ---- 2. the block allocator (bug hunt) -----------------------------------------------------------
@@ -317,14 +323,17 @@ def test_live_fraction_accepts_the_right_answer_written_two_ways():
     assert ch04.check_live_fraction(lambda ls, b: 1 - sum((-n) % b for n in ls) / sum(-(-n // b) * b for n in ls))
 
 
-@pytest.mark.parametrize(("wrong", "hint"), [
-    (lambda ls, b: sum(ls) / sum(max(1, n // b) * b for n in ls), "round the blocks up"),
-    (lambda ls, b: 1 - right_live_fraction(ls, b), "empty share"),
-    (lambda ls, b: sum(n / (-(-n // b) * b) for n in ls) / len(ls), "all tokens over all slots"),
-    (lambda ls, b: sum(ls) / sum(n + (b - 1) / 2 for n in ls), "count each sequence's own last block"),
-    (lambda ls, b: 0.9, "whole blocks, enough for its tokens"),
-    (lambda ls, b: "0.9", "should return a number"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("wrong", "hint"),
+    [
+        (lambda ls, b: sum(ls) / sum(max(1, n // b) * b for n in ls), "round the blocks up"),
+        (lambda ls, b: 1 - right_live_fraction(ls, b), "empty share"),
+        (lambda ls, b: sum(n / (-(-n // b) * b) for n in ls) / len(ls), "all tokens over all slots"),
+        (lambda ls, b: sum(ls) / sum(n + (b - 1) / 2 for n in ls), "count each sequence's own last block"),
+        (lambda ls, b: 0.9, "whole blocks, enough for its tokens"),
+        (lambda ls, b: "0.9", "should return a number"),
+    ],
+)
 def test_live_fraction_rejects_wrong_answers_with_their_hint(wrong, hint):
     with pytest.raises(ExerciseError, match=hint):
         ch04.check_live_fraction(wrong)
@@ -360,8 +369,13 @@ def test_student_copy_fails_every_check_with_its_label(capsys):
     exercises = find_exercises(student)
     assert len(exercises) >= 4
     for exercise in exercises:
-        namespace = {"ch04": ch04, "deque": deque, "BlockManager": BlockManager, "make_trace": make_trace,
-                     "block_size_sweep": block_size_sweep}
+        namespace = {
+            "ch04": ch04,
+            "deque": deque,
+            "BlockManager": BlockManager,
+            "make_trace": make_trace,
+            "block_size_sweep": block_size_sweep,
+        }
         for i in exercise.code_cells:  # the bug hunt's own code cell runs first, then the stub
             exec(cell_source(student["cells"][i]), namespace)  # nothing raises: "Run all" goes on
         said = capsys.readouterr().out
@@ -396,8 +410,12 @@ def _mean(xs):
         (lambda p, o, m: _mean([a + b for a, b in zip(p, o)]) / m, "mean final length"),
         (lambda p, o, m: sum(b * (a + b / 2) for a, b in zip(p, o)) / sum(o) / m, "Half a token"),
         (lambda p, o, m: sum(b * (b + 1) / 2 for b in o) / sum(o) / m, "prompt is held"),
-        (lambda p, o, m: sum((a + b) * (a + (b + 1) / 2) for a, b in zip(p, o)) / sum(a + b for a, b in zip(p, o)) / m,
-         "not prompt_len \\+ output_len"),
+        (
+            lambda p, o, m: (
+                sum((a + b) * (a + (b + 1) / 2) for a, b in zip(p, o)) / sum(a + b for a, b in zip(p, o)) / m
+            ),
+            "not prompt_len \\+ output_len",
+        ),
         (lambda p, o, m: 0.5, "Weight each request by output_len"),
     ],
 )

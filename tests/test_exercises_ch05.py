@@ -140,8 +140,9 @@ class Bound:
 
 
 @triton.jit
-def online_kernel(Q, K, V, Seq_lens, Out, scale, S_MAX: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
-                  MISTAKE: tl.constexpr):  # fmt: skip
+def online_kernel(
+    Q, K, V, Seq_lens, Out, scale, S_MAX: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, MISTAKE: tl.constexpr
+):
     b = tl.program_id(0)
     seq_len = tl.load(Seq_lens + b)
     d = tl.arange(0, D)
@@ -258,10 +259,15 @@ def test_paged_offsets_accepts_right_kernel(kernels_on):
 
 @pytest.mark.parametrize(
     "mistake, hint",
-    [("contiguous", "look up the physical block"), ("no_offset", "add the offset"),
-     ("unscaled", "multiply it by the block stride"), ("row0", "sequence 0's table"),
-     ("packed_blocks", "a block starts at block \\* stride_kb"), ("head_by_d", "not h \\* D \\(a head-major pool"),
-     ("q_heads_by_d", "Step the heads of Q and Out by stride_qh")],  # fmt: skip
+    [
+        ("contiguous", "look up the physical block"),
+        ("no_offset", "add the offset"),
+        ("unscaled", "multiply it by the block stride"),
+        ("row0", "sequence 0's table"),
+        ("packed_blocks", "a block starts at block \\* stride_kb"),
+        ("head_by_d", "not h \\* D \\(a head-major pool"),
+        ("q_heads_by_d", "Step the heads of Q and Out by stride_qh"),
+    ],
 )
 def test_paged_offsets_rejects_wrong_kernels(mistake, hint):
     with pytest.raises(ExerciseError, match=hint):
@@ -272,8 +278,9 @@ def test_paged_offsets_rejects_wrong_kernels(mistake, hint):
 # 4. Split-KV's merge, written whole: rows of NUM_SPLITS partial results
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def merge_kernel(Partial, Lse, Out, Out_lse, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr,
-                 MISTAKE: tl.constexpr):  # fmt: skip
+def merge_kernel(
+    Partial, Lse, Out, Out_lse, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, D: tl.constexpr, MISTAKE: tl.constexpr
+):
     row = tl.program_id(0)
     split = tl.arange(0, BLOCK_S)
     col = tl.arange(0, D)
@@ -329,10 +336,17 @@ def test_merge_splits_accepts_right_kernel(kernels_on):
 
 @pytest.mark.parametrize(
     "mistake, hint",
-    [("empty", "0 x NaN is NaN"), ("split_mask", "read the next row's splits"), ("no_max", "exp\\(lse\\) overflows"),
-     ("mean", "the same weight"), ("exp2", "natural logarithms"), ("unnormalised", "without the division"),
-     ("lse_max", "the maximum M alone"), ("lse_sum", "logs of sums do not add"),
-     ("row_stride", "BLOCK_S is the width of the tile you load")],  # fmt: skip
+    [
+        ("empty", "0 x NaN is NaN"),
+        ("split_mask", "read the next row's splits"),
+        ("no_max", "exp\\(lse\\) overflows"),
+        ("mean", "the same weight"),
+        ("exp2", "natural logarithms"),
+        ("unnormalised", "without the division"),
+        ("lse_max", "the maximum M alone"),
+        ("lse_sum", "logs of sums do not add"),
+        ("row_stride", "BLOCK_S is the width of the tile you load"),
+    ],
 )
 def test_merge_splits_rejects_wrong_kernels(mistake, hint):
     with pytest.raises(ExerciseError, match=hint):
@@ -453,11 +467,18 @@ def test_tiled_decode_accepts_right_kernel(kernels_on):
 
 @pytest.mark.parametrize(
     "mistake, hint",
-    [("tail", "reads whole tiles only"), ("no_mask", "reads past seq_len"), ("scores_only", "NaN padding leaks"),
-     ("loads_only", "a score of 0 still gets weight"), ("acc", "multiply it by alpha"), ("l", "l is not"),
-     ("divide", "divide it by l"), ("interleaved", "consecutive heads"),
-     ("keys_by_d", "step the keys and values by stride_ks"),
-     ("heads_by_d", "Step the heads of Q and Out by stride_qh")],  # fmt: skip
+    [
+        ("tail", "reads whole tiles only"),
+        ("no_mask", "reads past seq_len"),
+        ("scores_only", "NaN padding leaks"),
+        ("loads_only", "a score of 0 still gets weight"),
+        ("acc", "multiply it by alpha"),
+        ("l", "l is not"),
+        ("divide", "divide it by l"),
+        ("interleaved", "consecutive heads"),
+        ("keys_by_d", "step the keys and values by stride_ks"),
+        ("heads_by_d", "Step the heads of Q and Out by stride_qh"),
+    ],
 )
 def test_tiled_decode_rejects_wrong_kernels(mistake, hint):
     with pytest.raises(ExerciseError, match=hint):
@@ -565,8 +586,11 @@ def test_other_seeds_still_lay_kv_out_so_that_a_packed_layout_is_caught():
 # The int8 speed-up the bytes promise (issue 45: predict, then measure)
 # ---------------------------------------------------------------------------------------------
 def _int8_nbytes(lens, hq, hkv, d, bs, kv, scale, q=2, tables=True):
-    return (2 * sum(lens) * hkv * (d * kv + scale) + 2 * len(lens) * hq * d * q
-            + (4 * sum(-(-n // bs) for n in lens) if tables else 0))  # fmt: skip
+    return (
+        2 * sum(lens) * hkv * (d * kv + scale)
+        + 2 * len(lens) * hq * d * q
+        + (4 * sum(-(-n // bs) for n in lens) if tables else 0)
+    )
 
 
 def int8_speedup_right(lens, hq, hkv, d, bs):

@@ -138,17 +138,26 @@ def test_a_right_prediction_passes(seed):
     assert ch06.check_predicted_ttft(right_predict, seed=seed)
 
 
-@pytest.mark.parametrize("wrong, hint", [
-    (lambda p, d, b, f, t: (math.ceil(p / b), math.ceil(p / b) * (f + t * d) + t * p), "The decodes go first"),
-    (lambda p, d, b, f, t: (right_predict(p, d, b, f, t)[0], right_predict(p, d, b, f, t)[0] * f + t * p),
-     "The decodes share every step"),
-    (lambda p, d, b, f, t: (right_predict(p, d, b, f, t)[0], f + t * (p + right_predict(p, d, b, f, t)[0] * d)),
-     "Every step pays the fixed cost"),
-    (lambda p, d, b, f, t: (max(1, p // (b - d)), max(1, p // (b - d)) * (f + t * d) + t * p), "A partial chunk"),
-    (lambda p, d, b, f, t: (right_predict(p, d, b, f, t)[0], right_predict(p, d, b, f, t)[0] * (f + t * b)),
-     "The last chunk is usually smaller"),
-    (lambda p, d, b, f, t: 2.0, "should return \\(steps, milliseconds\\)"),
-])
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (lambda p, d, b, f, t: (math.ceil(p / b), math.ceil(p / b) * (f + t * d) + t * p), "The decodes go first"),
+        (
+            lambda p, d, b, f, t: (right_predict(p, d, b, f, t)[0], right_predict(p, d, b, f, t)[0] * f + t * p),
+            "The decodes share every step",
+        ),
+        (
+            lambda p, d, b, f, t: (right_predict(p, d, b, f, t)[0], f + t * (p + right_predict(p, d, b, f, t)[0] * d)),
+            "Every step pays the fixed cost",
+        ),
+        (lambda p, d, b, f, t: (max(1, p // (b - d)), max(1, p // (b - d)) * (f + t * d) + t * p), "A partial chunk"),
+        (
+            lambda p, d, b, f, t: (right_predict(p, d, b, f, t)[0], right_predict(p, d, b, f, t)[0] * (f + t * b)),
+            "The last chunk is usually smaller",
+        ),
+        (lambda p, d, b, f, t: 2.0, "should return \\(steps, milliseconds\\)"),
+    ],
+)
 def test_wrong_predictions_get_their_hint(wrong, hint):
     with pytest.raises(ExerciseError, match=hint):
         ch06.check_predicted_ttft(wrong)
@@ -157,6 +166,7 @@ def test_wrong_predictions_get_their_hint(wrong, hint):
 def test_running_a_scheduler_is_not_a_prediction():
     def predict_ttft(p, d, b, f, t):
         from kvcourse.serving import Scheduler
+
         return Scheduler, 0.0
 
     with pytest.raises(ExerciseError, match="Scheduler"):

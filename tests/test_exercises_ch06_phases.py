@@ -28,7 +28,7 @@ def running(rs, budget, free, bs, *, cap=True, order=1, victim=-1, frees=True, p
         n = 1 if one else min(left, budget) if cap else left
         need = ceil(s["num_computed_tokens"] + n, bs) - s["num_blocks"] if partial else ceil(n, bs)
         while need > free:
-            rest = alive[alive.index(s["seq_id"]):]
+            rest = alive[alive.index(s["seq_id"]) :]
             v = rest[victim]
             alive.remove(v)
             preempted.append(v)
@@ -77,42 +77,60 @@ def test_the_chapters_first_example_by_hand():
 
 def test_the_hidden_traces_chunk_and_preempt():
     """Without chunks and preemptions in the traces, the mistakes about them could not be seen."""
-    for check, traces in (("check_schedule_running", ch06_phases._running_traces),
-                          ("check_schedule_waiting", ch06_phases._waiting_traces)):
+    for check, traces in (
+        ("check_schedule_running", ch06_phases._running_traces),
+        ("check_schedule_waiting", ch06_phases._waiting_traces),
+    ):
         logs = [ch06_phases._log(t) for t in traces(ch06_phases.case_rng(check, 0))]
         steps = [step for log in logs for step in log]
         assert any(step[2] for step in steps)  # somebody is preempted
-        assert any(n < total for log, t in zip(logs, traces(ch06_phases.case_rng(check, 0)))
-                   for step in log for i, c, n in step[0] if c == 0 and (total := t[0][i]) > n)  # a first chunk
+        assert any(
+            n < total
+            for log, t in zip(logs, traces(ch06_phases.case_rng(check, 0)))
+            for step in log
+            for i, c, n in step[0]
+            if c == 0 and (total := t[0][i]) > n
+        )  # a first chunk
 
 
-@pytest.mark.parametrize("wrong, hint", [
-    (lambda *a: running(*a, cap=False), "A chunk past the budget"),
-    (lambda *a: running(*a, order=-1), "Oldest first"),
-    (lambda *a: running(*a, one=True), "Not every running sequence is decoding"),
-    (lambda *a: running(*a, victim=0), "The victim is the newest"),
-    (lambda *a: running(*a, frees=False), "gives its blocks back"),
-    (lambda *a: running(*a, partial=False), "partly empty"),
-    (lambda rs, b, f, bs: (running(rs, b, f, bs)[0], []), "preempted .* must name|no room|Walk the running"),
-    (lambda rs, b, f, bs: [(s["seq_id"], 1) for s in rs], "tuple \\(scheduled, preempted\\)"),
-    (lambda rs, b, f, bs: 1 / 0, "ZeroDivisionError"),
-])
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (lambda *a: running(*a, cap=False), "A chunk past the budget"),
+        (lambda *a: running(*a, order=-1), "Oldest first"),
+        (lambda *a: running(*a, one=True), "Not every running sequence is decoding"),
+        (lambda *a: running(*a, victim=0), "The victim is the newest"),
+        (lambda *a: running(*a, frees=False), "gives its blocks back"),
+        (lambda *a: running(*a, partial=False), "partly empty"),
+        (lambda rs, b, f, bs: (running(rs, b, f, bs)[0], []), "preempted .* must name|no room|Walk the running"),
+        (lambda rs, b, f, bs: [(s["seq_id"], 1) for s in rs], "tuple \\(scheduled, preempted\\)"),
+        (lambda rs, b, f, bs: 1 / 0, "ZeroDivisionError"),
+    ],
+)
 def test_running_mistakes_get_their_hint(wrong, hint):
     with pytest.raises(ExerciseError, match=hint):
         ch06.check_schedule_running(wrong)
 
 
-@pytest.mark.parametrize("wrong, hint", [
-    (lambda *a: waiting(*a, skip=True), "admitted before an older one"),
-    (lambda *a: waiting(*a, cap=False), "A chunk past the budget"),
-    (lambda *a: waiting(*a, whole=True), "Chunked prefill"),
-    (lambda *a: waiting(*a, per_prompt=True), "blocks for its own tokens only"),
-    (lambda *a: waiting(*a, seat=False), "Seats"),
-    (lambda *a: waiting(*a, keep=1), "No watermark here: the check runs the scheduler with watermark=0"),  # issue 47
-    (lambda ws, b, f, bs, s: [(w["seq_id"], min(w["num_tokens"], b)) for w in ws[:1]],
-     "no room|Walk the queue|admitted with 0 tokens"),
-    (lambda ws, b, f, bs, s: [w["seq_id"] for w in ws], "pairs"),
-])
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (lambda *a: waiting(*a, skip=True), "admitted before an older one"),
+        (lambda *a: waiting(*a, cap=False), "A chunk past the budget"),
+        (lambda *a: waiting(*a, whole=True), "Chunked prefill"),
+        (lambda *a: waiting(*a, per_prompt=True), "blocks for its own tokens only"),
+        (lambda *a: waiting(*a, seat=False), "Seats"),
+        (
+            lambda *a: waiting(*a, keep=1),
+            "No watermark here: the check runs the scheduler with watermark=0",
+        ),  # issue 47
+        (
+            lambda ws, b, f, bs, s: [(w["seq_id"], min(w["num_tokens"], b)) for w in ws[:1]],
+            "no room|Walk the queue|admitted with 0 tokens",
+        ),
+        (lambda ws, b, f, bs, s: [w["seq_id"] for w in ws], "pairs"),
+    ],
+)
 def test_waiting_mistakes_get_their_hint(wrong, hint):
     with pytest.raises(ExerciseError, match=hint):
         ch06.check_schedule_waiting(wrong)

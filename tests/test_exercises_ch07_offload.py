@@ -52,6 +52,7 @@ def test_the_device_pool_is_on_the_devices_argument_and_the_host_pool_on_the_cpu
 def grouped(first):
     def replay(device, host, transfers):
         right_replay(device, host, sorted(transfers, key=lambda t: t[0] != first))  # stable: order kept within
+
     return replay
 
 

@@ -43,4 +43,5 @@ def test_refuses_the_courses_model():
 
     with pytest.raises(ExerciseError, match="predicted_ttft_s"):
         ch07.check_predicted_prefix_ttft(
-            lambda n, c, b, f, t: 1e3 * predicted_ttft_s(StepCost(f / 1e3, t / 1e3), n, c, b))
+            lambda n, c, b, f, t: 1e3 * predicted_ttft_s(StepCost(f / 1e3, t / 1e3), n, c, b)
+        )

@@ -100,8 +100,11 @@ def hashes_with(chain=True, partial=False, salt_everywhere=False, none_key=False
         end = -(-len(token_ids) // block_size) if partial else len(token_ids) // block_size
         for i in range(end):
             salted = (i == 0 or salt_everywhere) and not no_salt and (cache_salt is not None or none_key)
-            h = hash_fn(parent if chain else None, token_ids[i * block_size : (i + 1) * block_size],
-                        (cache_salt,) if salted else ())  # fmt: skip
+            h = hash_fn(
+                parent if chain else None,
+                token_ids[i * block_size : (i + 1) * block_size],
+                (cache_salt,) if salted else (),
+            )
             out.append(h)
             parent = h
         return out
@@ -167,6 +170,7 @@ def test_lru_takes_rejects_wrong_answers(wrong, hint):
 def lru_as_a_list(take_tail=False, free_head=False):
     """The natural wrong answers of issue 47: a list whose hit is ``list.remove``, which crashes when a wrong
     policy has already handed the block out."""
+
     def lru_takes(num_blocks, ops):
         queue, out = list(range(num_blocks)), []
         for op in ops:
@@ -280,8 +284,9 @@ def lookup_with(stop=1, chain=True, salt="first", at_miss="break", ceil=False):
                 extra = (cache_salt,) if i == 0 else ()
             else:
                 extra = ()
-            h = hash_fn(parent if chain else None, tuple(token_ids[i * block_size : min(end, (i + 1) * block_size)]),
-                        extra)  # fmt: skip
+            h = hash_fn(
+                parent if chain else None, tuple(token_ids[i * block_size : min(end, (i + 1) * block_size)]), extra
+            )
             parent = h
             block = get_cached_block(h)
             if block is None:

@@ -158,8 +158,11 @@ def snapkv_keep(probs, num_kv_heads, budget, window, kernel):
 
 def test_snapkv_reference_is_what_the_cache_keeps():
     gen = torch.Generator().manual_seed(0)
-    for num_heads, num_kv_heads, s, budget, window, kernel in [(4, 2, 60, 30, 8, 7), (9, 3, 80, 20, 16, 5),
-                                                               (6, 1, 50, 45, 4, 3)]:
+    for num_heads, num_kv_heads, s, budget, window, kernel in [
+        (4, 2, 60, 30, 8, 7),
+        (9, 3, 80, 20, 16, 5),
+        (6, 1, 50, 45, 4, 3),
+    ]:
         probs = ch08._attention_probs(gen, num_heads, s)
         assert torch.allclose(probs.sum(-1), torch.ones(num_heads, s))
         want = ch08._package_keep(probs, num_kv_heads, budget, window, kernel)
@@ -172,13 +175,16 @@ def test_snapkv_right_answers_pass(device):
     assert ch08.check_snapkv_keep(snapkv_keep, seed=4, device=device)
 
 
-@pytest.mark.parametrize("mistake,hint", [
-    ("all_queries", "H2O's heavy-hitter score"),
-    ("no_pool", "Max-pool the scores"),
-    ("no_window", "Keep the observation window's own"),
-    ("interleaved", "consecutive heads"),
-    ("unsorted", "Sort each KV head's kept positions"),
-])
+@pytest.mark.parametrize(
+    "mistake,hint",
+    [
+        ("all_queries", "H2O's heavy-hitter score"),
+        ("no_pool", "Max-pool the scores"),
+        ("no_window", "Keep the observation window's own"),
+        ("interleaved", "consecutive heads"),
+        ("unsorted", "Sort each KV head's kept positions"),
+    ],
+)
 def test_snapkv_mistakes_get_their_hint(mistake, hint):
     def wrong(probs, num_kv_heads, budget, window, kernel):
         num_heads, seq_len, _ = probs.shape
@@ -270,12 +276,15 @@ def test_mla_right_answers_pass(device):
     assert ch08.check_absorbed_decode(absorbed_decode, seed=2, device=device)
 
 
-@pytest.mark.parametrize("mistake,hint", [
-    ("no_rope", "Add the RoPE part of the score"),
-    ("no_scale", "Multiply the scores by `scale`"),
-    ("softmax_heads", "not over the heads"),
-    ("swapped", "they are swapped"),
-])
+@pytest.mark.parametrize(
+    "mistake,hint",
+    [
+        ("no_rope", "Add the RoPE part of the score"),
+        ("no_scale", "Multiply the scores by `scale`"),
+        ("softmax_heads", "not over the heads"),
+        ("swapped", "they are swapped"),
+    ],
+)
 def test_mla_mistakes_get_their_hint(mistake, hint):
     def wrong(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale):
         w_k, w_v = (w_uv, w_uk) if mistake == "swapped" else (w_uk, w_uv)

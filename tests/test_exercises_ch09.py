@@ -63,7 +63,10 @@ def _kv(config, heads_key="num_key_value_heads"):
         (lambda p, c, lens, b: b * (p + 2 * _kv(c, "num_attention_heads") * sum(lens)), "not num_attention_heads"),
         (lambda p, c, lens, b: b * (p * len(lens) + 2 * _kv(c) * sum(lens)), "the weights count once"),
         (lambda p, c, lens, b: b * 2 * _kv(c) * sum(lens), "The weights are read every step"),
-        (lambda p, c, lens, b: b * (p + 2 * c["num_key_value_heads"] * c["head_dim"] * sum(lens)), "multiply by num_hidden_layers"),
+        (
+            lambda p, c, lens, b: b * (p + 2 * c["num_key_value_heads"] * c["head_dim"] * sum(lens)),
+            "multiply by num_hidden_layers",
+        ),
         (lambda p, c, lens, b: b * p + 2 * _kv(c) * sum(lens), "Count bytes, not elements"),
         (lambda p, c, lens, b: 0, "A decode step reads"),
     ],

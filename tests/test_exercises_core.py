@@ -66,7 +66,9 @@ def test_a_device_mismatch_in_the_learners_code_gets_the_device_hint():
     from kvcourse.exercises._core import DEVICE_HINT, ExerciseError, call_learner
 
     def made_on_the_cpu(x):  # what the first GPU run of chapter 5 raised
-        raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!")
+        raise RuntimeError(
+            "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"
+        )
 
     def plain_bug(x):
         raise RuntimeError("shape '[2, 3]' is invalid for input of size 5")

@@ -321,8 +321,15 @@ def test_reservation_live_fraction_predicts_the_max_simulation():
     assert abs(measured / model - 1) < 0.03
 
 
-@pytest.mark.parametrize(("args", "name"), [(([1], [1], 0), "max_len"), (([1, 2], [1], 10), "prompt_lens"),
-                                            (([0], [1], 10), "prompt_lens"), (([5], [6], 10), "max_len")])
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [
+        (([1], [1], 0), "max_len"),
+        (([1, 2], [1], 10), "prompt_lens"),
+        (([0], [1], 10), "prompt_lens"),
+        (([5], [6], 10), "max_len"),
+    ],
+)
 def test_reservation_live_fraction_refuses_bad_input(args, name):
     from kvcourse.fragmentation import reservation_live_fraction
 

@@ -10,6 +10,7 @@ from kvcourse.gguf_file import read_gguf
 @pytest.fixture(scope="module")
 def both():
     import gguf
+
     path = kvcourse.gguf_path()
     return read_gguf(path), gguf.GGUFReader(str(path))
 

@@ -33,7 +33,9 @@ GLUE = _code(
     '_ = glue("formula", 2 * 3)',
     ["remove-cell", "nbval-ignore-output"],
 )
-BEFORE = "Batching gives {glue:text}`load_gain` times the throughput; the step-cost model bounds it by {glue:text}`bound_a`."
+BEFORE = (
+    "Batching gives {glue:text}`load_gain` times the throughput; the step-cost model bounds it by {glue:text}`bound_a`."
+)
 
 
 def test_glued_names_get_the_kind_of_run_their_values_come_from():
@@ -50,7 +52,10 @@ def test_a_paragraph_comparing_this_run_with_a_committed_run_is_flagged_unless_i
     said = BEFORE.replace("the step-cost model", "the step-cost model of another run (a committed fit)")
     assert mixed_paragraphs({"cells": [TIMED, GLUE, _md(said)]}) == []
     # Figures of one kind only: nothing to say.
-    assert mixed_paragraphs({"cells": [TIMED, GLUE, _md("Bounded by {glue:text}`bound_a` and {glue:text}`bound_b`.")]}) == []
+    assert (
+        mixed_paragraphs({"cells": [TIMED, GLUE, _md("Bounded by {glue:text}`bound_a` and {glue:text}`bound_b`.")]})
+        == []
+    )
 
 
 def test_a_cell_that_is_not_python_is_named():

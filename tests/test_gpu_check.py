@@ -91,7 +91,10 @@ def test_without_a_gpu_it_says_so_runs_nothing_and_fails(tmp_path, capsys):
 
 def test_versions_name_what_the_jobs_use():
     v = gpu_check.versions()
-    assert v["torch"] == torch.__version__ and v["python"] == f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
+    assert (
+        v["torch"] == torch.__version__
+        and v["python"] == f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
+    )
     assert set(gpu_check.VERSIONED) <= set(v) and v["nbclient"] != "missing"
     assert gpu_check.missing_requirements() == []  # this environment has everything
 

@@ -38,7 +38,9 @@ def test_the_reference_list_is_the_course_unless_a_book_or_chapters_narrow_it():
     assert {f"ch{n}": c.notebook for n, c in course.items()} == NOTEBOOKS
     assert all((BOOK / c.notebook).is_file() for c in course.values())
     book = reference_chapters(BOOK)
-    assert {n: (c.notebook, c.labels) for n, c in book.items()} == {n: (c.notebook, c.labels) for n, c in course.items()}
+    assert {n: (c.notebook, c.labels) for n, c in book.items()} == {
+        n: (c.notebook, c.labels) for n, c in course.items()
+    }
     assert list(reference_chapters(chapters=["04", "03", "03"])) == ["03", "04"]
     with pytest.raises(ValueError, match=r"\['10'\] are not in the reference list"):
         reference_chapters(chapters=["03", "10"])
@@ -85,13 +87,18 @@ def test_copies_of_a_solved_chapter_score_once_and_a_missing_one_counts_zero(tmp
     # each student: 3 of 6 (chapter 99 solved, chapter 98 missing), however many copies they handed in
     assert _score(rows, "honest") == _score(rows, "copier") == _score(rows, "redownload") == (3, 6)
     assert {r["notebook"] for r in rows if r["notebook"].startswith("copier/")} == {
-        "copier/99_synthetic.ipynb", "copier/98_other.ipynb"}
+        "copier/99_synthetic.ipynb",
+        "copier/98_other.ipynb",
+    }
     assert [r["message"] for r in rows if r["notebook"] == "redownload/98_other.ipynb"] == [
-        "notebook missing from the submission"] * 3
+        "notebook missing from the submission"
+    ] * 3
     assert not any("redownload/99_synthetic.ipynb" == r["notebook"] for r in rows)  # not also counted missing
     printed = capsys.readouterr().out
-    assert ("copier/99_synthetic.ipynb: chapter 99 was handed in more than once: graded copier/99_synthetic.ipynb; "
-            "not graded: copier/a/99_synthetic.ipynb, copier/b/99_synthetic.ipynb") in printed
+    assert (
+        "copier/99_synthetic.ipynb: chapter 99 was handed in more than once: graded copier/99_synthetic.ipynb; "
+        "not graded: copier/a/99_synthetic.ipynb, copier/b/99_synthetic.ipynb"
+    ) in printed
 
 
 def test_a_label_written_twice_is_graded_once_and_reported(tmp_path):

@@ -37,8 +37,7 @@ _CHUNK = (
     "ch06.check_chunk_size(chunk_size)\n"
 )
 _CHUNK_FOLLOW_UP = (
-    "chunk = chunk_size(fixed_ms, per_token_ms, 8, 3 * fixed_ms)\n"
-    "print(chunk, math.ceil(1024 / chunk), 'steps')\n"
+    "chunk = chunk_size(fixed_ms, per_token_ms, 8, 3 * fixed_ms)\nprint(chunk, math.ceil(1024 / chunk), 'steps')\n"
 )
 _PREDICT = (
     "def predict_ttft(prompt_len, num_decodes, budget, fixed_ms, per_token_ms):\n"

@@ -168,7 +168,9 @@ def test_no_package_exports_a_name_that_is_also_its_submodule():
     # (kvcourse.generate, the function, beside kvcourse/generate.py, needed a module class swapped to hide it).
     clashes = []
     for init in _packages():
-        submodules = {p.stem for p in init.parent.glob("*.py")} | {p.parent.name for p in init.parent.glob("*/__init__.py")}
+        submodules = {p.stem for p in init.parent.glob("*.py")} | {
+            p.parent.name for p in init.parent.glob("*/__init__.py")
+        }
         clashes += [f"{_module_name(init, PACKAGE_DIR)}.{n}" for n in sorted(_exported_names(init) & submodules)]
     assert not clashes, f"exported names that are also submodules: {clashes}"
 
@@ -182,7 +184,9 @@ def test_one_lazy_export_helper():
         if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in ast.parse(path.read_text()).body)
     ]
     assert by_hand == []
-    helper = next(n for n in ast.parse((PACKAGE_DIR / "lazy.py").read_text()).body if getattr(n, "name", "") == "lazy_exports")
+    helper = next(
+        n for n in ast.parse((PACKAGE_DIR / "lazy.py").read_text()).body if getattr(n, "name", "") == "lazy_exports"
+    )
     assert any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in ast.walk(helper))
     source = (PACKAGE_DIR / "lazy.py").read_text()
     assert "__class__" not in source, "lazy_exports must not swap a module's class"
@@ -197,8 +201,11 @@ def test_lazy_packages_write_their_exported_names_once():
         if not _lazy_dicts(tree):
             continue
         for node in tree.body:
-            if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets)
-                    and isinstance(node.value, (ast.List, ast.Tuple))):  # fmt: skip
+            if (
+                isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+                and isinstance(node.value, (ast.List, ast.Tuple))
+            ):
                 typed_twice.append(_module_name(init, PACKAGE_DIR))
     assert not typed_twice, f"packages whose __all__ repeats their lazy exports by hand: {typed_twice}"
 

@@ -64,7 +64,9 @@ def test_every_chapter_has_three_exercises_with_solutions_that_call_checks(path)
     for exercise in exercises:
         solutions = exercise.solution_cells(nb)
         assert len(solutions) == 1, f"{exercise.label}: needs one solution cell, has {len(solutions)}"
-        assert ".check_" in cell_source(nb["cells"][solutions[0]]), f"{exercise.label}: the solution must call its check"
+        assert ".check_" in cell_source(nb["cells"][solutions[0]]), (
+            f"{exercise.label}: the solution must call its check"
+        )
     md = "\n".join(cell_source(c) for c in nb["cells"] if c["cell_type"] == "markdown")
     assert len(re.findall(r"\{solution\}", md)) >= len(exercises)
     for cell in nb["cells"]:  # one exercise per markdown cell, so code cells belong to exactly one
@@ -131,8 +133,10 @@ def test_stub_of_a_value_answer_starts_as_not_implemented():
 
 
 def test_markdown_loses_solutions_and_exercise_dropdowns_only():
-    md = ("```{exercise} T\n:label: a\nDo it.\n```\n\n````{solution} a\n:class: dropdown\nThe answer:\n```python\n42\n```\n"
-          "````\n\n:::{admonition} Hint\n:class: dropdown\nthink of 42\n:::\n")
+    md = (
+        "```{exercise} T\n:label: a\nDo it.\n```\n\n````{solution} a\n:class: dropdown\nThe answer:\n```python\n42\n```\n"
+        "````\n\n:::{admonition} Hint\n:class: dropdown\nthink of 42\n:::\n"
+    )
     text, removed = strip_solution_text(md, in_exercise=True)
     assert removed == 2 and "{exercise}" in text and "Do it." in text and "42" not in text
     body = ":::{admonition} More\n:class: dropdown\nextra reading\n:::\n"
@@ -212,20 +216,27 @@ def _code(source, tags=(), hint=None):
 def _exercise(label, title):
     return nbformat.v4.new_markdown_cell(
         f"```{{exercise}} {title}\n:label: {label}\nDo it.\n```\n\n```{{solution}} {label}\n:class: dropdown\n"
-        f"Explained.\n```\n")
+        f"Explained.\n```\n"
+    )
 
 
-MASK = ("def causal_mask(num_queries, num_keys):\n"
-        "    return torch.ones(num_queries, num_keys, dtype=torch.bool).tril(num_keys - num_queries)\n\n"
-        "ch01.check_causal_mask(causal_mask)")
-OUTWEIGH = ("import math\n\ndef tokens_to_outweigh(config, batch_size):\n"
-            "    per_token = 2 * config['num_hidden_layers'] * config['num_key_value_heads'] * config['head_dim']\n"
-            "    return math.ceil(config['num_parameters'] / (per_token * batch_size))\n\n"
-            "ch02.check_tokens_to_outweigh(tokens_to_outweigh)")
-FROZEN = ("def frozen_positions(step_a, step_b, past):\n"
-          "    return {n for n, a in step_a.items() if torch.allclose(a[:past].float(), step_b[n][:past].float(), "
-          "rtol=1e-2, atol=1e-3)}\n\n"
-          "ch01.check_frozen_positions(frozen_positions)")
+MASK = (
+    "def causal_mask(num_queries, num_keys):\n"
+    "    return torch.ones(num_queries, num_keys, dtype=torch.bool).tril(num_keys - num_queries)\n\n"
+    "ch01.check_causal_mask(causal_mask)"
+)
+OUTWEIGH = (
+    "import math\n\ndef tokens_to_outweigh(config, batch_size):\n"
+    "    per_token = 2 * config['num_hidden_layers'] * config['num_key_value_heads'] * config['head_dim']\n"
+    "    return math.ceil(config['num_parameters'] / (per_token * batch_size))\n\n"
+    "ch02.check_tokens_to_outweigh(tokens_to_outweigh)"
+)
+FROZEN = (
+    "def frozen_positions(step_a, step_b, past):\n"
+    "    return {n for n, a in step_a.items() if torch.allclose(a[:past].float(), step_b[n][:past].float(), "
+    "rtol=1e-2, atol=1e-3)}\n\n"
+    "ch01.check_frozen_positions(frozen_positions)"
+)
 LABELS = ["ch01-ex-mask", "ch02-ex-outweigh", "ch01-ex-frozen"]
 
 
@@ -276,18 +287,38 @@ def test_grading_reference_untouched_wrong_broken_and_missing_notebooks(tmp_path
     nbformat.write(student, subs / "untouched" / "99_synthetic.ipynb")
     wrong = nbformat.from_dict(student_copy(ref))
     # a mask that lets each token see one key of its future; the frozen answer compares exactly
-    wrong.cells[3].source = ("def causal_mask(num_queries, num_keys):\n"
-                             "    return torch.ones(num_queries, num_keys, dtype=torch.bool).tril(num_keys - num_queries + 1)\n"
-                             "ch01.check_causal_mask(causal_mask)")
-    wrong.cells[7].source = ("def frozen_positions(step_a, step_b, past):\n"
-                             "    return {n for n, a in step_a.items() if torch.equal(a[:past], step_b[n][:past])}\n"
-                             "ch01.check_frozen_positions(frozen_positions)")
+    wrong.cells[3].source = (
+        "def causal_mask(num_queries, num_keys):\n"
+        "    return torch.ones(num_queries, num_keys, dtype=torch.bool).tril(num_keys - num_queries + 1)\n"
+        "ch01.check_causal_mask(causal_mask)"
+    )
+    wrong.cells[7].source = (
+        "def frozen_positions(step_a, step_b, past):\n"
+        "    return {n for n, a in step_a.items() if torch.equal(a[:past], step_b[n][:past])}\n"
+        "ch01.check_frozen_positions(frozen_positions)"
+    )
     nbformat.write(wrong, subs / "wrong" / "99_synthetic.ipynb")
     (subs / "broken" / "99_synthetic.ipynb").write_text('{"cells": [')  # not JSON
 
     out, reports = tmp_path / "grades.csv", tmp_path / "reports"
-    assert main(["grade", str(subs), "--out", str(out), "--book", str(book), "--timeout", "300",
-                 "--reports", str(reports), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "grade",
+                str(subs),
+                "--out",
+                str(out),
+                "--book",
+                str(book),
+                "--timeout",
+                "300",
+                "--reports",
+                str(reports),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     rows = _read_csv(out)
     for label in LABELS:
         assert rows[("ref/99_synthetic.ipynb", label)] == ("1", "ok")
@@ -306,9 +337,14 @@ def test_grading_reference_untouched_wrong_broken_and_missing_notebooks(tmp_path
     # the feedback: a page per student with the check's expected / got / hint, a class summary and plot
     assert sorted(p.name for p in reports.iterdir()) == sorted(
         [f"{s}.{x}" for s in ("ref", "untouched", "wrong", "broken") for x in ("md", "html")]
-        + ["summary.md", "pass_rates.png"])
+        + ["summary.md", "pass_rates.png"]
+    )
     page = (reports / "wrong.md").read_text()
-    assert "| `ch01-ex-mask` | no | **Case:** causal_mask(4, 4)" in page and "<br>**Expected:**" in page and "**Hint:** Each query sees one key" in page
+    assert (
+        "| `ch01-ex-mask` | no | **Case:** causal_mask(4, 4)" in page
+        and "<br>**Expected:**" in page
+        and "**Hint:** Each query sees one key" in page
+    )
     assert "| `ch02-ex-outweigh` | no | **Problem:** tokens_to_outweigh is not written yet" in page
     assert "<b>Hint:</b>" in (reports / "wrong.html").read_text()
     summary = (reports / "summary.md").read_text()
@@ -320,8 +356,11 @@ def test_a_notebook_that_starts_with_a_code_cell_runs_as_handed_in(tmp_path):
     from kvcourse.instructor import grade_notebook
 
     nb = _synthetic(first_markdown=False)
-    nb.cells.append(_code("assert causal_mask(2, 3).tolist() == [[True, True, False], [True, True, True]]\n"
-                          "print('first cell kept')"))
+    nb.cells.append(
+        _code(
+            "assert causal_mask(2, 3).tolist() == [[True, True, False], [True, True, True]]\nprint('first cell kept')"
+        )
+    )
     path = tmp_path / "99_synthetic.ipynb"
     nbformat.write(nb, path)
     result = grade_notebook(path, timeout=300)
@@ -339,9 +378,13 @@ def test_each_kernel_gets_its_share_of_the_cores_waiting_passively(tmp_path, mon
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MKL_NUM_THREADS", "3")  # what the instructor set is kept
     nb = _synthetic()
-    nb.cells.append(_code("import os, torch\n"
-                          "assert os.environ['OMP_WAIT_POLICY'] == 'PASSIVE' and os.environ['OMP_NUM_THREADS'] == '1'\n"
-                          "assert os.environ['MKL_NUM_THREADS'] == '3'"))
+    nb.cells.append(
+        _code(
+            "import os, torch\n"
+            "assert os.environ['OMP_WAIT_POLICY'] == 'PASSIVE' and os.environ['OMP_NUM_THREADS'] == '1'\n"
+            "assert os.environ['MKL_NUM_THREADS'] == '3'"
+        )
+    )
     path = tmp_path / "99_synthetic.ipynb"
     nbformat.write(nb, path)
     import torch
@@ -362,8 +405,26 @@ def test_a_slow_notebook_is_stopped_and_its_exercises_are_still_graded(tmp_path)
     (tmp_path / "sub").mkdir()
     nbformat.write(slow, tmp_path / "sub" / "99_synthetic.ipynb")
     out, reports = tmp_path / "grades.csv", tmp_path / "reports"
-    assert main(["grade", str(tmp_path / "sub"), "--out", str(out), "--timeout", "10", "--check-timeout", "20",
-                 "--reports", str(reports), "--quiet", "--book", str(_book(tmp_path))]) == 0
+    assert (
+        main(
+            [
+                "grade",
+                str(tmp_path / "sub"),
+                "--out",
+                str(out),
+                "--timeout",
+                "10",
+                "--check-timeout",
+                "20",
+                "--reports",
+                str(reports),
+                "--quiet",
+                "--book",
+                str(_book(tmp_path)),
+            ]
+        )
+        == 0
+    )
     rows = _read_csv(out)
     assert rows[("99_synthetic.ipynb", "ch01-ex-mask")] == ("1", "ok")
     assert rows[("99_synthetic.ipynb", "ch01-ex-frozen")] == ("1", "ok")
@@ -388,8 +449,20 @@ def test_a_replaced_check_does_not_pass(tmp_path):
     (tmp_path / "sub").mkdir()
     nbformat.write(nb, tmp_path / "sub" / "99_synthetic.ipynb")
     out = tmp_path / "grades.csv"
-    main(["grade", str(tmp_path / "sub"), "--out", str(out), "--timeout", "60", "--quiet", "--no-run",
-          "--book", str(_book(tmp_path))])
+    main(
+        [
+            "grade",
+            str(tmp_path / "sub"),
+            "--out",
+            str(out),
+            "--timeout",
+            "60",
+            "--quiet",
+            "--no-run",
+            "--book",
+            str(_book(tmp_path)),
+        ]
+    )
     passed, message = _read_csv(out)[("99_synthetic.ipynb", "ch01-ex-mask")]
     assert passed == "0" and "does not define `causal_mask`" in message
 
@@ -449,8 +522,10 @@ def _cheat(label: str, source: str, uses: tuple[str, ...] = (), isolation: bool 
     from kvcourse.exercises.catalog import EXERCISES
     from kvcourse.instructor.checker import grade_exercise
 
-    imports = ("import functools\nimport math\nimport torch\nimport kvcourse\n"
-               "from kvcourse.exercises import ch01, ch02, ch07\n")
+    imports = (
+        "import functools\nimport math\nimport torch\nimport kvcourse\n"
+        "from kvcourse.exercises import ch01, ch02, ch07\n"
+    )
     cells = [["context", "chapter imports", imports]]
     cells += [["uses", u, MASK] for u in uses]
     cells.append(["solution", label, source])
@@ -459,33 +534,43 @@ def _cheat(label: str, source: str, uses: tuple[str, ...] = (), isolation: bool 
 
 _ATTENTION_CHEATS = {
     "another exercise's check": "ch01.check_naive_attention_pairs(lambda p, n: sum((p + i) * (p + i + 1) // 2 "
-                                "for i in range(n)))\ndef attention(q, k, v):\n    return q\n",
+    "for i in range(n)))\ndef attention(q, k, v):\n    return q\n",
     "only another exercise's check": "ch01.check_naive_attention_pairs(lambda p, n: sum((p + i) * (p + i + 1) // 2 "
-                                     "for i in range(n)))\n",
+    "for i in range(n)))\n",
     "patching what the check compares with": (
         "import kvcourse.kernels.reference as reference\n"
         "kvcourse.causal_attention = reference.causal_attention = lambda q, k, v: q * 0\n"
         "torch.allclose = torch.equal = lambda *a, **k: True\n"
-        "def attention(q, k, v):\n    return q * 0\n"),
+        "def attention(q, k, v):\n    return q * 0\n"
+    ),
     "getattr with a computed name": "attention = getattr(kvcourse, 'causal_' + 'attention')\n",
     "functools.partial": "attention = functools.partial(kvcourse.causal_attention)\n",
     "a lambda around it": "attention = lambda q, k, v: kvcourse.causal_attention(q, k, v)\n",
-    "a reload of its module": ("import importlib, kvcourse.kernels.reference as r\n"
-                               "attention = importlib.reload(r).causal_attention\n"),
-    "its source, executed": ("import kvcourse.kernels.reference as r\nnamespace = {}\n"
-                             "exec(open(r.__file__).read(), namespace)\nattention = namespace['causal_attention']\n"),
-    "found through gc": ("import gc, types\nattention = next(f for f in gc.get_objects()\n"
-                         "    if isinstance(f, types.FunctionType) and f.__name__ == 'causal_attention')\n"),
+    "a reload of its module": (
+        "import importlib, kvcourse.kernels.reference as r\nattention = importlib.reload(r).causal_attention\n"
+    ),
+    "its source, executed": (
+        "import kvcourse.kernels.reference as r\nnamespace = {}\n"
+        "exec(open(r.__file__).read(), namespace)\nattention = namespace['causal_attention']\n"
+    ),
+    "found through gc": (
+        "import gc, types\nattention = next(f for f in gc.get_objects()\n"
+        "    if isinstance(f, types.FunctionType) and f.__name__ == 'causal_attention')\n"
+    ),
     "the check's private reference": "from kvcourse.exercises import ch01 as c\nattention = c._attention\n",
-    "the checks package as an attribute": ("import importlib\nattention = importlib.import_module("
-                                           "kvcourse.exercises.__name__ + '.ch01')._attention\n"),
-    "the check module's file": ("import kvcourse, os\nnamespace = {}\npath = os.path.join(os.path.dirname(kvcourse.__file__),"
-                                " 'exercises', 'ch01.py')\nexec(open(path).read(), namespace)\n"
-                                "attention = namespace['_attention']\n"),
+    "the checks package as an attribute": (
+        "import importlib\nattention = importlib.import_module(kvcourse.exercises.__name__ + '.ch01')._attention\n"
+    ),
+    "the check module's file": (
+        "import kvcourse, os\nnamespace = {}\npath = os.path.join(os.path.dirname(kvcourse.__file__),"
+        " 'exercises', 'ch01.py')\nexec(open(path).read(), namespace)\n"
+        "attention = namespace['_attention']\n"
+    ),
     "the check wrapper's closure cell": (
         "for cell in ch01.check_attention.__closure__ or ():\n"
         "    cell.cell_contents = lambda *a, **k: True\n"
-        "def attention(q, k, v):\n    return q\nch01.check_attention(attention)\n"),
+        "def attention(q, k, v):\n    return q\nch01.check_attention(attention)\n"
+    ),
 }
 
 
@@ -498,26 +583,32 @@ def test_a_cheat_on_the_attention_exercise_fails(cheat):
 
 
 def test_the_reference_attention_passes_the_same_path():  # so the cheats above fail for what they do
-    source = ("def attention(q, k, v):\n    group = q.shape[1] // k.shape[1]\n"
-              "    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)\n"
-              "    s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(\n"
-              "        ~causal_mask(q.shape[2], k.shape[2]), float('-inf'))\n"
-              "    return torch.softmax(s, -1) @ v\n")
+    source = (
+        "def attention(q, k, v):\n    group = q.shape[1] // k.shape[1]\n"
+        "    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)\n"
+        "    s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(\n"
+        "        ~causal_mask(q.shape[2], k.shape[2]), float('-inf'))\n"
+        "    return torch.softmax(s, -1) @ v\n"
+    )
     assert _cheat("ch01-ex-attention", source, uses=("ch01-ex-mask",)).passed
 
 
 def test_a_passed_line_in_a_log_or_on_stdout_counts_for_nothing():
     # The log goes where the sandbox may write, its own folder; the check's hint shows the lines after it ran.
-    source = ("import json\nline = json.dumps({'check': 'ch01.check_causal_mask', 'passed': True, 'message': ''})\n"
-              "open('checks.jsonl', 'a').write(line + '\\n')\nprint(line)\n"
-              "def causal_mask(num_queries, num_keys):\n    return torch.ones(num_queries, num_keys, dtype=torch.bool)\n")
+    source = (
+        "import json\nline = json.dumps({'check': 'ch01.check_causal_mask', 'passed': True, 'message': ''})\n"
+        "open('checks.jsonl', 'a').write(line + '\\n')\nprint(line)\n"
+        "def causal_mask(num_queries, num_keys):\n    return torch.ones(num_queries, num_keys, dtype=torch.bool)\n"
+    )
     verdict = _cheat("ch01-ex-mask", source)
     assert not verdict.passed and "its future included" in verdict.hint, verdict.message
 
 
 def test_what_the_checker_lends_can_only_be_called():
-    source = ("def block_hashes(token_ids, block_size, cache_salt, hash_fn):\n"
-              "    return hash_fn.__globals__['_block_hashes'](token_ids, block_size, cache_salt, hash_fn)\n")
+    source = (
+        "def block_hashes(token_ids, block_size, cache_salt, hash_fn):\n"
+        "    return hash_fn.__globals__['_block_hashes'](token_ids, block_size, cache_salt, hash_fn)\n"
+    )
     verdict = _cheat("ch07-ex-hash-chain", source)
     assert not verdict.passed and "can only be called" in verdict.message
 
@@ -535,16 +626,18 @@ def test_an_answer_that_ends_its_process_or_never_returns_fails():
 
 def test_a_copying_cache_is_told_from_one_that_returns_views():
     """Tensor views keep their storage across the process boundary, and copies do not pass for views."""
-    copying = ("class PreallocatedKVCache:\n"
-               "    def __init__(self, num_layers, batch_size, num_kv_heads, head_dim, max_seq_len):\n"
-               "        self.k = [None] * num_layers\n        self.v = [None] * num_layers\n"
-               "        self.lengths = [0] * num_layers\n        self.max_seq_len = max_seq_len\n"
-               "    @property\n    def seq_len(self):\n        return self.lengths[0]\n"
-               "    def update(self, layer, k, v):\n"
-               "        if self.lengths[layer] + k.shape[2] > self.max_seq_len:\n            raise ValueError('full')\n"
-               "        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k], 2)\n"
-               "        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v], 2)\n"
-               "        self.lengths[layer] += k.shape[2]\n        return self.k[layer], self.v[layer]\n")
+    copying = (
+        "class PreallocatedKVCache:\n"
+        "    def __init__(self, num_layers, batch_size, num_kv_heads, head_dim, max_seq_len):\n"
+        "        self.k = [None] * num_layers\n        self.v = [None] * num_layers\n"
+        "        self.lengths = [0] * num_layers\n        self.max_seq_len = max_seq_len\n"
+        "    @property\n    def seq_len(self):\n        return self.lengths[0]\n"
+        "    def update(self, layer, k, v):\n"
+        "        if self.lengths[layer] + k.shape[2] > self.max_seq_len:\n            raise ValueError('full')\n"
+        "        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k], 2)\n"
+        "        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v], 2)\n"
+        "        self.lengths[layer] += k.shape[2]\n        return self.k[layer], self.v[layer]\n"
+    )
     verdict = _cheat("ch02-ex-update", copying)
     assert not verdict.passed and verdict.expected == "a view of the buffer allocated in __init__", verdict.message
 
@@ -557,14 +650,18 @@ def test_a_students_kernel_runs_in_the_interpreter_even_where_triton_would_compi
     import subprocess
     import sys
 
-    solution = ("from kvcourse.kernels import interpreting\n"
-                "assert interpreting(), 'the sandbox would compile the kernels for a GPU'\n"
-                "def kv_bytes(seq_lens, num_kv_heads, head_dim, bytes_per_value):\n"
-                "    return 2 * sum(seq_lens) * num_kv_heads * head_dim * bytes_per_value\n")
-    script = ("from kvcourse.exercises.catalog import EXERCISES\n"
-              "from kvcourse.instructor.checker import grade_exercise\n"
-              f"verdict = grade_exercise(EXERCISES['ch05-ex-bytes'], [['solution', 'ch05-ex-bytes', {solution!r}]])\n"
-              "print(verdict.passed, verdict.message)\n")
+    solution = (
+        "from kvcourse.kernels import interpreting\n"
+        "assert interpreting(), 'the sandbox would compile the kernels for a GPU'\n"
+        "def kv_bytes(seq_lens, num_kv_heads, head_dim, bytes_per_value):\n"
+        "    return 2 * sum(seq_lens) * num_kv_heads * head_dim * bytes_per_value\n"
+    )
+    script = (
+        "from kvcourse.exercises.catalog import EXERCISES\n"
+        "from kvcourse.instructor.checker import grade_exercise\n"
+        f"verdict = grade_exercise(EXERCISES['ch05-ex-bytes'], [['solution', 'ch05-ex-bytes', {solution!r}]])\n"
+        "print(verdict.passed, verdict.message)\n"
+    )
     env = dict(os.environ, TRITON_INTERPRET="0")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.stdout.startswith("True "), done.stdout + done.stderr
@@ -593,9 +690,11 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
 def test_processes_an_answer_starts_end_with_its_grading():
     # The child's pid comes back in the answer's own error: an isolated sandbox can write no file out here.
-    source = ("import subprocess, sys, os\n"
-              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
-              "raise RuntimeError(f'child pid {child.pid}.')\n")
+    source = (
+        "import subprocess, sys, os\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        "raise RuntimeError(f'child pid {child.pid}.')\n"
+    )
     verdict = _cheat("ch01-ex-mask", source)
     assert "child pid " in verdict.message, verdict.message
     pid = int(verdict.message.split("child pid ")[1].split(".")[0])
@@ -609,16 +708,20 @@ def test_processes_an_answer_starts_end_with_its_grading():
 
 def test_a_bughunt_answer_that_ignores_the_chunks_fails_in_the_grader():
     # issue 36, item 2: one forward pass over the whole prompt fills the same cache with the same logits
-    one_pass = ("def prefill_in_chunks_fixed(model, ids, chunk_size):\n"
-                "    cache = kvcourse.KVCache.for_model(model.config, device=model.device)\n"
-                "    return model(torch.tensor([ids]), cache=cache)[0, -1], cache\n")
+    one_pass = (
+        "def prefill_in_chunks_fixed(model, ids, chunk_size):\n"
+        "    cache = kvcourse.KVCache.for_model(model.config, device=model.device)\n"
+        "    return model(torch.tensor([ids]), cache=cache)[0, -1], cache\n"
+    )
     verdict = _cheat("ch02-ex-bughunt", one_pass)
     assert not verdict.passed and "at most chunk_size tokens" in verdict.hint, verdict.message
-    chunked = ("def prefill_in_chunks_fixed(model, ids, chunk_size):\n"
-               "    cache = kvcourse.KVCache.for_model(model.config, device=model.device)\n"
-               "    for start in range(0, len(ids), chunk_size):\n"
-               "        logits = model(torch.tensor([ids[start : start + chunk_size]]), cache=cache)\n"
-               "    return logits[0, -1], cache\n")
+    chunked = (
+        "def prefill_in_chunks_fixed(model, ids, chunk_size):\n"
+        "    cache = kvcourse.KVCache.for_model(model.config, device=model.device)\n"
+        "    for start in range(0, len(ids), chunk_size):\n"
+        "        logits = model(torch.tensor([ids[start : start + chunk_size]]), cache=cache)\n"
+        "    return logits[0, -1], cache\n"
+    )
     assert _cheat("ch02-ex-bughunt", chunked).passed
 
 
@@ -626,10 +729,12 @@ def test_a_public_equivalent_of_the_reference_passes_as_instructors_md_says():
     # Issue 36, item 3: the promise that "the package's own answer" is refused is dropped. Only what a check names
     # in refuse_references is refused; kvcourse's other public functions that compute the same answer pass (the
     # course is open source). instructors.md says so, naming this very case.
-    source = ("from kvcourse.kernels.reference import position_masked_attention\n"
-              "def attention(q, k, v):\n"
-              "    t, s = q.shape[2], k.shape[2]\n"
-              "    return position_masked_attention(q, k, v, torch.arange(s - t, s), torch.arange(s))\n")
+    source = (
+        "from kvcourse.kernels.reference import position_masked_attention\n"
+        "def attention(q, k, v):\n"
+        "    t, s = q.shape[2], k.shape[2]\n"
+        "    return position_masked_attention(q, k, v, torch.arange(s - t, s), torch.arange(s))\n"
+    )
     assert _cheat("ch01-ex-attention", source, uses=("ch01-ex-mask",)).passed
     page = (BOOK / "instructors.md").read_text()
     assert "position_masked_attention" in page and "no similarity check" in page

@@ -65,8 +65,9 @@ def test_a_notebook_that_writes_into_the_installation_stops_the_run(tmp_path, mo
     monkeypatch.setattr(integrity, "package_dir", lambda: copy)
     target = copy / "exercises" / "ch03.py"
     nb = _synthetic()
-    nb.cells.insert(2, _code(f"open({str(target)!r}, 'a').write('\\ndef check_max_sequences(*a, **k):\\n"
-                             f"    return True\\n')"))
+    nb.cells.insert(
+        2, _code(f"open({str(target)!r}, 'a').write('\\ndef check_max_sequences(*a, **k):\\n    return True\\n')")
+    )
     subs = tmp_path / "subs"
     for student in ("mallory", "zed"):
         (subs / student).mkdir(parents=True)
@@ -110,8 +111,10 @@ def test_each_sandbox_has_a_folder_of_its_own_that_the_next_never_sees():
     assert not verdict.passed and "FileNotFoundError" in verdict.message, verdict.message
 
 
-@pytest.mark.skipif(not DROPS_ROOT, reason="the sandbox drops root only when the grader has it and nobody can "
-                                           "read Python, torch and kvcourse")
+@pytest.mark.skipif(
+    not DROPS_ROOT,
+    reason="the sandbox drops root only when the grader has it and nobody can read Python, torch and kvcourse",
+)
 def test_a_sandbox_started_by_root_runs_as_nobody_and_cannot_write_the_graders_files():
     # The layer under the isolation, tested without it: the uid comes back through a shared folder.
     shared = _shared_folder()

@@ -26,8 +26,9 @@ from kvcourse.instructor.__main__ import main
 from .conftest import ISOLATION_REQUIRED, isolation_missing
 from .test_instructor import MASK, _book, _code, _read_csv, _synthetic
 
-needs_isolation = pytest.mark.skipif(bool(isolation_missing()) and not ISOLATION_REQUIRED,
-                                     reason=f"no isolation here: {isolation_missing()}")
+needs_isolation = pytest.mark.skipif(
+    bool(isolation_missing()) and not ISOLATION_REQUIRED, reason=f"no isolation here: {isolation_missing()}"
+)
 
 
 @pytest.fixture
@@ -44,21 +45,25 @@ def home(monkeypatch):
 def _targets(home: Path) -> list[Path]:
     """Where an attack writes: a ``.pth`` run by every later Python, a module in the package, a file at home."""
     token = secrets.token_hex(4)
-    return [Path(sysconfig.get_paths()["purelib"]) / f"kvcourse_graded_{token}.pth",
-            Path(kvcourse.__file__).resolve().parent / f"graded_{token}.py",
-            home / f"graded_{token}.txt"]
+    return [
+        Path(sysconfig.get_paths()["purelib"]) / f"kvcourse_graded_{token}.pth",
+        Path(kvcourse.__file__).resolve().parent / f"graded_{token}.py",
+        home / f"graded_{token}.txt",
+    ]
 
 
 def _attack(targets: list[Path]) -> str:
     """A cell that writes every target and then raises what each write did: the grader reports that."""
-    return (f"import os\nresults = []\nfor target in {[str(t) for t in targets]!r}:\n"
-            "    try:\n"
-            "        with open(target, 'w') as f:\n"
-            "            f.write('# written by a graded cell\\n')\n"
-            "        results.append('wrote ' + target)\n"
-            "    except OSError as exc:\n"
-            "        results.append(type(exc).__name__ + ': ' + exc.strerror)\n"
-            "raise RuntimeError(' | '.join(results))\n")
+    return (
+        f"import os\nresults = []\nfor target in {[str(t) for t in targets]!r}:\n"
+        "    try:\n"
+        "        with open(target, 'w') as f:\n"
+        "            f.write('# written by a graded cell\\n')\n"
+        "        results.append('wrote ' + target)\n"
+        "    except OSError as exc:\n"
+        "        results.append(type(exc).__name__ + ': ' + exc.strerror)\n"
+        "raise RuntimeError(' | '.join(results))\n"
+    )
 
 
 @needs_isolation
@@ -72,8 +77,21 @@ def test_a_submission_leaves_nothing_behind(tmp_path, home, mode):
     nbformat.write(nb, tmp_path / "sub" / "99_synthetic.ipynb")
     out, reports = tmp_path / "grades.csv", tmp_path / "reports"
     try:
-        args = ["grade", str(tmp_path / "sub"), "--out", str(out), "--book", str(_book(tmp_path)), "--quiet",
-                "--reports", str(reports), "--timeout", "300", "--check-timeout", "120"]
+        args = [
+            "grade",
+            str(tmp_path / "sub"),
+            "--out",
+            str(out),
+            "--book",
+            str(_book(tmp_path)),
+            "--quiet",
+            "--reports",
+            str(reports),
+            "--timeout",
+            "300",
+            "--check-timeout",
+            "120",
+        ]
         assert main(args + (["--no-run"] if mode == "--no-run" else [])) == 0
         left = [str(t) for t in targets if t.exists()]
         assert left == [], f"graded code left {left}"
@@ -91,27 +109,32 @@ def test_a_submission_leaves_nothing_behind(tmp_path, home, mode):
 
 @needs_isolation
 def test_isolated_code_has_no_network_and_cannot_make_the_view_writable(tmp_path):
-    probe = ("import os, socket, subprocess\n"
-             "try:\n"
-             "    socket.create_connection(('127.0.0.1', 9), timeout=2)\n"
-             "    print('connected')\n"
-             "except OSError as exc:\n"
-             "    print('no network' if exc.errno in (101, 99, 111) else repr(exc))\n"
-             "print(sorted(os.listdir('/sys/class/net')) if os.path.isdir('/sys/class/net') else ['lo'])\n"
-             "try:\n"
-             "    subprocess.run(['mount', '-o', 'remount,bind,rw', '/usr'], capture_output=True)\n"
-             "except OSError:\n"
-             "    pass\n"
-             "print('remounted' if os.access('/usr', os.W_OK) else 'stays read-only')\n")
+    probe = (
+        "import os, socket, subprocess\n"
+        "try:\n"
+        "    socket.create_connection(('127.0.0.1', 9), timeout=2)\n"
+        "    print('connected')\n"
+        "except OSError as exc:\n"
+        "    print('no network' if exc.errno in (101, 99, 111) else repr(exc))\n"
+        "print(sorted(os.listdir('/sys/class/net')) if os.path.isdir('/sys/class/net') else ['lo'])\n"
+        "try:\n"
+        "    subprocess.run(['mount', '-o', 'remount,bind,rw', '/usr'], capture_output=True)\n"
+        "except OSError:\n"
+        "    pass\n"
+        "print('remounted' if os.access('/usr', os.W_OK) else 'stays read-only')\n"
+    )
     folder = tempfile.mkdtemp(prefix="kvcourse-probe-")
     try:
-        done = subprocess.run(isolation.command([sys.executable, "-c", probe], [folder]), capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run(
+            isolation.command([sys.executable, "-c", probe], [folder]), capture_output=True, text=True, timeout=120
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     lines = done.stdout.splitlines()
-    assert done.returncode == 0 and lines[0] == "no network" and lines[2] == "stays read-only", (done.stdout,
-                                                                                                 done.stderr)
+    assert done.returncode == 0 and lines[0] == "no network" and lines[2] == "stays read-only", (
+        done.stdout,
+        done.stderr,
+    )
 
 
 def test_grading_is_refused_without_isolation_unless_asked(tmp_path, monkeypatch, capsys):

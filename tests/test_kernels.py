@@ -17,15 +17,25 @@ import os
 import pytest
 import torch
 
-from kvcourse.kernels import (decode_attention, paged_decode_attention, paged_decode_attention_fp8,
-                              paged_decode_attention_int8)
+from kvcourse.kernels import (
+    decode_attention,
+    paged_decode_attention,
+    paged_decode_attention_fp8,
+    paged_decode_attention_int8,
+)
 from kvcourse.kernels.fp8 import dequantize_fp8, paged_decode_attention_fp8_ref, quantize_fp8
 from kvcourse.kernels.int8 import dequantize_int8, paged_decode_attention_int8_ref, quantize_int8
 from kvcourse.kernels.reference import decode_attention_ref, paged_decode_attention_ref
 from kvcourse.kernels.testing import random_paged_case, repage, tolerance
 from kvcourse.kernels.triton_decode import group_rows, tile_config
-from kvcourse.kernels.triton_paged import (INT8_CONVERSIONS, MAX_SPLITS, choose_num_splits, decode_workspace,
-                                           int8_to_float, paged_decode)
+from kvcourse.kernels.triton_paged import (
+    INT8_CONVERSIONS,
+    MAX_SPLITS,
+    choose_num_splits,
+    decode_workspace,
+    int8_to_float,
+    paged_decode,
+)
 from kvcourse.kernels.triton_runtime import fallbacks, interpreting, reset_fallbacks, tl, triton
 
 FULL_GRID = os.environ.get("KVCOURSE_FULL_KERNEL_GRID") == "1"
@@ -53,8 +63,12 @@ PAGED_GRID = list(itertools.product(HEADS, HEAD_DIMS, BLOCK_SIZES, DTYPES)) if F
 CONTIGUOUS_GRID = (
     list(itertools.product(HEADS, HEAD_DIMS, DTYPES))
     if FULL_GRID
-    else [((9, 3), 64, torch.float32), ((4, 4), 128, torch.float16), ((8, 1), 64, torch.bfloat16),
-          ((32, 8), 128, torch.float32)]  # fmt: skip
+    else [
+        ((9, 3), 64, torch.float32),
+        ((4, 4), 128, torch.float16),
+        ((8, 1), 64, torch.bfloat16),
+        ((32, 8), 128, torch.float32),
+    ]
 )
 
 
@@ -94,7 +108,10 @@ def test_decode_attention_defaults_and_scale():
     q, k, v = (torch.randn(shape, generator=g).to(DEVICE) for shape in ((2, 6, 64), (2, 2, 40, 64), (2, 2, 40, 64)))
     torch.testing.assert_close(decode_attention(q, k, v), decode_attention_ref(q, k, v), **tolerance(torch.float32))
     torch.testing.assert_close(
-        decode_attention(q, k, v, [3, 40], scale=0.3), decode_attention_ref(q, k, v, [3, 40], scale=0.3), rtol=1e-5, atol=1e-5
+        decode_attention(q, k, v, [3, 40], scale=0.3),
+        decode_attention_ref(q, k, v, [3, 40], scale=0.3),
+        rtol=1e-5,
+        atol=1e-5,
     )
 
 
@@ -132,7 +149,9 @@ def test_block_size_16_equals_block_size_1_exactly():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("num_splits", [2, 4, 8])
 def test_split_kv_equals_unsplit(num_splits):
-    case = random_paged_case(20 + num_splits, SEQ_LENS, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, device=DEVICE)
+    case = random_paged_case(
+        20 + num_splits, SEQ_LENS, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16, device=DEVICE
+    )
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
     unsplit = paged_decode_attention(*args, num_splits=1)
     split = paged_decode_attention(*args, num_splits=num_splits)  # seq_len 1: num_splits - 1 empty splits
@@ -151,7 +170,9 @@ def test_more_splits_than_blocks_and_tokens(seq_lens, num_splits):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_split_kv_in_half_precision(dtype):
-    case = random_paged_case(30, SEQ_LENS, num_q_heads=8, num_kv_heads=1, head_dim=128, block_size=16, dtype=dtype, device=DEVICE)
+    case = random_paged_case(
+        30, SEQ_LENS, num_q_heads=8, num_kv_heads=1, head_dim=128, block_size=16, dtype=dtype, device=DEVICE
+    )
     got = paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, num_splits=4)
     assert got.dtype == dtype
     torch.testing.assert_close(got, case.expected(), **tolerance(dtype))
@@ -202,8 +223,12 @@ def _int8_case(seed, dtype, heads=(9, 3), head_dim=64, block_size=16):
 
 @pytest.mark.parametrize(
     "dtype, num_splits, heads, head_dim",
-    [(torch.float32, 1, (9, 3), 64), (torch.float16, 1, (32, 8), 128), (torch.bfloat16, 3, (8, 1), 64),
-     (torch.float32, 4, (4, 4), 128)],  # fmt: skip
+    [
+        (torch.float32, 1, (9, 3), 64),
+        (torch.float16, 1, (32, 8), 128),
+        (torch.bfloat16, 3, (8, 1), 64),
+        (torch.float32, 4, (4, 4), 128),
+    ],
     ids=["fp32", "fp16", "bf16-split3", "fp32-split4"],
 )
 def test_paged_decode_int8_equals_dequantized_reference(dtype, num_splits, heads, head_dim):
@@ -214,8 +239,9 @@ def test_paged_decode_int8_equals_dequantized_reference(dtype, num_splits, heads
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, **tolerance(dtype))
     # The reference really is the float reference on the dequantized pool.
-    deq = paged_decode_attention_ref(case.q.float(), dequantize_int8(k8, ks), dequantize_int8(v8, vs),
-                                     case.block_tables, case.seq_lens)  # fmt: skip
+    deq = paged_decode_attention_ref(
+        case.q.float(), dequantize_int8(k8, ks), dequantize_int8(v8, vs), case.block_tables, case.seq_lens
+    )
     torch.testing.assert_close(want, deq.to(dtype), rtol=0, atol=0)
 
 
@@ -230,8 +256,9 @@ def test_int8_to_float_is_exact_for_every_byte(dtype):
     """The kernel's bit-level conversion (no conversion unit) gives exactly what a plain conversion gives."""
     x = torch.arange(-128, 128, dtype=torch.int8, device=DEVICE)
     y = torch.empty(256, dtype=dtype, device=DEVICE)
-    _int8_to_float_kernel[(1,)](x, y, DTYPE={torch.float32: tl.float32, torch.float16: tl.float16,
-                                             torch.bfloat16: tl.bfloat16}[dtype])  # fmt: skip
+    _int8_to_float_kernel[(1,)](
+        x, y, DTYPE={torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+    )
     assert torch.equal(y, x.to(dtype))
 
 
@@ -239,8 +266,10 @@ def test_int8_to_float_is_exact_for_every_byte(dtype):
 def test_both_int8_conversions_give_one_answer(dtype):
     """``int8_conversion="cvt"`` (the first version, kept for the GPU benchmark to time) and the default agree."""
     case, (k8, v8, ks, vs) = _int8_case(61, dtype, (32, 8), 128)
-    outs = [paged_decode(case.q, k8, v8, case.block_tables, case.seq_lens, 128**-0.5, 2, ks, vs, int8_conversion=c)
-            for c in INT8_CONVERSIONS]  # fmt: skip
+    outs = [
+        paged_decode(case.q, k8, v8, case.block_tables, case.seq_lens, 128**-0.5, 2, ks, vs, int8_conversion=c)
+        for c in INT8_CONVERSIONS
+    ]
     torch.testing.assert_close(outs[0], outs[1], **tolerance(dtype))
     with pytest.raises(ValueError, match="int8_conversion must be one of"):
         paged_decode(case.q, k8, v8, case.block_tables, case.seq_lens, 1.0, 1, ks, vs, int8_conversion="i2f")
@@ -285,8 +314,9 @@ def test_paged_decode_fp8_equals_dequantized_reference(dtype, num_splits, heads,
     assert got.dtype == dtype
     torch.testing.assert_close(got, paged_decode_attention_fp8_ref(*args), **tolerance(dtype))
     # and fp8 is close to the full-precision answer (e4m3 keeps about 2 significant digits per value)
-    full = paged_decode_attention_ref(case.q.float(), case.k_cache.float(), case.v_cache.float(), case.block_tables,
-                                      case.seq_lens)
+    full = paged_decode_attention_ref(
+        case.q.float(), case.k_cache.float(), case.v_cache.float(), case.block_tables, case.seq_lens
+    )
     assert (got.float() - full).abs().max() <= 0.1 * full.abs().max()  # each value within 1/16: the output near too
 
 

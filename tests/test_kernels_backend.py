@@ -88,13 +88,17 @@ def test_kernels_reproduce_the_models_attention_on_real_keys_and_values(kernel_m
     case = model_decode_case(model, [ids, ids[:9], ids[:2]], layer=7)
     assert case.q.shape == (3, 9, 64) and case.k.shape == (3, 3, len(ids), 64) and torch.isnan(case.k[2, :, 2:]).all()
     # The model's own attention (chapter 2's causal path) is the answer; the references agree with it...
-    torch.testing.assert_close(decode_attention_ref(case.q, case.k, case.v, case.seq_lens), case.out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        decode_attention_ref(case.q, case.k, case.v, case.seq_lens), case.out, rtol=1e-5, atol=1e-5
+    )
     # ...and so do the kernels, contiguous and paged (NaN in every unused slot of both).
-    torch.testing.assert_close(triton_decode.decode_attention(case.q, case.k, case.v, case.seq_lens), case.out,
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        triton_decode.decode_attention(case.q, case.k, case.v, case.seq_lens), case.out, rtol=1e-5, atol=1e-5
+    )
     paged = paged_from_contiguous(case.q, case.k, case.v, case.seq_lens.tolist(), block_size=4, seed=3)
-    got = triton_paged.paged_decode_attention(paged.q, paged.k_cache, paged.v_cache, paged.block_tables,
-                                              paged.seq_lens, num_splits=3)  # fmt: skip
+    got = triton_paged.paged_decode_attention(
+        paged.q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, num_splits=3
+    )
     torch.testing.assert_close(got, case.out, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="layer must lie in"):
         model_decode_case(model, [ids], layer=30)
@@ -119,8 +123,9 @@ def _synthetic_step(seed: int, dtype=torch.float32):
 
 
 def _copy(store: PagedKVStore) -> PagedKVStore:
-    twin = PagedKVStore(1, store.num_blocks, store.block_size, store.num_kv_heads, store.head_dim, store.dtype,
-                        store.device)
+    twin = PagedKVStore(
+        1, store.num_blocks, store.block_size, store.num_kv_heads, store.head_dim, store.dtype, store.device
+    )
     twin.k_cache[0].copy_(store.k_cache[0])
     twin.v_cache[0].copy_(store.v_cache[0])
     return twin
@@ -204,8 +209,11 @@ def test_other_errors_are_not_hidden_by_the_fallback(monkeypatch, clean_fallback
 
 def test_every_kernel_falls_back(monkeypatch, clean_fallbacks):
     oom = _Uncompilable(OutOfResources(98304, 65536, "shared memory"))
-    for module, name in ((triton_decode, "_decode_kernel"), (triton_cache, "_reshape_and_cache_kernel"),
-                         (triton_paged, "_paged_decode_kernel")):  # fmt: skip
+    for module, name in (
+        (triton_decode, "_decode_kernel"),
+        (triton_cache, "_reshape_and_cache_kernel"),
+        (triton_paged, "_paged_decode_kernel"),
+    ):
         monkeypatch.setattr(module, name, oom)
     c = random_paged_case(4, [9, 30], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=8, device=DEVICE)
     with pytest.warns(KernelFallbackWarning):
@@ -270,5 +278,8 @@ def test_unknown_backend_lists_triton():
     store, batch, _ = _synthetic_step(0)
     from kvcourse.backends import paged_backend
 
-    with pytest.raises(ValueError, match=r"backend must be one of \['paged-int8-torch', 'paged-reference', 'paged-torch', 'triton', 'triton-int8', 'triton-ragged'\], got 'tirton'"):
+    with pytest.raises(
+        ValueError,
+        match=r"backend must be one of \['paged-int8-torch', 'paged-reference', 'paged-torch', 'triton', 'triton-int8', 'triton-ragged'\], got 'tirton'",
+    ):
         paged_backend("tirton", store, batch)

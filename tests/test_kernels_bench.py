@@ -44,15 +44,20 @@ def test_run_on_cpu_with_a_stand_in_timer(tmp_path):
     assert paged["pct_peak"] is None  # no vendor peak for a CPU
     int8 = rows[2]
     assert int8["bytes"] == 2 * 96 * 8 * (128 + 4) + 2 * 2 * 32 * 128 * 2 + 2 * 3 * 4
-    result = dict(benchmark="kernels", provenance=bench.provenance(torch.device("cpu")), rows=rows,
-                  targets=bench.targets(rows))  # fmt: skip
+    result = dict(
+        benchmark="kernels", provenance=bench.provenance(torch.device("cpu")), rows=rows, targets=bench.targets(rows)
+    )
     path = bench.write_results(result, tmp_path)
     saved = json.loads(path.read_text())
     assert path.name.startswith("kernels-cpu-") and saved["provenance"]["torch"] == torch.__version__
     assert {"triton", "date", "commit"} <= set(saved["provenance"])
     # No vendor peak for a CPU, no 64k or 16k shape here: only the paged / contiguous ratio (2 ms / 2 ms) is read.
     assert {t["name"]: t["met"] for t in saved["targets"]} == dict(
-        paged_peak=None, paged_vs_contiguous=True, split_peak=None, split_speedup=None, int8_speedup=None,
+        paged_peak=None,
+        paged_vs_contiguous=True,
+        split_peak=None,
+        split_speedup=None,
+        int8_speedup=None,
         fp8_speedup=None,
     )
 
@@ -141,14 +146,18 @@ def test_the_engine_shape_is_planned(capsys):
     engine = [e for e in entries if e["shape"] == "engine"]
     assert [e for e in entries if e["shape"] == "benchmark"] == [
         dict(shape="benchmark", batch=b, context=c, heads=(32, 8, 128), dtype="float16", variants=list(bench.VARIANTS))
-        for b, c in bench.shapes()]  # fmt: skip
-    assert {(e["batch"], e["context"]) for e in engine} == {(b, c) for b in (1, 8, 32, 64, 128)
-                                                            for c in (128, 256, 512, 1024, 2048)}  # fmt: skip
+        for b, c in bench.shapes()
+    ]
+    assert {(e["batch"], e["context"]) for e in engine} == {
+        (b, c) for b in (1, 8, 32, 64, 128) for c in (128, 256, 512, 1024, 2048)
+    }
     assert all(e["heads"] == (9, 3, 64) and e["dtype"] == "bfloat16" for e in engine)
     assert all({"sdpa", "paged", "paged-planned", "paged-captured"} <= set(e["variants"]) for e in engine)
     # The target's shapes (batch >= 32, 512-1,024 tokens) are in the quick run too.
     quick = [(e["batch"], e["context"]) for e in bench.plan(quick=True) if e["shape"] == "engine"]
-    assert any(b >= 32 and 512 <= c <= 1024 for b, c in quick) and set(quick) <= {(e["batch"], e["context"]) for e in engine}
+    assert any(b >= 32 and 512 <= c <= 1024 for b, c in quick) and set(quick) <= {
+        (e["batch"], e["context"]) for e in engine
+    }
     assert bench.main(["--dry-run", "--shapes", "engine"]) == 0  # no GPU needed to list them
     out = capsys.readouterr().out
     assert "engine    batch  128 x context   2048 heads (9, 3, 64) bfloat16" in out and out.endswith("25 shapes\n")
@@ -180,6 +189,9 @@ def test_engine_targets_read_the_engine_rows():
             row(32, 512, "paged", 1.1, 59.0), row(8, 512, "paged-planned", 1.0, 20.0),  # batch 8: outside the target
             row(128, 2048, "paged-planned", 1.0, 10.0), row(32, 512, "paged", 1.0, 1.0, shape="benchmark")]  # fmt: skip
     got = {t["name"]: (t["value"], t["met"]) for t in bench.engine_targets(rows)}
-    assert got == dict(engine_peak_paged_planned=(61.0, True), engine_peak_paged=(59.0, False),
-                       engine_planned_vs_captured=(pytest.approx(1.2), True))  # fmt: skip
+    assert got == dict(
+        engine_peak_paged_planned=(61.0, True),
+        engine_peak_paged=(59.0, False),
+        engine_planned_vs_captured=(pytest.approx(1.2), True),
+    )
     assert all(t["met"] is None for t in bench.engine_targets([]))

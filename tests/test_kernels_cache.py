@@ -40,12 +40,18 @@ def _problem(seed: int, dtype: torch.dtype, num_tokens: int, num_blocks=9, block
 
 @pytest.mark.parametrize(
     "dtype, num_tokens, block_size, heads, head_dim",
-    [(torch.float32, 37, 16, 3, 64), (torch.float16, 5, 1, 8, 128), (torch.bfloat16, 64, 32, 1, 64),
-     (torch.float32, 1, 16, 4, 128)],  # fmt: skip
+    [
+        (torch.float32, 37, 16, 3, 64),
+        (torch.float16, 5, 1, 8, 128),
+        (torch.bfloat16, 64, 32, 1, 64),
+        (torch.float32, 1, 16, 4, 128),
+    ],
     ids=["fp32", "fp16-bs1", "bf16-bs32", "one-token"],
 )
 def test_reshape_and_cache_is_bit_exact(dtype, num_tokens, block_size, heads, head_dim):
-    key, value, slots, pool = _problem(num_tokens, dtype, num_tokens, 160 // block_size + 1, block_size, heads, head_dim)
+    key, value, slots, pool = _problem(
+        num_tokens, dtype, num_tokens, 160 // block_size + 1, block_size, heads, head_dim
+    )
     k_cache, v_cache = pool.clone(), pool.clone()
     k_want, v_want = pool.clone(), pool.clone()
     reshape_and_cache(key, value, k_cache, v_cache, slots)

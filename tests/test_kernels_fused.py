@@ -114,8 +114,9 @@ def test_fused_add_rms_norm(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("n, heads, head_dim", [(1, HEADS, HEAD_DIM), (19, HEADS, HEAD_DIM), (5, 2, 128)],
-                         ids=["decode", "prefill", "D128"])  # fmt: skip
+@pytest.mark.parametrize(
+    "n, heads, head_dim", [(1, HEADS, HEAD_DIM), (19, HEADS, HEAD_DIM), (5, 2, 128)], ids=["decode", "prefill", "D128"]
+)
 def test_rotary_embedding(dtype, n, heads, head_dim):
     g = torch.Generator().manual_seed(_seed("rotary_embedding", dtype, n, heads, head_dim))
     x = _randn(g, n, heads, head_dim, dtype=dtype)
@@ -124,8 +125,9 @@ def test_rotary_embedding(dtype, n, heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("n, intermediate", [(1, INTERMEDIATE), (23, INTERMEDIATE), (3, 100)],
-                         ids=["decode", "prefill", "small"])  # fmt: skip
+@pytest.mark.parametrize(
+    "n, intermediate", [(1, INTERMEDIATE), (23, INTERMEDIATE), (3, 100)], ids=["decode", "prefill", "small"]
+)
 def test_silu_and_mul(dtype, n, intermediate):
     g = torch.Generator().manual_seed(_seed("silu_and_mul", dtype, n, intermediate))
     gate_up = _randn(g, n, 2 * intermediate, dtype=dtype, scale=3.0)
@@ -250,11 +252,13 @@ def test_a_kernel_that_cannot_compile_falls_back_to_torch(monkeypatch, op):
     q, (cos, sin) = _randn(g, 3, 2, 16, dtype=torch.float16), _tables(3, 16, torch.float16)
     calls = {
         "rms_norm": (lambda: tf.rms_norm(x, weight, EPS), lambda: fused.rms_norm_torch(x, weight, EPS)),
-        "fused_add_rms_norm": (lambda: tf.fused_add_rms_norm(x, x, weight, EPS),
-                               lambda: fused.add_rms_norm_torch(x, x, weight, EPS)),
+        "fused_add_rms_norm": (
+            lambda: tf.fused_add_rms_norm(x, x, weight, EPS),
+            lambda: fused.add_rms_norm_torch(x, x, weight, EPS),
+        ),
         "rotary_embedding": (lambda: tf.rotary_embedding(q, cos, sin), lambda: fused.rope_torch(q, cos, sin)),
         "silu_and_mul": (lambda: tf.silu_and_mul(x), lambda: fused.silu_and_mul_torch(x)),
-    }  # fmt: skip
+    }
     kernel, torch_version = calls[op]
     with counting_runs(Counter()) as runs, pytest.warns(KernelFallbackWarning, match=f"{op} could not compile"):
         got = kernel()
@@ -277,11 +281,14 @@ def _layer_ops(g: torch.Generator, device: torch.device, dtype: torch.dtype) -> 
     cos, sin = (t.to(device) for t in _tables(4, 16, dtype))
     return [
         ("rms_norm", lambda: fused.rms_norm(x, weight, EPS), lambda: fused.rms_norm_torch(x, weight, EPS)),
-        ("fused_add_rms_norm", lambda: fused.add_rms_norm(x, residual, weight, EPS),
-         lambda: fused.add_rms_norm_torch(x, residual, weight, EPS)),
+        (
+            "fused_add_rms_norm",
+            lambda: fused.add_rms_norm(x, residual, weight, EPS),
+            lambda: fused.add_rms_norm_torch(x, residual, weight, EPS),
+        ),
         ("rotary_embedding", lambda: fused.rope(q, cos, sin), lambda: fused.rope_torch(q, cos, sin)),
         ("silu_and_mul", lambda: fused.silu_and_mul(x), lambda: fused.silu_and_mul_torch(x)),
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -327,8 +334,9 @@ def test_the_torch_versions_are_the_textbook_formulas():
         angles = torch.rand(5, 1, 8, generator=g) * 6
         cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
         rotate_half = torch.cat([-q[..., 8:], q[..., :8]], dim=-1)
-        torch.testing.assert_close(fused.rope(q, *fused.rope_tables_signed(cos, sin)), q * cos + rotate_half * sin,
-                                   **tolerance(dtype))  # fmt: skip
+        torch.testing.assert_close(
+            fused.rope(q, *fused.rope_tables_signed(cos, sin)), q * cos + rotate_half * sin, **tolerance(dtype)
+        )
         gate_up = torch.randn(5, 2, 32, generator=g).to(dtype).flatten(1)
         assert torch.equal(fused.silu_and_mul(gate_up), F.silu(gate_up[:, :32]) * gate_up[:, 32:])
 

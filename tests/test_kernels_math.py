@@ -13,9 +13,11 @@ from kvcourse.kernels.roofline import GPU_PEAKS, decode_attention_bytes, decode_
 
 def _qkv(seed: int, g_heads: int, s: int, d: int = 16):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(g_heads, d, generator=gen, dtype=torch.float64) * 3,
-            torch.randn(s, d, generator=gen, dtype=torch.float64),
-            torch.randn(s, d, generator=gen, dtype=torch.float64))  # fmt: skip
+    return (
+        torch.randn(g_heads, d, generator=gen, dtype=torch.float64) * 3,
+        torch.randn(s, d, generator=gen, dtype=torch.float64),
+        torch.randn(s, d, generator=gen, dtype=torch.float64),
+    )
 
 
 @pytest.mark.parametrize("tile", [1, 3, 16, 100])
@@ -54,8 +56,10 @@ def test_online_softmax_and_merge_run_on_their_inputs_device(device):
     assert out.device.type == lse.device.type == device.type
     want, want_lse = online_softmax_attention(q, k, v, tile=8)
     torch.testing.assert_close((out.cpu(), lse.cpu()), (want, want_lse), rtol=1e-12, atol=1e-12)
-    halves = [online_softmax_attention(q.to(device), k[a:b].to(device), v[a:b].to(device), tile=8) for a, b in
-              ((0, 11), (11, 30))]  # fmt: skip
+    halves = [
+        online_softmax_attention(q.to(device), k[a:b].to(device), v[a:b].to(device), tile=8)
+        for a, b in ((0, 11), (11, 30))
+    ]
     merged = merge_partials(torch.stack([o for o, _ in halves]), torch.stack([lse for _, lse in halves]))
     torch.testing.assert_close(merged.cpu(), want, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="q, k and v must be on one device"):

@@ -72,7 +72,7 @@ def _broken(edit) -> dict:
         (lambda d: d["rows"][0].update(variant="mystery"), "unknown variant"),
         (lambda d: d["rows"][0].pop("ms"), r"lacks \['ms'\]"),
     ],
-)  # fmt: skip
+)
 def test_a_file_that_is_not_what_the_benchmark_writes_is_refused(edit, match):
     check_kernel_bench(RAW, H200)  # the committed one passes
     with pytest.raises(ValueError, match=match):
@@ -91,8 +91,11 @@ def test_the_plot_shows_the_four_variants_against_tokens_with_peak_and_copy():
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
     assert "tokens in the batch" in ax.get_xlabel() and "(GB/s)" in ax.get_ylabel()
     assert ax.get_title().startswith("Correct is not fast")
-    horizontal = sorted(round(line.get_ydata()[0]) for line in ax.lines if len(set(line.get_ydata())) == 1
-                        and len(line.get_xdata()) == 2 and tuple(line.get_xdata()) == (0, 1))  # fmt: skip
+    horizontal = sorted(
+        round(line.get_ydata()[0])
+        for line in ax.lines
+        if len(set(line.get_ydata())) == 1 and len(line.get_xdata()) == 2 and tuple(line.get_xdata()) == (0, 1)
+    )
     assert horizontal == [round(bench.copy_bandwidth / 1e9), round(bench.peak_bandwidth / 1e9)]
     # One line per variant and batch size, with every timed point of that variant.
     data = [line for line in ax.lines if tuple(line.get_xdata()) != (0, 1)]
@@ -119,7 +122,9 @@ def test_two_runs_compared_shape_by_shape():
     raw_repeat = json.loads((ROOT / "kvcourse" / "results" / "kernels-nvidia-h200-2026-11-26-repeat.json").read_text())
     by = {(r["batch"], r["context"], r["variant"]): r["gbps"] for r in raw_repeat["rows"] if "ms" in r}
     for r in rows:  # each ratio is the files' own figures, divided
-        assert r["ratio"] == by[(r["batch"], r["context"], r["variant"])] / first.gbps(r["batch"], r["context"], r["variant"])
+        assert r["ratio"] == by[(r["batch"], r["context"], r["variant"])] / first.gbps(
+            r["batch"], r["context"], r["variant"]
+        )
     assert len(rows) == len({(r["batch"], r["context"], r["variant"]) for r in rows}) >= 80
     assert [r["tokens"] for r in rows] == sorted(r["tokens"] for r in rows)
     assert measured.compare_runs(first, first) and all(r["ratio"] == 1 for r in measured.compare_runs(first, first))

@@ -94,8 +94,9 @@ def test_spills_are_detected(tmp_path):
         "c = r.compiled[0]\n"
         "print(json.dumps(dict(problems=r.problems(), registers=c.registers, stack=c.stack, mma=c.mma)))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], env=_env(tmp_path), capture_output=True, text=True,
-                          timeout=TIMEOUT, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["registers"] == 255 and got["stack"] > 0 and not got["mma"]

@@ -65,8 +65,9 @@ print(json.dumps(rows))
 
 
 def test_issue_50_kernels_compile_for_t4_a100_h100_without_spills(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=_env(tmp_path), capture_output=True, text=True,
-                          timeout=TIMEOUT, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
     kernels = {"_paged_decode_kernel", "_merge_planned_kernel", "_reshape_and_cache_fp8_kernel"}

@@ -13,8 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcourse.kernels.split_plan import (MIN_CHUNK_TOKENS, NO_WORK, SplitPlan, plan_capacity, plan_rows,
-                                         plan_splits)  # fmt: skip
+from kvcourse.kernels.split_plan import MIN_CHUNK_TOKENS, NO_WORK, SplitPlan, plan_capacity, plan_rows, plan_splits
 from kvcourse.kernels.testing import random_paged_case, tolerance
 from kvcourse.kernels.triton_paged import (MIN_SPLIT_TOKENS, choose_num_splits, paged_decode, paged_decode_planned,
                                            planned_workspace)  # fmt: skip
@@ -113,8 +112,9 @@ def test_one_plan_buffer_serves_steps_of_different_lengths():
     buffers = (plan.buffer.data_ptr(), workspace[0].data_ptr(), out.data_ptr())
     chunks = []
     for step, (lens, min_chunk) in enumerate([([1, 600, 17, 300, 1027], 64), ([40, 3], 16), ([700] * 7, 256)]):
-        case = random_paged_case(40 + step, lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=16,
-                                 device=DEVICE)  # fmt: skip
+        case = random_paged_case(
+            40 + step, lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=16, device=DEVICE
+        )
         q, tables = _padded(case, lanes)
         chunks.append(plan.fill(lens + [0] * (lanes - len(lens)), hkv, H200_SMS, min_chunk=min_chunk))
         out.fill_(7.0)
@@ -136,8 +136,9 @@ def test_one_plan_buffer_serves_steps_of_different_lengths():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_planned_in_half_precision(dtype):
     lens = [300, 5, 129]
-    case = random_paged_case(50, lens, num_q_heads=8, num_kv_heads=1, head_dim=128, block_size=16, dtype=dtype,
-                             device=DEVICE)  # fmt: skip
+    case = random_paged_case(
+        50, lens, num_q_heads=8, num_kv_heads=1, head_dim=128, block_size=16, dtype=dtype, device=DEVICE
+    )
     plan = SplitPlan(plan_capacity(3, 1, H200_SMS), 3, DEVICE)
     plan.fill(lens, 1, H200_SMS, min_chunk=32)
     got = paged_decode_planned(case.q, case.k_cache, case.v_cache, case.block_tables, plan, 128**-0.5)
@@ -187,8 +188,9 @@ def test_planned_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="plan holds 1 lanes"):
         paged_decode_planned(case.q, case.k_cache, case.v_cache, case.block_tables, SplitPlan(4, 1, DEVICE), 0.125)
     with pytest.raises(ValueError, match="tiles must be"):
-        paged_decode_planned(case.q, case.k_cache, case.v_cache, case.block_tables, SplitPlan(4, 2, DEVICE), 0.125,
-                             tiles=(48, 4, 2))  # fmt: skip
+        paged_decode_planned(
+            case.q, case.k_cache, case.v_cache, case.block_tables, SplitPlan(4, 2, DEVICE), 0.125, tiles=(48, 4, 2)
+        )
 
 
 def test_other_tiles_give_the_same_answer():
@@ -226,7 +228,9 @@ def test_the_triton_backend_reads_a_plan_the_batch_carries(monkeypatch):
     assert plan.seqs[1, 1].item() == 4  # the 61-token sequence in 4 chunks: the plan really splits
     plans_read = []
     real = triton_backend.paged_decode_planned
-    monkeypatch.setattr(triton_backend, "paged_decode_planned", lambda *a, **kw: plans_read.append(a[4]) or real(*a, **kw))
+    monkeypatch.setattr(
+        triton_backend, "paged_decode_planned", lambda *a, **kw: plans_read.append(a[4]) or real(*a, **kw)
+    )
     planned = TritonBackend(store, dataclasses.replace(batch, split_plan=plan))
     got = planned(0, q, k, v)
     assert plans_read == [plan]

@@ -52,8 +52,10 @@ def test_measurement_plot_says_when_nothing_was_measured(monkeypatch, capsys):
 def test_measurement_plot_reads_committed_results(capsys):
     # The committed H200 run of 2026-11-28 (kvcourse/results/kernels-nvidia-h200-2026-11-28.json) is the newest.
     fig, status = provenance.plot_kernel_measurements()
-    assert status == ("Measured on NVIDIA H200 with python -m kvcourse.bench kernels "
-                      "(kernels-nvidia-h200-2026-11-28.json): 2 of 6 speed targets met.")  # fmt: skip
+    assert status == (
+        "Measured on NVIDIA H200 with python -m kvcourse.bench kernels "
+        "(kernels-nvidia-h200-2026-11-28.json): 2 of 6 speed targets met."
+    )
     assert fig.axes[0].get_ylabel() == "effective bandwidth (GB/s), log scale"
     printed = capsys.readouterr().out
     assert "driver 580.159.04, CUDA 13.0, torch 2.11.0+cu130, triton 3.6.0" in printed

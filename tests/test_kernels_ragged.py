@@ -18,8 +18,9 @@ from kvcourse.kernels.triton_runtime import fallbacks, kernel_device, reset_fall
 DEVICE = kernel_device()
 
 
-def ragged_case(q_lens, cached, heads=(9, 3), head_dim=64, block_size=16, dtype=torch.float32, spare_rows=0,
-                spare_lanes=0, seed=0):  # fmt: skip
+def ragged_case(
+    q_lens, cached, heads=(9, 3), head_dim=64, block_size=16, dtype=torch.float32, spare_rows=0, spare_lanes=0, seed=0
+):
     """A step: sequence b feeds ``q_lens[b]`` rows after ``cached[b]`` tokens; blocks shuffled in the pool."""
     g = torch.Generator().manual_seed(seed)
     lens = [c + n for c, n in zip(cached, q_lens)]
@@ -99,14 +100,17 @@ def test_the_launch_writes_only_the_rows_of_sequences():
     assert (out[5:] == 7.0).all() and not (out[:5] == 7.0).any()
 
 
-@pytest.mark.parametrize("bad, match", [
-    (lambda m: m.update(qsl=m["qsl"].to(torch.int64)), "query_start_loc must be an int32"),
-    (lambda m: m.update(qsl=m["qsl"][:-1]), "query_start_loc needs 3 entries"),
-    (lambda m: m.update(qsl=m["qsl"].flip(0)), "query_start_loc must rise from 0"),
-    (lambda m: m.update(lens=m["lens"] - 3), "seq_lens must count at least"),
-    (lambda m: m.update(tables=m["tables"][:, :1]), "block_tables has 1 columns"),
-    (lambda m: m.update(tables=m["tables"] + 100), "outside the pool"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda m: m.update(qsl=m["qsl"].to(torch.int64)), "query_start_loc must be an int32"),
+        (lambda m: m.update(qsl=m["qsl"][:-1]), "query_start_loc needs 3 entries"),
+        (lambda m: m.update(qsl=m["qsl"].flip(0)), "query_start_loc must rise from 0"),
+        (lambda m: m.update(lens=m["lens"] - 3), "seq_lens must count at least"),
+        (lambda m: m.update(tables=m["tables"][:, :1]), "block_tables has 1 columns"),
+        (lambda m: m.update(tables=m["tables"] + 100), "outside the pool"),
+    ],
+)
 def test_bad_input_is_refused_by_name(bad, match):
     q, k, v, tables, lens, qsl = ragged_case([3, 2], [1, 30])
     m = dict(tables=tables, lens=lens, qsl=qsl)

@@ -31,8 +31,9 @@ def model():
 
 
 def _make(model, **kw):
-    return lambda clock: Engine(model, num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                                clock=clock, **kw)  # fmt: skip
+    return lambda clock: Engine(
+        model, num_blocks=32, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, clock=clock, **kw
+    )
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
@@ -85,8 +86,10 @@ def test_fit_step_cost_recovers_the_coefficients_of_noise_free_steps(seed):
 
 def test_fit_step_cost_drops_a_term_that_would_come_out_negative():
     # durations that fall as sequences are added (for the same tokens) would need a negative per_seq_s
-    events = [_event(i, 0.0, 64, s, 0.05 + 0.001 * 64 - 0.0001 * s + 0.0002 * (i % 3)) for i, s in
-              enumerate([1, 2, 4, 8, 16, 1, 2, 4, 8, 16])]  # fmt: skip
+    events = [
+        _event(i, 0.0, 64, s, 0.05 + 0.001 * 64 - 0.0001 * s + 0.0002 * (i % 3))
+        for i, s in enumerate([1, 2, 4, 8, 16, 1, 2, 4, 8, 16])
+    ]
     cost, _ = fit_step_cost(events)
     assert min(cost.fixed_s, cost.per_token_s, cost.per_seq_s) >= 0
     with pytest.raises(ValueError, match="events"):
@@ -122,8 +125,9 @@ def test_open_loop_outputs_equal_solo_runs_and_arrivals_are_the_true_ones(model,
 def test_littles_law_from_the_step_log_falls_short_by_less_than_a_step_per_request(model, seed):
     prompts = _prompts(seed, 12)
     params = SamplingParams(max_new_tokens=5, stop_token_ids=())
-    engine = serve_open_loop(_make(model), prompts, params, poisson_arrivals(30.0, 12, seed=seed),
-                             StepCost(0.02, 0.001, 0.001))  # fmt: skip
+    engine = serve_open_loop(
+        _make(model), prompts, params, poisson_arrivals(30.0, 12, seed=seed), StepCost(0.02, 0.001, 0.001)
+    )
     point = LoadPoint.of(30.0, engine, ttft_slo=1.0, tpot_slo=1.0)
     span = len(prompts) / point.achieved_rate
     # sum of the time each request spent inside = L * span exactly; the log counts a request from the
@@ -145,8 +149,10 @@ def test_slo_attainment_needs_both_targets_and_goodput_is_the_highest_rate_meeti
     assert slo_attainment(ms, ttft_slo=0.5, tpot_slo=0.1) == 0.5  # the one-token answer is judged on TTFT
     with pytest.raises(ValueError, match="metrics"):
         slo_attainment([RequestMetrics(0.0, 0, 1)], 1.0, 1.0)
-    points = [LoadPoint(rate=r, summary={}, attainment=a, achieved_rate=r, mean_in_system=1.0, mean_latency=1.0)
-              for r, a in [(1, 1.0), (2, 0.95), (4, 0.85), (8, 0.91)]]  # fmt: skip
+    points = [
+        LoadPoint(rate=r, summary={}, attainment=a, achieved_rate=r, mean_in_system=1.0, mean_latency=1.0)
+        for r, a in [(1, 1.0), (2, 0.95), (4, 0.85), (8, 0.91)]
+    ]
     assert goodput(points, target=0.9) == 8  # the highest rate that meets it, even past a dip
     assert goodput(points, target=0.99) == 1
     assert goodput(points[2:3], target=0.9) == 0.0

@@ -19,8 +19,9 @@ def _check_book(require: bool) -> subprocess.CompletedProcess:
     if require:
         env["KVCOURSE_REQUIRE_BROWSER"] = "1"
     # -o book: do not build the book here (the test of the recipe does not need it)
-    return subprocess.run(["make", "-s", "-o", "book", "check-book"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        ["make", "-s", "-o", "book", "check-book"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")

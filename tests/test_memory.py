@@ -30,9 +30,16 @@ from kvcourse.memory.config import INT_FIELDS
 LLAMA3_8B = dict(CATALOG["llama-3-8b"].config)
 GPT2 = {"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "n_positions": 1024}
 DEEPSEEK_V2_LITE = {  # deepseek-ai/DeepSeek-V2-Lite config.json: 27 layers, 16 heads, kv_lora_rank 512, rope 64
-    "model_type": "deepseek_v2", "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
-    "hidden_size": 2048, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
-    "v_head_dim": 128, "q_lora_rank": None,
+    "model_type": "deepseek_v2",
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "hidden_size": 2048,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "q_lora_rank": None,
 }
 
 
@@ -69,8 +76,15 @@ def test_mqa_falcon_multi_query_flag():
 
 
 def test_falcon_new_decoder_architecture_uses_num_kv_heads():
-    falcon40 = {"model_type": "falcon", "num_hidden_layers": 60, "hidden_size": 8192, "num_attention_heads": 128,
-                "num_kv_heads": 8, "multi_query": True, "new_decoder_architecture": True}
+    falcon40 = {
+        "model_type": "falcon",
+        "num_hidden_layers": 60,
+        "hidden_size": 8192,
+        "num_attention_heads": 128,
+        "num_kv_heads": 8,
+        "multi_query": True,
+        "new_decoder_architecture": True,
+    }
     assert kv_bytes_per_token(falcon40) == 2 * 60 * 8 * 64 * 2
 
 
@@ -138,8 +152,14 @@ def test_gemma2_without_layer_types_alternates():
 
 
 def test_sliding_window_pattern_gemma3_style():
-    cfg = {"num_hidden_layers": 12, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
-           "sliding_window": 512, "sliding_window_pattern": 6}
+    cfg = {
+        "num_hidden_layers": 12,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+    }
     windows = kv_layout(cfg).layer_windows
     assert windows.count(None) == 2 and windows[5] is None and windows[11] is None
 
@@ -177,7 +197,9 @@ def test_bad_window_configs(patch, match):
 
 
 # ---- dtypes and quantization scales ------------------------------------------------------------
-@pytest.mark.parametrize("dtype, factor", [("fp32", 2), ("bf16", 1), ("fp16", 1), ("fp8", 0.5), ("int8", 0.5), ("int4", 0.25)])
+@pytest.mark.parametrize(
+    "dtype, factor", [("fp32", 2), ("bf16", 1), ("fp16", 1), ("fp8", 0.5), ("int8", 0.5), ("int4", 0.25)]
+)
 def test_dtype_scales_bytes(dtype, factor):
     assert kv_cache_bytes("llama-3-8b", 8192, 64, dtype) == factor * 64 * GiB
 
@@ -276,12 +298,20 @@ def test_llama_config_object_accepted(model):
 
 @settings(max_examples=60, deadline=None)
 @given(
-    layers=st.integers(1, 100), kv=st.sampled_from([1, 2, 4, 8]), group=st.integers(1, 8),
-    head_dim=st.sampled_from([32, 64, 96, 128, 256]), seq=st.integers(0, 10**6), batch=st.integers(1, 256),
+    layers=st.integers(1, 100),
+    kv=st.sampled_from([1, 2, 4, 8]),
+    group=st.integers(1, 8),
+    head_dim=st.sampled_from([32, 64, 96, 128, 256]),
+    seq=st.integers(0, 10**6),
+    batch=st.integers(1, 256),
 )
 def test_formula_is_the_product(layers, kv, group, head_dim, seq, batch):
-    cfg = {"num_hidden_layers": layers, "num_attention_heads": kv * group, "num_key_value_heads": kv,
-           "head_dim": head_dim}
+    cfg = {
+        "num_hidden_layers": layers,
+        "num_attention_heads": kv * group,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+    }
     assert kv_cache_bytes(cfg, seq, batch, "fp16") == 2 * layers * kv * head_dim * seq * batch * 2
     assert kv_cache_bytes(cfg, seq, batch, "int4") * 4 == kv_cache_bytes(cfg, seq, batch, "fp16")
 
@@ -297,8 +327,19 @@ def test_windowed_cache_never_shrinks_and_is_bounded(seq, extra):
 
 # ---- the catalog -------------------------------------------------------------------------------
 def test_catalog_names_are_exact():
-    assert catalog_names() == ["smollm2-135m", "llama-2-7b", "llama-2-70b", "llama-3-8b", "llama-3-70b",
-                               "llama-3.1-70b", "mistral-7b", "qwen2.5-7b", "gemma-2-9b", "falcon-7b", "deepseek-v3"]
+    assert catalog_names() == [
+        "smollm2-135m",
+        "llama-2-7b",
+        "llama-2-70b",
+        "llama-3-8b",
+        "llama-3-70b",
+        "llama-3.1-70b",
+        "mistral-7b",
+        "qwen2.5-7b",
+        "gemma-2-9b",
+        "falcon-7b",
+        "deepseek-v3",
+    ]
     for entry in CATALOG.values():
         assert "/" in entry.hf_repo and entry.parameters_source and entry.num_parameters > 10**8
 
@@ -363,8 +404,19 @@ def test_kv_budget_is_what_the_weights_leave():
     int8_per_seq = 32768 * 28 * 2 * 4 * (128 + 4)
     assert kv_cache_bytes("qwen2.5-7b", 32768, dtype="int8", quant_group_size=128) == int8_per_seq
     budget = kv_budget_bytes("qwen2.5-7b", 80 * 10**9, "bf16", gpu_memory_utilization=0.9)
-    assert max_concurrent_sequences("qwen2.5-7b", 80 * 10**9, 32768, "int8", weight_dtype="bf16",
-                                    gpu_memory_utilization=0.9, quant_group_size=128) == budget // int8_per_seq == 58
+    assert (
+        max_concurrent_sequences(
+            "qwen2.5-7b",
+            80 * 10**9,
+            32768,
+            "int8",
+            weight_dtype="bf16",
+            gpu_memory_utilization=0.9,
+            quant_group_size=128,
+        )
+        == budget // int8_per_seq
+        == 58
+    )
     with pytest.raises(ValueError, match="quant_group_size"):
         max_concurrent_sequences("qwen2.5-7b", 80 * 10**9, 32768, "bf16", quant_group_size=128)
     for bad, exc in ((0, ValueError), (-1, ValueError), (True, TypeError), ("80GB", TypeError)):
@@ -394,8 +446,12 @@ def test_cli_accepts_every_dtype_spelling_the_api_accepts_and_warns_past_the_con
 
 
 def test_cli_catalog_model(capsys):
-    assert cli_main(["--model", "llama-3-8b", "--seq-len", "8192", "--batch-size", "64", "--dtype", "bf16",
-                     "--tp-size", "1"]) == 0
+    assert (
+        cli_main(
+            ["--model", "llama-3-8b", "--seq-len", "8192", "--batch-size", "64", "--dtype", "bf16", "--tp-size", "1"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "68,719,476,736 B = 68.72 GB (64.00 GiB)" in out and "131,072 B" in out and "GQA" in out
 
@@ -412,8 +468,12 @@ def test_cli_errors_and_help(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["--help"])
     assert e.value.code == 0 and "--seq-len" in capsys.readouterr().out
-    for argv in (["--model", "gpt-5"], ["--model", "llama-3-8b", "--seq-len", "-3"],
-                 ["--model", "llama-3-8b", "--tp-size", "3"], []):
+    for argv in (
+        ["--model", "gpt-5"],
+        ["--model", "llama-3-8b", "--seq-len", "-3"],
+        ["--model", "llama-3-8b", "--tp-size", "3"],
+        [],
+    ):
         with pytest.raises(SystemExit) as e:
             cli_main(argv)
         assert e.value.code == 2
@@ -464,9 +524,10 @@ def test_formula_equals_hf_dynamic_cache(hf_model, our_run):
     ids, new, cache = our_run
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                return_dict_in_generate=True)
-    assert out.sequences[0, len(ids):].tolist() == new
+        out = hf_model.generate(
+            torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True
+        )
+    assert out.sequences[0, len(ids) :].tolist() == new
     hf_cache = out.past_key_values
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in hf_cache.layers)
     assert hf_cache.get_seq_length() == cache.seq_len
@@ -501,8 +562,15 @@ def test_prefill_flops_matches_the_course_cost_model():
 
 
 # ---- configs a user might hand the CLI by mistake (issue 31, item 5): each refused with a clear line ----------
-_QWEN = {"model_type": "qwen2", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-         "hidden_size": 512, "sliding_window": 128, "use_sliding_window": True}
+_QWEN = {
+    "model_type": "qwen2",
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "hidden_size": 512,
+    "sliding_window": 128,
+    "use_sliding_window": True,
+}
 
 
 @pytest.mark.parametrize(("text", "word"), [
@@ -546,5 +614,15 @@ def test_qwen_max_window_layers_still_reads_right():
     layout = kv_layout({**_QWEN, "max_window_layers": 2})
     assert layout.layer_windows == (None, None, 128, 128)
     assert kv_layout({**_QWEN, "max_window_layers": None}).layer_windows == (128,) * 4
-    assert kv_layout({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, "multi_query": True,
-                      "num_key_value_heads": 1}).num_kv_heads == 1  # agreeing keys are fine
+    assert (
+        kv_layout(
+            {
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "hidden_size": 64,
+                "multi_query": True,
+                "num_key_value_heads": 1,
+            }
+        ).num_kv_heads
+        == 1
+    )  # agreeing keys are fine

@@ -23,16 +23,35 @@ import torch
 import kvcourse
 from kvcourse.backends import backend_names
 from kvcourse.batch import ForwardBatch, SeqSlice
-from kvcourse.compression import (FORMATS, DroppingKVCache, Int8PagedKVStore, QuantizedKVCache, SinkKVCache,
-                                  compressed_continuation_logits, fake_quantize, generate_compressed, prefill_prompt,
-                                  quantize, dequantize, ring_slot, select_tokens, simulate_window_logits, window_mask)
+from kvcourse.compression import (
+    FORMATS,
+    DroppingKVCache,
+    Int8PagedKVStore,
+    QuantizedKVCache,
+    SinkKVCache,
+    compressed_continuation_logits,
+    fake_quantize,
+    generate_compressed,
+    prefill_prompt,
+    quantize,
+    dequantize,
+    ring_slot,
+    select_tokens,
+    simulate_window_logits,
+    window_mask,
+)
 from kvcourse.exercises.catalog import EXERCISES, MODEL
 from kvcourse.instructor import find_exercises
 from kvcourse.instructor.grade import exercise_cells
 from kvcourse.instructor.sandbox import _run_cells
 from kvcourse.kernels import reference as ref
-from kvcourse.kernels.int8 import (dequantize_int8, empty_int8_pool, paged_decode_attention_int8_ref, quantize_int8,
-                                   reshape_and_cache_int8_ref)
+from kvcourse.kernels.int8 import (
+    dequantize_int8,
+    empty_int8_pool,
+    paged_decode_attention_int8_ref,
+    quantize_int8,
+    reshape_and_cache_int8_ref,
+)
 from kvcourse.kernels.online_softmax import merge_partials, online_softmax_attention
 from kvcourse.kernels.testing import paged_from_contiguous, random_paged_case
 from kvcourse.mla import LatentCache, MLAConfig, MultiHeadLatentAttention
@@ -137,21 +156,29 @@ def test_contiguous_references():
 
 
 def test_paged_references():
-    case = random_paged_case(3, [5, 17, 1], query_lens=[2, 17, 1], num_q_heads=4, num_kv_heads=2, head_dim=8,
-                             block_size=4, device="cpu")  # fmt: skip
-    on_meta_and_normally(lambda: ref.paged_prefill_attention_ref(case.q, case.k_cache, case.v_cache, case.block_tables,
-                                                                 case.seq_lens, case.query_start_loc, case.positions))
+    case = random_paged_case(
+        3, [5, 17, 1], query_lens=[2, 17, 1], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=4, device="cpu"
+    )
+    on_meta_and_normally(
+        lambda: ref.paged_prefill_attention_ref(
+            case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc, case.positions
+        )
+    )
     decode = random_paged_case(4, [5, 17, 1], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=4, device="cpu")
-    on_meta_and_normally(lambda: ref.paged_decode_attention_ref(decode.q, decode.k_cache, decode.v_cache,
-                                                                decode.block_tables, decode.seq_lens))
+    on_meta_and_normally(
+        lambda: ref.paged_decode_attention_ref(
+            decode.q, decode.k_cache, decode.v_cache, decode.block_tables, decode.seq_lens
+        )
+    )
     assert on_meta_and_normally(lambda: ref.slot_mapping([7, 2], range(3, 6), 4)) == [31, 8, 9]
 
     def write():
         k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
         slots = case.slot_mapping.clone()
         slots[0] = -1  # padding: written nowhere
-        ref.reshape_and_cache_ref(randn(len(slots), 2, 8, seed=5), randn(len(slots), 2, 8, seed=6), k_cache,
-                                  v_cache, slots)  # fmt: skip
+        ref.reshape_and_cache_ref(
+            randn(len(slots), 2, 8, seed=5), randn(len(slots), 2, 8, seed=6), k_cache, v_cache, slots
+        )
         return k_cache, v_cache
 
     on_meta_and_normally(write)
@@ -159,6 +186,7 @@ def test_paged_references():
 
 def test_paged_cases_are_built_on_the_host_then_moved():
     """The test harness of the kernels (chapter 5's checks use it): drawn on the CPU, whatever the default."""
+
     def case():
         return random_paged_case(5, [3, 9], num_q_heads=2, num_kv_heads=1, head_dim=4, block_size=2, device="cpu")
 
@@ -219,8 +247,11 @@ def test_triton_kernels_in_the_interpreter():
     case = random_paged_case(12, [5, 40], num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4, device="cpu")
     on_meta_and_normally(lambda: decode_attention(case.q, case.k, case.v, case.seq_lens))
     for splits in (1, 3):
-        on_meta_and_normally(lambda: paged_decode_attention(case.q, case.k_cache, case.v_cache, case.block_tables,
-                                                            case.seq_lens, num_splits=splits))  # fmt: skip
+        on_meta_and_normally(
+            lambda: paged_decode_attention(
+                case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, num_splits=splits
+            )
+        )
     new_k, new_v = randn(2, 2, 16, seed=13), randn(2, 2, 16, seed=14)
     slots = torch.tensor([3, -1], device="cpu")
 
@@ -228,10 +259,14 @@ def test_triton_kernels_in_the_interpreter():
         k_cache, v_cache = case.k_cache.nan_to_num(), case.v_cache.nan_to_num()
         reshape_and_cache(new_k, new_v, k_cache, v_cache, slots)
         pool = empty_int8_pool(*case.k_cache.shape, device="cpu")
-        reshape_and_cache_int8(k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16), *pool,
-                               torch.arange(k_cache.shape[0] * 4, device="cpu"))  # fmt: skip
-        return k_cache, v_cache, paged_decode_attention_int8(case.q, *pool, case.block_tables, case.seq_lens,
-                                                             num_splits=2)
+        reshape_and_cache_int8(
+            k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16), *pool, torch.arange(k_cache.shape[0] * 4, device="cpu")
+        )
+        return (
+            k_cache,
+            v_cache,
+            paged_decode_attention_int8(case.q, *pool, case.block_tables, case.seq_lens, num_splits=2),
+        )
 
     on_meta_and_normally(writes)
     x, weight = randn(3, 40, seed=15), randn(40, seed=16)
@@ -265,7 +300,9 @@ def test_planned_decode_and_the_fp8_write_in_the_interpreter():
         for write in (reshape_and_cache_fp8, reshape_and_cache_fp8_ref):
             pool = [torch.zeros(3, 4, 2, 16, dtype=FP8, device="cpu") for _ in range(2)]
             scales = [torch.zeros(3, 4, 2, device="cpu") for _ in range(2)]
-            write(randn(2, 2, 16, seed=20), randn(2, 2, 16, seed=21), *pool, *scales, torch.tensor([3, -1], device="cpu"))
+            write(
+                randn(2, 2, 16, seed=20), randn(2, 2, 16, seed=21), *pool, *scales, torch.tensor([3, -1], device="cpu")
+            )
             out += [pool[0].view(torch.uint8), pool[1].view(torch.uint8), *scales]
         return out
 
@@ -332,8 +369,11 @@ def test_generate_every_way(tiny):
 ], ids=["default", "prefix-cache-swap-chunked"])  # fmt: skip
 def test_one_engine_run(tiny, options):
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11], [4, 4]]
-    params = [SamplingParams(max_new_tokens=5), SamplingParams(max_new_tokens=4, n=2, temperature=1.0, seed=1),
-              SamplingParams(max_new_tokens=6)]  # fmt: skip
+    params = [
+        SamplingParams(max_new_tokens=5),
+        SamplingParams(max_new_tokens=4, n=2, temperature=1.0, seed=1),
+        SamplingParams(max_new_tokens=6),
+    ]
 
     def run():
         engine = Engine(tiny, num_blocks=9, block_size=4, **options)  # small: preemptions under swap
@@ -365,8 +405,11 @@ def test_paged_cache_store_and_offload(tiny):
         store.write(0, [30, 31], randn(2, 2, 8, seed=15), randn(2, 2, 8, seed=16))
         store.copy_block(7, 6)
         host = PagedKVStore.for_model(tiny.config, 4, 4, device="cpu")
-        apply_transfers(store, host, [BlockTransfer("to_host", 0, 1), BlockTransfer("to_host", 1, 0),
-                                      BlockTransfer("to_device", 1, 5)])  # fmt: skip
+        apply_transfers(
+            store,
+            host,
+            [BlockTransfer("to_host", 0, 1), BlockTransfer("to_host", 1, 0), BlockTransfer("to_device", 1, 5)],
+        )
         return first, second, store.k_cache, host.v_cache
 
     on_meta_and_normally(run)
@@ -443,8 +486,9 @@ def test_dropping_cache(tiny, method):
 
 
 def test_mla():
-    layer = MultiHeadLatentAttention(MLAConfig(hidden_size=32, num_heads=2, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                                               v_head_dim=8, kv_lora_rank=16))  # fmt: skip
+    layer = MultiHeadLatentAttention(
+        MLAConfig(hidden_size=32, num_heads=2, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kv_lora_rank=16)
+    )
     x = randn(1, 7, 32, seed=21)
 
     def run(absorb):

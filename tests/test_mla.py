@@ -31,8 +31,9 @@ def test_expanded_and_absorbed_equal_plain_attention_over_the_expanded_cache(dev
     torch.testing.assert_close(mla(x, LatentCache(), absorb=True), want, rtol=1e-5, atol=1e-5)
     assert got.device.type == device.type and cache.latent.device.type == device.type
     if device.type != "cpu":  # the same seeded weights on every device
-        torch.testing.assert_close(got.cpu(), MultiHeadLatentAttention(MLAConfig(), seed=1)(x.cpu(), LatentCache()),
-                                   rtol=1e-4, atol=1e-4)  # fmt: skip
+        torch.testing.assert_close(
+            got.cpu(), MultiHeadLatentAttention(MLAConfig(), seed=1)(x.cpu(), LatentCache()), rtol=1e-4, atol=1e-4
+        )
 
 
 def test_decoding_from_the_latent_cache_equals_the_whole_sequence():

@@ -153,14 +153,18 @@ def test_sampling_params_top_k_one_is_greedy_and_runs_are_reproducible(model, to
     nucleus = kvcourse.SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=5, stop_token_ids=())
     runs = [kvcourse.generate(model, ids, sampling_params=nucleus) for _ in range(2)]
     assert runs[0] == runs[1]
-    paged = [kvcourse.generate(model, ids, sampling_params=nucleus, cache=PagedKVCache.for_model(model.config, 4))
-             for _ in range(2)]  # fmt: skip
+    paged = [
+        kvcourse.generate(model, ids, sampling_params=nucleus, cache=PagedKVCache.for_model(model.config, 4))
+        for _ in range(2)
+    ]
     assert paged[0] == paged[1]
     # Across the two caches the logits agree to fp32's rounding; a sampled draw may still land on the other
     # side of a cumulative-probability boundary, so the paths are compared by their logits, not their samples.
     seq = torch.tensor([ids + runs[0]])
     cache = PagedKVCache.for_model(model.config, 4)
-    assert_logits_close(model.forward_batch(cache.prepare(seq[0].tolist()), cache.kv_store, all_logits=True), model(seq)[0])
+    assert_logits_close(
+        model.forward_batch(cache.prepare(seq[0].tolist()), cache.kv_store, all_logits=True), model(seq)[0]
+    )
 
 
 def test_a_cache_returning_the_wrong_history_is_caught(model):

@@ -134,8 +134,7 @@ def test_transfers_replayed_in_order_equal_one_copy_at_a_time(seed, device):
     time in the recorded order (a plain loop over clones). The device pool on ``device``, the host's on the CPU."""
     rnd = random.Random(seed)
     device_store, host = random_store(6, seed, device), random_store(5, seed + 100)
-    moves = [BlockTransfer(rnd.choice(["to_host", "to_device"]), rnd.randrange(6), rnd.randrange(5))
-             for _ in range(12)]  # fmt: skip
+    moves = [BlockTransfer(rnd.choice(["to_host", "to_device"]), rnd.randrange(6), rnd.randrange(5)) for _ in range(12)]
     moves = [m if m.direction == "to_host" else BlockTransfer("to_device", m.dst, m.src) for m in moves]
     want_dev, want_host = random_store(6, seed), random_store(5, seed + 100)
     for m in moves:
@@ -144,8 +143,10 @@ def test_transfers_replayed_in_order_equal_one_copy_at_a_time(seed, device):
             d[m.dst] = s[m.src].clone()
     apply_transfers(device_store, host, moves)
     assert device_store.k_cache[0].device.type == device.type
-    for got, want in zip(device_store.k_cache + device_store.v_cache + host.k_cache + host.v_cache,
-                         want_dev.k_cache + want_dev.v_cache + want_host.k_cache + want_host.v_cache):  # fmt: skip
+    for got, want in zip(
+        device_store.k_cache + device_store.v_cache + host.k_cache + host.v_cache,
+        want_dev.k_cache + want_dev.v_cache + want_host.k_cache + want_host.v_cache,
+    ):
         assert torch.equal(got.cpu(), want)
 
 
@@ -306,12 +307,15 @@ def test_a_prefix_evicted_to_the_host_tier_is_copied_back_not_recomputed(tiny, d
     assert results[64]["batched_tokens"] == results[0]["batched_tokens"] - 32
 
 
-@pytest.mark.parametrize(("kwargs", "exc", "match"), [
-    (dict(preemption_mode="swap"), ValueError, "num_host_blocks > 0"),
-    (dict(preemption_mode="bogus", num_cpu_blocks=4), ValueError, "preemption_mode"),
-    (dict(num_cpu_blocks=-1), ValueError, "num_cpu_blocks"),
-    (dict(num_cpu_blocks=2.0), TypeError, "num_cpu_blocks must be an int >= 0, got float"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        (dict(preemption_mode="swap"), ValueError, "num_host_blocks > 0"),
+        (dict(preemption_mode="bogus", num_cpu_blocks=4), ValueError, "preemption_mode"),
+        (dict(num_cpu_blocks=-1), ValueError, "num_cpu_blocks"),
+        (dict(num_cpu_blocks=2.0), TypeError, "num_cpu_blocks must be an int >= 0, got float"),
+    ],
+)
 def test_bad_offload_arguments(tiny, kwargs, exc, match):  # noqa: F811
     with pytest.raises(exc, match=match):
         Engine(tiny, num_blocks=8, block_size=4, **kwargs)
@@ -349,9 +353,11 @@ def test_the_swap_benchmark_times_every_block_size_and_checks_the_round_trip(tin
     assert rows[0]["bytes"] == 20 * per_token and rows[1]["bytes"] == 24 * per_token
     keys = ("recompute_s", "swap_out_s", "swap_in_s", "swap_out_per_block_s", "swap_in_per_block_s")
     assert all(r[k] > 0 for r in rows for k in keys)
-    for bad, name in ((dict(num_tokens=0, block_sizes=[4]), "num_tokens"),
-                      (dict(num_tokens=8, block_sizes=[]), "block_sizes"),
-                      (dict(num_tokens=8, block_sizes=[0]), "block_sizes"),
-                      (dict(num_tokens=8, block_sizes=[4], repeats=0), "repeats")):  # fmt: skip
+    for bad, name in (
+        (dict(num_tokens=0, block_sizes=[4]), "num_tokens"),
+        (dict(num_tokens=8, block_sizes=[]), "block_sizes"),
+        (dict(num_tokens=8, block_sizes=[0]), "block_sizes"),
+        (dict(num_tokens=8, block_sizes=[4], repeats=0), "repeats"),
+    ):
         with pytest.raises(ValueError, match=name):
             time_swap_vs_recompute(tiny, **bad)

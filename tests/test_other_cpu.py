@@ -41,7 +41,11 @@ def other_cpu_env() -> dict[str, str]:
 
 
 def _probe(extra: dict[str, str]) -> tuple[dict, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+    }
     env.update(extra, ONEDNN_VERBOSE="1", OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, check=True)
     lines = run.stdout.strip().splitlines()

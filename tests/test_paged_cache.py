@@ -31,7 +31,9 @@ def test_store_write_through_scattered_blocks_and_copy_block(device):
     assert torch.equal(store.k_cache[1][5, :2], k[8:])  # block 5 holds positions 8, 9
     assert not store.k_cache[0].any()  # layer 0 untouched
     store.copy_block(5, 1)
-    assert torch.equal(store.k_cache[1][1], store.k_cache[1][5]) and torch.equal(store.v_cache[1][1], store.v_cache[1][5])
+    assert torch.equal(store.k_cache[1][1], store.k_cache[1][5]) and torch.equal(
+        store.v_cache[1][1], store.v_cache[1][5]
+    )
     assert store.nbytes == 2 * 2 * 6 * 4 * 3 * 8 * 4 and store.block_nbytes == 2 * 2 * 4 * 3 * 8 * 4
 
 
@@ -54,8 +56,11 @@ def test_store_validates():
 
 
 def test_for_model_wants_the_config_not_the_model(model):
-    for make in (lambda c: PagedKVStore.for_model(c, 4), lambda c: PagedKVCache.for_model(c, 4),
-                 lambda c: kvcourse.KVCache.for_model(c)):  # fmt: skip
+    for make in (
+        lambda c: PagedKVStore.for_model(c, 4),
+        lambda c: PagedKVCache.for_model(c, 4),
+        lambda c: kvcourse.KVCache.for_model(c),
+    ):
         with pytest.raises(TypeError, match=r"model's config \(model.config\), got the model itself"):
             make(model)
         with pytest.raises(TypeError, match="LlamaConfig"):

@@ -42,10 +42,18 @@ def _reference(config: PlaygroundConfig) -> list[list]:
     host = config.num_blocks // 2 if config.preemption == "swap" else 0
     cls = PrefixCachingBlockManager if config.prefix_caching else BlockManager
     bm = cls(config.num_blocks, config.block_size, num_host_blocks=host)
-    sched = Scheduler(bm, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.token_budget,
-                      enable_chunked_prefill=config.chunked_prefill, watermark=0.0, preemption_mode=config.preemption)
-    arrivals = [(step, Sequence((i, 0), prompt, SamplingParams(max_new_tokens=new, stop_token_ids=(), n=config.samples)))
-                for i, (step, prompt, new) in enumerate(_workload(config))]  # fmt: skip
+    sched = Scheduler(
+        bm,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.token_budget,
+        enable_chunked_prefill=config.chunked_prefill,
+        watermark=0.0,
+        preemption_mode=config.preemption,
+    )
+    arrivals = [
+        (step, Sequence((i, 0), prompt, SamplingParams(max_new_tokens=new, stop_token_ids=(), n=config.samples)))
+        for i, (step, prompt, new) in enumerate(_workload(config))
+    ]
     steps, t = [], 0
     while arrivals or sched.has_unfinished():
         while arrivals and arrivals[0][0] <= t:
@@ -62,8 +70,14 @@ def _reference(config: PlaygroundConfig) -> list[list]:
                         tokens[child.seq_id] = 0
                 tokens[s.seq.seq_id] = 0
         sched.append_tokens(tokens)
-        steps.append([[(s.seq.seq_id, s.kind, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled],
-                      [s.seq_id for s in out.admitted], [s.seq_id for s in out.preempted], bm.num_free_blocks])
+        steps.append(
+            [
+                [(s.seq.seq_id, s.kind, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled],
+                [s.seq_id for s in out.admitted],
+                [s.seq_id for s in out.preempted],
+                bm.num_free_blocks,
+            ]
+        )
         t += 1
     return steps
 
@@ -79,7 +93,9 @@ def test_the_playground_decides_as_the_scheduler_driven_by_hand(key):
     reference = _reference(config)
     assert len(records) == len(reference)
     for r, (scheduled, admitted, preempted, free) in zip(records, reference):
-        assert r["scheduled"] == [[_name(i), kind, c, n, r_s[4]] for (i, kind, c, n), r_s in zip(scheduled, r["scheduled"])]
+        assert r["scheduled"] == [
+            [_name(i), kind, c, n, r_s[4]] for (i, kind, c, n), r_s in zip(scheduled, r["scheduled"])
+        ]
         assert [x[0] for x in r["scheduled"]] == [_name(i) for i, *_ in scheduled]
         said = " | ".join(d["text"] for d in r["decisions"])
         assert all(f"{_name(i)} admitted" in said for i in admitted), said
@@ -130,6 +146,7 @@ def test_the_presets_show_what_the_chapters_say():
     """Chapter 4: a preemption when the pool runs dry. Chapter 6: chunks beside decodes, a preemption and a
     recompute, a request waiting with a named reason. Chapter 7: cache hits, shared blocks, cached blocks, a
     copy-on-write."""
+
     def texts(key):
         return [(r, d["text"]) for r in Playground(PRESETS[key]).run() for d in r["decisions"]]
 
@@ -155,8 +172,9 @@ print(json.dumps({k: Playground(c).run() for k, c in PRESETS.items()}))
 """
     runs = []
     for prelude in (playground_site.REFUSE_DATA_PLANE, ""):
-        proc = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, cwd=ROOT,
-                              timeout=120)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", prelude + code], capture_output=True, text=True, cwd=ROOT, timeout=120
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         runs.append(json.loads(proc.stdout))
     assert runs[0] == runs[1]

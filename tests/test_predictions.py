@@ -30,8 +30,15 @@ def test_int8_speedup_bound_counts_the_scales_and_the_query():
 
 @pytest.mark.parametrize(
     "prompt_len, cached, block, hit",
-    [(107, 94, 16, 80), (32, 32, 16, 16), (33, 32, 16, 32), (32, 100, 16, 16), (5, 0, 4, 0), (10, 9, 1, 9),
-     (10, 10, 1, 9)],
+    [
+        (107, 94, 16, 80),
+        (32, 32, 16, 16),
+        (33, 32, 16, 32),
+        (32, 100, 16, 16),
+        (5, 0, 4, 0),
+        (10, 9, 1, 9),
+        (10, 10, 1, 9),
+    ],
 )
 def test_prefix_hit_tokens_whole_blocks_never_the_last_tokens_block(prompt_len, cached, block, hit):
     assert prefix_hit_tokens(prompt_len, cached, block) == hit

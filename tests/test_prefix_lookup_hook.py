@@ -28,8 +28,9 @@ def walk(token_ids, block_size, cache_salt, hash_fn, get_cached_block):
 
 
 def serve(model, rounds, lookup, **engine):
-    eng = Engine(model, **{"num_blocks": 48, "block_size": 4, "max_num_batched_tokens": 32, **engine},
-                 enable_prefix_caching=True)  # fmt: skip
+    eng = Engine(
+        model, **{"num_blocks": 48, "block_size": 4, "max_num_batched_tokens": 32, **engine}, enable_prefix_caching=True
+    )
     eng.block_manager.find_longest_cache_hit = lookup
     outs = [eng.generate(prompts, max_new_tokens=new, cache_salt=salt) for prompts, new, salt in rounds]
     return eng, outs
@@ -40,8 +41,10 @@ def chat_rounds(seed):
     shared = [rnd.randrange(4, VOCAB) for _ in range(rnd.choice([8, 11, 16]))]
     rounds = []
     for _ in range(5):
-        prompts = [shared[: rnd.randint(1, len(shared))] + [rnd.randrange(4, VOCAB) for _ in range(rnd.randint(0, 9))]
-                   for _ in range(rnd.randint(1, 3))]  # fmt: skip
+        prompts = [
+            shared[: rnd.randint(1, len(shared))] + [rnd.randrange(4, VOCAB) for _ in range(rnd.randint(0, 9))]
+            for _ in range(rnd.randint(1, 3))
+        ]
         rounds.append((prompts, rnd.randint(1, 6), rnd.choice([None, None, "alice"])))
     rounds.append(([shared], 2, None))
     rounds.append(([shared[:8]], 2, None))  # an exact number of blocks, all cached
@@ -126,8 +129,9 @@ def test_the_lookup_gets_the_pools_hashes_of_full_blocks_only():
 def test_the_admission_log_shows_a_preempted_request_coming_back_on_its_cached_blocks(tiny):  # noqa: F811
     rnd = random.Random(3)
     prompts = [[rnd.randrange(4, VOCAB) for _ in range(14)] for _ in range(3)]
-    eng = Engine(tiny, num_blocks=12, block_size=4, max_num_batched_tokens=32, enable_prefix_caching=True,
-                 watermark=0.0)  # fmt: skip
+    eng = Engine(
+        tiny, num_blocks=12, block_size=4, max_num_batched_tokens=32, enable_prefix_caching=True, watermark=0.0
+    )
     params = kvcourse.SamplingParams(max_new_tokens=14, stop_token_ids=())
     outs = eng.generate(prompts, params)
     assert outs == [kvcourse.generate(tiny, p, sampling_params=params) for p in prompts]

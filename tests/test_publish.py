@@ -112,7 +112,7 @@ def test_setup_cell_installs_what_the_chapter_imports(path):
     if re.search(r"^\s*(import|from) (triton|kvcourse\.kernels\.triton\w*)\b", code, re.M):
         assert "triton" in chapter.extras, f"{path.name} uses Triton: add `triton` to its extras in book/chapters.yml"
     setup = sync_notebooks.setup_source(CFG, chapter, CFG.release_ref)
-    assert f"@{CFG.release_ref}\"" in setup and "--no-deps" in setup
+    assert f'@{CFG.release_ref}"' in setup and "--no-deps" in setup
 
 
 def _executed_copy(tmp_path: Path, path: Path) -> Path:
@@ -191,7 +191,7 @@ def test_reader_copy_reads_cleanly(path):
     code_out = [c for c in out["cells"] if c["cell_type"] == "code"]
     assert [c["outputs"] for c in code_out] == [c["outputs"] for c in code_in]
     assert [c["source"] for c in code_out[1:]] == [c["source"] for c in code_in[1:]]
-    assert "@0123abc\"" in "".join(code_out[0]["source"])
+    assert '@0123abc"' in "".join(code_out[0]["source"])
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
@@ -208,9 +208,19 @@ def test_student_reader_copy_has_no_solutions_and_reads_cleanly(path):
 
 
 def _render(markdown: str, glue: dict | None = None, name: str = "03_x.ipynb") -> str:
-    cell = {"cell_type": "code", "metadata": {}, "source": "", "outputs": [
-        {"output_type": "display_data", "metadata": {"scrapbook": {"name": k, "mime_prefix": reader_copies.GLUE_PREFIX}},
-         "data": {reader_copies.GLUE_PREFIX + "text/plain": v}} for k, v in (glue or {}).items()]}
+    cell = {
+        "cell_type": "code",
+        "metadata": {},
+        "source": "",
+        "outputs": [
+            {
+                "output_type": "display_data",
+                "metadata": {"scrapbook": {"name": k, "mime_prefix": reader_copies.GLUE_PREFIX}},
+                "data": {reader_copies.GLUE_PREFIX + "text/plain": v},
+            }
+            for k, v in (glue or {}).items()
+        ],
+    }
     nb = {"cells": [cell, {"cell_type": "markdown", "metadata": {}, "source": markdown}], "metadata": {}}
     return reader_copy(nb, name)["cells"][1]["source"]
 
@@ -226,8 +236,10 @@ def test_render_leaves_roles_inside_code_spans_alone():
 
 
 def test_render_term_and_doc_roles_as_their_text():
-    md = ("the {term}`KV cache`, {term}`block tables <Block table>` and "
-          "{term}`Q, K and V <Q, K, V (query, key, value)>`; see {doc}`chapter 4 <04_paged_kv_cache>`'s pool")
+    md = (
+        "the {term}`KV cache`, {term}`block tables <Block table>` and "
+        "{term}`Q, K and V <Q, K, V (query, key, value)>`; see {doc}`chapter 4 <04_paged_kv_cache>`'s pool"
+    )
     assert _render(md) == "the KV cache, block tables and Q, K and V; see chapter 4's pool"
 
 
@@ -239,11 +251,28 @@ def test_render_exercise_solution_and_admonitions():
         "```{exercise}\n:label: ex-b\nAgain.\n```"
     )
     assert _render(md).split("\n") == [
-        "**Exercise 3.1: Count it**", "", "Write `f`.", "",
-        "> **Solution to Exercise 3.1**", ">", "> Use this:", "> ```python", "> f = 1", "> ```", "",
-        "> **Note**", ">", "> A note.", "",
-        "> **Careful**", ">", "> Mind the units.", "",
-        "**Exercise 3.2**", "", "Again.",
+        "**Exercise 3.1: Count it**",
+        "",
+        "Write `f`.",
+        "",
+        "> **Solution to Exercise 3.1**",
+        ">",
+        "> Use this:",
+        "> ```python",
+        "> f = 1",
+        "> ```",
+        "",
+        "> **Note**",
+        ">",
+        "> A note.",
+        "",
+        "> **Careful**",
+        ">",
+        "> Mind the units.",
+        "",
+        "**Exercise 3.2**",
+        "",
+        "Again.",
     ]
 
 
@@ -251,7 +280,9 @@ def test_render_dropdown_as_a_titled_quote():
     # a prediction's reasoning sits in a sphinx-design dropdown in the book; a notebook shows it open
     md = "```{dropdown} The course's prediction\n:color: info\n\nA **line**, {glue:text}`slope` ms a token.\n```"
     assert _render(md, {"slope": "'0.25'"}).split("\n") == [
-        "> **The course's prediction**", ">", "> A **line**, 0.25 ms a token.",
+        "> **The course's prediction**",
+        ">",
+        "> A **line**, 0.25 ms a token.",
     ]
 
 
@@ -286,7 +317,8 @@ def test_workflow_matches_the_github_schema():
     # check-jsonschema ships SchemaStore's GitHub workflow schema, so this needs no network.
     result = subprocess.run(
         [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.github-workflows", str(WORKFLOW)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -14,7 +14,9 @@ def test_heldout_text_is_the_same_on_every_python():
     # Checked byte for byte in CPython 3.10.13, 3.11.2, 3.11.7, 3.12.1 and 3.13.0: a change here means
     # this Python ships different help pages, and every measured number in chapter 8 would move.
     text = Q.heldout_text()
-    assert hashlib.sha256(text.encode()).hexdigest() == "835eaf851706fef93e95c0ffdefbcd826f210b7354adfa27d71ae1016570f5bc"
+    assert (
+        hashlib.sha256(text.encode()).hexdigest() == "835eaf851706fef93e95c0ffdefbcd826f210b7354adfa27d71ae1016570f5bc"
+    )
 
 
 def test_heldout_ids(tok):

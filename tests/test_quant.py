@@ -139,7 +139,11 @@ def test_kivi_window_and_key_groups(seed):
         # Values are quantized per token.
         v_old = 2 * k_all[:, :, :n_quantized]
         v_step = (v_old.amax(-1, keepdim=True) - v_old.amin(-1, keepdim=True)) / 3
-        assert bool(((v_hist[:, :, :n_quantized] - v_old).abs() <= v_step / 2 + v_old.abs().amax(-1, keepdim=True) * 2**-9).all())
+        assert bool(
+            (
+                (v_hist[:, :, :n_quantized] - v_old).abs() <= v_step / 2 + v_old.abs().amax(-1, keepdim=True) * 2**-9
+            ).all()
+        )
     codes = 2 * n_quantized * 2 * 8 // 4  # K and V, tokens, 2 heads, 8 channels, four 2-bit codes per byte
     scales = (n_quantized // group) * 8 * 2 * 2 * 2 + n_quantized * 2 * 2 * 2  # K per channel; V per token
     assert cache.nbytes == codes + scales + (n - n_quantized) * 2 * 8 * 2 * 2
@@ -210,7 +214,9 @@ def test_per_token_quantization_does_not_depend_on_the_chunks(model):
     cache = _PinnedQuantizedCache.for_model(model.config, bits=4).pin(pins)
     chunked = torch.cat([model(ids[:, a:b], cache=cache) for a, b in ((0, 5), (5, 6), (6, 13), (13, 14))], 1)
     for layer in range(model.config.num_hidden_layers):  # the very same codes, scales and zero points, bit for bit
-        assert torch.equal(cache.keys(layer), whole.keys(layer)) and torch.equal(cache.values(layer), whole.values(layer))
+        assert torch.equal(cache.keys(layer), whole.keys(layer)) and torch.equal(
+            cache.values(layer), whole.values(layer)
+        )
     assert_logits_close(chunked, one)
     full = model(ids, cache=kvcourse.KVCache.for_model(model.config))
     assert (one - full).abs().max() > 1e-3 * full.abs().max()  # int4 does change them

@@ -16,7 +16,9 @@ def test_symmetric_int8_error_is_half_a_step():
     assert codes.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (5, 3)
     step = x.abs().amax(-1, keepdim=True) / 127
     assert bool(((dequantize_int8(codes, scale) - x).abs() <= 0.5001 * step).all())  # half a step (+ fp32 rounding)
-    assert int(codes.abs().max()) == 127 and torch.equal(quantize_int8(torch.zeros(2, 8))[0], torch.zeros(2, 8, dtype=torch.int8))
+    assert int(codes.abs().max()) == 127 and torch.equal(
+        quantize_int8(torch.zeros(2, 8))[0], torch.zeros(2, 8, dtype=torch.int8)
+    )
 
 
 def test_store_layout_bytes_and_copy_on_write(device):
@@ -31,7 +33,9 @@ def test_store_layout_bytes_and_copy_on_write(device):
     assert bool(((got - k).abs() <= 0.57 * k.abs().amax(-1, keepdim=True) / 127).all())
     torch.testing.assert_close(v_pool.view(-1, 3, 8)[[5, 0, 2]], -got)
     store.copy_block(1, 3)  # slot 2 is block 1, offset 0
-    assert torch.equal(store.k_cache[1][3], store.k_cache[1][1]) and torch.equal(store.k_scale[1][3], store.k_scale[1][1])
+    assert torch.equal(store.k_cache[1][3], store.k_cache[1][1]) and torch.equal(
+        store.k_scale[1][3], store.k_scale[1][1]
+    )
     with pytest.raises(ValueError, match=r"\[T, H_kv, D\]"):
         store.write(0, [1], k, k)
     with pytest.raises(ValueError, match="slots must lie"):
@@ -67,8 +71,13 @@ def test_the_model_on_the_int8_pool_equals_the_contiguous_reference(model, tok):
     ids = tok.encode("The capital of France is")
     pins = KVPins()
     store = _PinnedInt8Store.for_model(model.config, num_blocks=4, block_size=4).pin(pins)
-    cache = PagedKVCache(model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim,
-                         block_manager=BlockManager(4, 4), kv_store=store)
+    cache = PagedKVCache(
+        model.config.num_hidden_layers,
+        model.config.num_key_value_heads,
+        model.config.head_dim,
+        block_manager=BlockManager(4, 4),
+        kv_store=store,
+    )
     ref = _Int8Reference.for_model(model.config).pin(pins)
     feed = ids
     for _ in range(4):  # prefill, then three decode steps
@@ -100,6 +109,7 @@ def test_triton_int8_backend_computes_what_the_torch_int8_backend_does(model, to
 
     pins = KVPins()
     for backend_class in (Int8PagedTorchBackend, TritonInt8Backend):
+
         def pinned_write(self, layer_idx, k, v, write=backend_class.write_kv):
             write(self, layer_idx, *pins(layer_idx, self.batch.positions.tolist(), k, v))
 

@@ -92,8 +92,11 @@ def test_only_the_node_that_was_locked_can_be_unlocked():
     assert mid.lock_ref == 0 and leaf.lock_ref == 0 and cache.evict(10) == 4
     other = RadixCache()
     other.insert([5])
-    for bad, exc, word in ((None, TypeError, "RadixNode"), ("node", TypeError, "RadixNode"),
-                           (other.match_prefix([5])[1], ValueError, "another RadixCache")):  # fmt: skip
+    for bad, exc, word in (
+        (None, TypeError, "RadixNode"),
+        ("node", TypeError, "RadixNode"),
+        (other.match_prefix([5])[1], ValueError, "another RadixCache"),
+    ):
         with pytest.raises(exc, match=word):
             cache.lock(bad)
         with pytest.raises(exc, match=word):
@@ -102,8 +105,9 @@ def test_only_the_node_that_was_locked_can_be_unlocked():
     cache.unlock(cache.root)
 
 
-@pytest.mark.parametrize(("value", "exc"), [(float("nan"), TypeError), (-3, ValueError), (2.5, TypeError),
-                                            ("1", TypeError)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("value", "exc"), [(float("nan"), TypeError), (-3, ValueError), (2.5, TypeError), ("1", TypeError)]
+)
 def test_evict_refuses_what_is_not_a_count_of_tokens(value, exc):
     cache = RadixCache()
     cache.insert([1, 2])
@@ -130,8 +134,10 @@ def test_the_tree_agrees_with_a_list_of_sequences():
     cache, seqs = RadixCache(), []
     for _ in range(300):
         seq = [rng.randrange(4) for _ in range(rng.randint(0, 8))]
-        want = max((next((i for i, (a, b) in enumerate(zip(s, seq)) if a != b), min(len(s), len(seq)))
-                    for s in seqs), default=0)  # fmt: skip
+        want = max(
+            (next((i for i, (a, b) in enumerate(zip(s, seq)) if a != b), min(len(s), len(seq))) for s in seqs),
+            default=0,
+        )
         if rng.random() < 0.5:
             assert cache.match_prefix(seq)[0] == want
         else:

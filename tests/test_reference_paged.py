@@ -43,16 +43,18 @@ def test_paged_decode_over_several_tiles_and_shared_blocks():
     case = random_paged_case(5, [1027, 255, 300, 17], num_q_heads=32, num_kv_heads=8, head_dim=64, block_size=16)
     got = paged_decode_attention_ref(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
     torch.testing.assert_close(got, case.expected(), **tolerance(torch.float32))
-    shared = random_paged_case(6, [100, 70, 65], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=16,
-                               shared_blocks=4)  # fmt: skip
+    shared = random_paged_case(
+        6, [100, 70, 65], num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=16, shared_blocks=4
+    )
     assert shared.block_tables[1, :4].tolist() == shared.block_tables[0, :4].tolist()
     got = paged_decode_attention_ref(shared.q, shared.k_cache, shared.v_cache, shared.block_tables, shared.seq_lens)
     torch.testing.assert_close(got, shared.expected(), **tolerance(torch.float32))
 
 
 def test_block_size_does_not_change_the_answer():
-    case = random_paged_case(7, [40, 3, 77], num_q_heads=9, num_kv_heads=3, head_dim=32, block_size=16,
-                             dtype=torch.float64)  # fmt: skip
+    case = random_paged_case(
+        7, [40, 3, 77], num_q_heads=9, num_kv_heads=3, head_dim=32, block_size=16, dtype=torch.float64
+    )
     # The same memory seen as a pool of blocks of 1: block id = slot id, the table = the slot mapping.
     k1, v1 = (c.view(-1, 1, 3, 32) for c in (case.k_cache, case.v_cache))
     lens = case.seq_lens.tolist()
@@ -72,19 +74,22 @@ def test_paged_prefill_equals_contiguous_causal(seed):
     query_lens = [int(torch.randint(1, s + 1, (1,), generator=g)) for s in lens]  # whole prompts, chunks, decodes
     case = random_paged_case(seed, lens, query_lens=query_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=16,
                              block_size=BLOCK_SIZES[seed % 3], dtype=torch.float64)  # fmt: skip
-    got = paged_prefill_attention_ref(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                      case.query_start_loc, case.positions)  # fmt: skip
+    got = paged_prefill_attention_ref(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.query_start_loc, case.positions
+    )
     torch.testing.assert_close(got, case.expected(), **tolerance(torch.float64))
 
 
 def test_prefill_mask_comes_from_positions():
     # Queries that are not the last keys: each must see exactly the keys up to its own position.
-    case = random_paged_case(3, [12], query_lens=[12], num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
-                             dtype=torch.float64)  # fmt: skip
+    case = random_paged_case(
+        3, [12], query_lens=[12], num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.float64
+    )
     some = torch.tensor([0, 5, 6], dtype=torch.int64)
     qsl = torch.tensor([0, 3], dtype=torch.int32)
-    got = paged_prefill_attention_ref(case.q[some], case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                      qsl, some)  # fmt: skip
+    got = paged_prefill_attention_ref(
+        case.q[some], case.k_cache, case.v_cache, case.block_tables, case.seq_lens, qsl, some
+    )
     torch.testing.assert_close(got, case.expected()[some], **tolerance(torch.float64))
 
 
@@ -173,8 +178,12 @@ def test_reshape_and_cache_validates():
 def test_harness_case_is_the_same_on_every_call_and_scatters_blocks():
     kwargs = dict(num_q_heads=4, num_kv_heads=2, head_dim=8, block_size=4)
     a, b = random_paged_case(11, [30, 9], **kwargs), random_paged_case(11, [30, 9], **kwargs)
-    assert all(torch.equal(x, y) for x, y in zip(
-        (a.q, a.block_tables, a.k_cache.nan_to_num(), a.k), (b.q, b.block_tables, b.k_cache.nan_to_num(), b.k)))
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(
+            (a.q, a.block_tables, a.k_cache.nan_to_num(), a.k), (b.q, b.block_tables, b.k_cache.nan_to_num(), b.k)
+        )
+    )
     table = a.block_tables[0, :8].tolist()
     assert table != sorted(table) or table != list(range(table[0], table[0] + 8))  # not one contiguous run
     assert a.block_tables[0, -1] == -1  # padding column

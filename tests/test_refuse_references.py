@@ -89,22 +89,40 @@ def honest_bytes(config, bytes_per_value):
 
 
 def honest_slots(block_tables, seq_lens, query_lens, block_size):
-    return [table[p // block_size] * block_size + p % block_size
-            for table, n, q in zip(block_tables, seq_lens, query_lens) for p in range(n - q, n)]  # fmt: skip
+    return [
+        table[p // block_size] * block_size + p % block_size
+        for table, n, q in zip(block_tables, seq_lens, query_lens)
+        for p in range(n - q, n)
+    ]
 
 
 EXERCISES = {
     "ch01-ex-attention": (ch01.check_attention, kvcourse, "causal_attention", ca, _same, honest_attention),
     "ch02-ex-decode": (ch02.check_decode_attention, kvcourse, "decode_attention_ref", dar, _same, honest_decode),
-    "ch03-ex-per-token": (ch03.check_bytes_per_token, kvcourse.memory, "kv_bytes_per_token", per_token,
-                          lambda ref: lambda c, b: ref(c, "fp32") * b // 4, honest_bytes),
-    "ch04-ex-slot-mapping": (ch04.check_slot_mapping, kvcourse.paged, "slot_mapping", slots_of,
-                             lambda ref: lambda tables, lens, qs, bs: sum(
-                                 (ref(t, range(n - q, n), bs) for t, n, q in zip(tables, lens, qs)), []),
-                             honest_slots),
+    "ch03-ex-per-token": (
+        ch03.check_bytes_per_token,
+        kvcourse.memory,
+        "kv_bytes_per_token",
+        per_token,
+        lambda ref: lambda c, b: ref(c, "fp32") * b // 4,
+        honest_bytes,
+    ),
+    "ch04-ex-slot-mapping": (
+        ch04.check_slot_mapping,
+        kvcourse.paged,
+        "slot_mapping",
+        slots_of,
+        lambda ref: (
+            lambda tables, lens, qs, bs: sum((ref(t, range(n - q, n), bs) for t, n, q in zip(tables, lens, qs)), [])
+        ),
+        honest_slots,
+    ),
 }
-CASES = [(label, route) for label, (_, module, name, ref, adapt, _) in EXERCISES.items()
-         for route in routes(module, name, ref, adapt)]  # fmt: skip
+CASES = [
+    (label, route)
+    for label, (_, module, name, ref, adapt, _) in EXERCISES.items()
+    for route in routes(module, name, ref, adapt)
+]
 
 
 @pytest.mark.parametrize("label,route", CASES, ids=[f"{label}-{route}" for label, route in CASES])
@@ -179,8 +197,9 @@ def test_a_cache_class_that_borrows_the_package_methods_is_refused():
 # ---- the mechanism, on a check written here ------------------------------------------------------
 def _check_softmax(fn, *, lent=None):
     """A check refusing ``torch.softmax`` (a C function: no code object) and kvcourse's causal_attention."""
-    refuse_references(fn, {"softmax": torch.softmax, "causal_attention": kvcourse.causal_attention},
-                      "write the softmax yourself.")
+    refuse_references(
+        fn, {"softmax": torch.softmax, "causal_attention": kvcourse.causal_attention}, "write the softmax yourself."
+    )
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
     # The check's own use of the reference. A check in kvcourse/exercises calls it directly; this one lives in a
     # test file, which the watch takes for the learner's code, so it lends the call to itself.
@@ -258,6 +277,8 @@ def test_the_watch_costs_little(capsys):
         finally:
             module.refuse_references = refuse_references
     with capsys.disabled():
-        print(f"\ncheck_parallel_sampling_blocks: {times[False] * 1e3:.1f} ms unwatched, {times[True] * 1e3:.1f} ms "
-              f"watched")
+        print(
+            f"\ncheck_parallel_sampling_blocks: {times[False] * 1e3:.1f} ms unwatched, {times[True] * 1e3:.1f} ms "
+            f"watched"
+        )
     assert times[True] < 2 * times[False] + 0.05  # a shared 2-core machine: a loose bound, the figure is printed

@@ -24,7 +24,8 @@ def test_find_load_and_newest():
     bench = load_results()
     assert bench["benchmark"] == "bench_compression" and bench["text"]["tokens"] == 1024
     assert results.load("cpu-serving-2026-11-22.json") == json.loads(
-        (ROOT / "kvcourse" / "results" / "cpu-serving-2026-11-22.json").read_text())
+        (ROOT / "kvcourse" / "results" / "cpu-serving-2026-11-22.json").read_text()
+    )
 
 
 def test_bad_names_are_refused_clearly():
@@ -56,7 +57,10 @@ def test_no_chapter_reads_results_from_the_network_or_the_checkout():
             if cell["cell_type"] != "code":
                 continue
             code = "".join(cell["source"])
-            assert not re.search(r"urlopen|requests\.get|/raw/|Path\([\"']\.\./benchmarks", code), (nb_path.name, code[:200])
+            assert not re.search(r"urlopen|requests\.get|/raw/|Path\([\"']\.\./benchmarks", code), (
+                nb_path.name,
+                code[:200],
+            )
 
 
 def test_every_committed_result_of_a_known_kind_is_valid():
@@ -72,7 +76,12 @@ def test_the_h200_kernel_run_is_committed_with_its_provenance():
     assert results.newest("kernels-*.json") == "kernels-nvidia-h200-2026-11-28.json"  # the H200's later run
     data = results.load(name)
     prov = data["provenance"]
-    assert (prov["gpu"], prov["torch"], prov["triton"], prov["python"]) == ("NVIDIA H200", "2.11.0+cu130", "3.6.0", "3.12.3")
+    assert (prov["gpu"], prov["torch"], prov["triton"], prov["python"]) == (
+        "NVIDIA H200",
+        "2.11.0+cu130",
+        "3.6.0",
+        "3.12.3",
+    )
     assert prov["compute_capability"] == "9.0" and prov["sms"] == 132 and prov["date"].startswith("2026-11-26")
     assert data["peak"]["bandwidth"] == 4.8e12 and round(data["copy_bandwidth"] / 1e9) == 4225
     # Every shape of the benchmark, every variant it times, timed as compiled code (SDPA as torch).

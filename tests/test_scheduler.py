@@ -135,10 +135,13 @@ def test_a_preemption_policy_picks_the_victim_among_the_sequence_in_need_and_tho
     assert sched.block_manager.num_free_blocks == 6
 
 
-@pytest.mark.parametrize("policy, match", [
-    (lambda c: "Z", "returned 'Z', which is not one of its candidates"),
-    (lambda c: seq("W", 2), "not one of its candidates"),
-])
+@pytest.mark.parametrize(
+    "policy, match",
+    [
+        (lambda c: "Z", "returned 'Z', which is not one of its candidates"),
+        (lambda c: seq("W", 2), "not one of its candidates"),
+    ],
+)
 def test_a_policy_that_returns_no_candidate_is_refused_before_anything_changes(policy, match):
     bm = BlockManager(4, 2)
     sched = Scheduler(bm, watermark=0, preemption_policy=policy)

@@ -193,8 +193,9 @@ def test_a_preemption_policy_changes_the_victims_not_the_outputs(tiny, device):
     params = SamplingParams(max_new_tokens=16, stop_token_ids=())
     runs = {}
     for name, policy in (("newest", None), ("fewest computed", fewest_computed), ("itself", lambda c: c[0])):
-        eng = Engine(tiny, num_blocks=17, block_size=4, max_num_batched_tokens=64, watermark=0,
-                     preemption_policy=policy)
+        eng = Engine(
+            tiny, num_blocks=17, block_size=4, max_num_batched_tokens=64, watermark=0, preemption_policy=policy
+        )
         outs = eng.generate(prompts, params)
         for p, o in zip(prompts, outs):
             assert_greedy_equal(tiny, p, o, kvcourse.generate(tiny, p, 16, eos_token_ids=()))
@@ -244,8 +245,14 @@ def test_decode_positions_follow_the_prompt_and_chunks_see_earlier_chunks(tiny, 
     eng = Engine(tiny, num_blocks=32, block_size=4, max_num_batched_tokens=16)
     fed = []
     real_execute = eng.runner.execute
-    monkeypatch.setattr(eng.runner, "execute", lambda out, all_logits=False: (
-        fed.append([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]), real_execute(out, all_logits))[1])
+    monkeypatch.setattr(
+        eng.runner,
+        "execute",
+        lambda out, all_logits=False: (
+            fed.append([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]),
+            real_execute(out, all_logits),
+        )[1],
+    )
     out = eng.generate([prompt], max_new_tokens=4)[0]
     # chunks of 16 from positions 0, 16, 32, 48; then decodes at 50, 51, 52: never off by one
     assert fed == [[(0, 16)], [(16, 16)], [(32, 16)], [(48, 2)], [(50, 1)], [(51, 1)], [(52, 1)]]
@@ -275,8 +282,11 @@ def test_a_request_too_big_for_the_pool_is_refused_at_add_request_not_left_to_ha
         (dict(num_blocks=2.5), TypeError, "num_blocks must be an int"),
         (dict(num_blocks=8, block_size=0), ValueError, "block_size"),
         (dict(num_blocks=8, max_num_seqs=0), ValueError, "max_num_seqs"),
-        (dict(num_blocks=8, max_num_batched_tokens=8), ValueError,
-         r"max_num_batched_tokens must be at least one block \(block_size=16\)"),
+        (
+            dict(num_blocks=8, max_num_batched_tokens=8),
+            ValueError,
+            r"max_num_batched_tokens must be at least one block \(block_size=16\)",
+        ),
         (dict(num_blocks=8, backend="cuda-magic"), ValueError, "backend must be one of"),
         (dict(num_blocks=8, watermark=2), ValueError, "watermark"),
         (dict(num_blocks=8, preemption_policy="newest"), TypeError, "preemption_policy must be a function"),
@@ -342,7 +352,9 @@ def test_the_engine_runs_chapter_5s_triton_backend(tiny, device):
         pytest.skip(f"kernels take {kernel_device().type} tensors in this process")
     tiny = on_device(tiny, device)
     prompts, params = workload(random.Random(10), 4, max_prompt=40, max_new=5)
-    outs = {b: Engine(tiny, num_blocks=32, block_size=4, max_num_batched_tokens=16, backend=b).generate(prompts, params)
-            for b in ("paged-torch", "triton")}  # fmt: skip
+    outs = {
+        b: Engine(tiny, num_blocks=32, block_size=4, max_num_batched_tokens=16, backend=b).generate(prompts, params)
+        for b in ("paged-torch", "triton")
+    }
     for p, a, b in zip(prompts, outs["paged-torch"], outs["triton"]):
         assert_greedy_equal(tiny, p, b, a)

@@ -98,9 +98,10 @@ def chat_workload(model, tok):
 
 # Larger budgets with prefix caching: the tiny-model fuzz test in test_prefix_cache.py.
 @pytest.mark.parametrize(
-    "budget, num_blocks, block_size, heavy", [(16, 64, 16, False), (64, 16, 8, True)],
+    "budget, num_blocks, block_size, heavy",
+    [(16, 64, 16, False), (64, 16, 8, True)],
     ids=["budget16", "preemption"],
-)  # fmt: skip
+)
 def test_prefix_caching_leaves_chat_outputs_unchanged(model, chat_workload, budget, num_blocks, block_size, heavy):
     # The requests share a chat-template system prompt. The first runs alone (a warm cache), the rest
     # together; each output must equal the request run alone (as test_sixteen_requests_equal_each_request_alone

@@ -80,8 +80,10 @@ def test_step_figures_refuse_runs_that_no_longer_say_what_the_prose_says():
     run, profile, first, runs = committed()
     broken = {**run, "step_profile": {**run["step_profile"]}}
     on = broken["step_profile"]["graphs_on"] = {**run["step_profile"]["graphs_on"]}
-    on["batches"] = {**on["batches"], "64": {**on["batches"]["64"], "profile": {
-        **on["batches"]["64"]["profile"], "sync_ops": 2.0}}}
+    on["batches"] = {
+        **on["batches"],
+        "64": {**on["batches"]["64"], "profile": {**on["batches"]["64"]["profile"], "sync_ops": 2.0}},
+    }
     with pytest.raises(ValueError, match="a replayed step never waits"):
         sb.step_figures(broken, profile, first, runs, 134_515_008, 3.35e12)
 

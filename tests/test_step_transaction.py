@@ -35,9 +35,13 @@ def _state(engine: Engine) -> tuple:
     s, bm = engine.scheduler, engine.block_manager
     snap = bm.snapshot()
     snap["host"] = dict(snap["host"])
-    return ([q.seq_id for q in s.waiting], [q.seq_id for q in s.running], [q.seq_id for q in s.swapped],
-            {q.seq_id: (q.status, q.num_computed_tokens, q.num_tokens) for q in s._seqs.values()},
-            {k: (list(v) if hasattr(v, "__iter__") and not isinstance(v, dict) else v) for k, v in snap.items()})
+    return (
+        [q.seq_id for q in s.waiting],
+        [q.seq_id for q in s.running],
+        [q.seq_id for q in s.swapped],
+        {q.seq_id: (q.status, q.num_computed_tokens, q.num_tokens) for q in s._seqs.values()},
+        {k: (list(v) if hasattr(v, "__iter__") and not isinstance(v, dict) else v) for k, v in snap.items()},
+    )
 
 
 def _serve(engine: Engine, prompts, fail_at: set[int] | None = None, errors: tuple = ()) -> list:

@@ -73,15 +73,19 @@ def test_a_gpu_check_json_times_the_chapter(tmp_path):
     # Read once, though benchmarks/results is the same folder under another name.
     assert [p.name for p in sync_notebooks.gpu_check_files(root)] == ["gpu-check-nvidia-h200-2026-11-27.json"]
     runs = sync_notebooks.gpu_check_runs(root, CHAPTER.name)
-    assert runs == [dict(device="NVIDIA H200", torch="2.11.0+cu130", date="2026-11-27", seconds=171.0, passed=True,
-                         timed_out=False)]  # fmt: skip
+    assert runs == [
+        dict(device="NVIDIA H200", torch="2.11.0+cu130", date="2026-11-27", seconds=171.0, passed=True, timed_out=False)
+    ]
     header = _header(root)
     assert "on a GPU: about 3 min on NVIDIA H200 (torch 2.11.0+cu130, 2026-11-27)." in header  # not chapters.yml's
     # A chapter that failed on the GPU says so, with no time to run claimed.
     assert sync_notebooks.gpu_check_runs(root, "06_serving.ipynb")[0]["passed"] is False
     cfg = load(root)
     chapter06 = cfg.chapter(root / "book" / "06_serving.ipynb")
-    assert sync_notebooks.gpu_time(cfg, chapter06) == "failed on NVIDIA H200 (torch 2.11.0+cu130, 2026-11-27) after under a minute"
+    assert (
+        sync_notebooks.gpu_time(cfg, chapter06)
+        == "failed on NVIDIA H200 (torch 2.11.0+cu130, 2026-11-27) after under a minute"
+    )
     # A chapter the file does not time falls back to chapters.yml (here: nothing).
     chapter07 = cfg.chapter(root / "book" / "07_reusing_the_cache.ipynb")
     assert sync_notebooks.gpu_time(cfg, chapter07) == "not timed yet"
@@ -99,8 +103,10 @@ def test_the_newest_run_on_each_gpu_is_quoted(tmp_path):
     _write(root, "gpu-check-nvidia-h200-2026-11-27.json", FIXTURE)
     _write(root, "gpu-check-tesla-t4-2026-11-21.json", t4)
     header = _header(root)
-    assert ("on a GPU: about 3 min on NVIDIA H200 (torch 2.11.0+cu130, 2026-11-27); failed on Tesla T4 (torch "
-            "2.11.0+cu130, 2026-11-21) after under a minute.") in header  # fmt: skip
+    assert (
+        "on a GPU: about 3 min on NVIDIA H200 (torch 2.11.0+cu130, 2026-11-27); failed on Tesla T4 (torch "
+        "2.11.0+cu130, 2026-11-21) after under a minute."
+    ) in header
 
 
 def test_the_format_gpu_check_writes_one_chapter_per_step(tmp_path):
@@ -115,12 +121,15 @@ def test_the_format_gpu_check_writes_one_chapter_per_step(tmp_path):
          "notebook": "06_serving.ipynb"},
         {"step": "chapter 07 on the GPU", "passed": False, "seconds": 0.0, "skipped": "the budget ran out before it started"},
     ]  # fmt: skip
-    _write(root, "gpu-check-nvidia-h200-2026-11-27.json", {"check": "gpu", "provenance": prov, "run": {}, "steps": steps})
+    _write(
+        root, "gpu-check-nvidia-h200-2026-11-27.json", {"check": "gpu", "provenance": prov, "run": {}, "steps": steps}
+    )
     assert "on a GPU: about 1 min on NVIDIA H200 (torch 2.11.0+cu130, 2026-11-27)." in _header(root)
     cfg = load(root)
     chapter06 = cfg.chapter(root / "book" / "06_serving.ipynb")
-    assert sync_notebooks.gpu_time(cfg, chapter06) == ("stopped by the time limit on NVIDIA H200 (torch 2.11.0+cu130, "
-                                                       "2026-11-27) after about 5 min")  # fmt: skip
+    assert sync_notebooks.gpu_time(cfg, chapter06) == (
+        "stopped by the time limit on NVIDIA H200 (torch 2.11.0+cu130, 2026-11-27) after about 5 min"
+    )
     chapter07 = cfg.chapter(root / "book" / "07_reusing_the_cache.ipynb")  # skipped by the budget: never ran
     assert sync_notebooks.gpu_time(cfg, chapter07) == "not timed yet"
 
@@ -128,8 +137,11 @@ def test_the_format_gpu_check_writes_one_chapter_per_step(tmp_path):
 def test_an_old_format_gpu_check_times_no_chapter(tmp_path):
     # The first gpu-check format had one step for chapters 5-8 together, no per-notebook times.
     root = _repo(tmp_path)
-    old = {"check": "gpu", "provenance": FIXTURE["provenance"],
-           "steps": [{"step": "chapters 5-8 on the GPU", "passed": True, "seconds": 400.0, "returncode": 0}]}  # fmt: skip
+    old = {
+        "check": "gpu",
+        "provenance": FIXTURE["provenance"],
+        "steps": [{"step": "chapters 5-8 on the GPU", "passed": True, "seconds": 400.0, "returncode": 0}],
+    }
     _write(root, "gpu-check-nvidia-h200-2026-11-27.json", old)
     assert "on a GPU: not timed yet." in _header(root)
 
@@ -139,13 +151,15 @@ def test_an_old_format_gpu_check_times_no_chapter(tmp_path):
     [
         ({"steps": "all of them"}, "top-level list 'steps'"),
         ({"provenance": {"gpu": "NVIDIA H200"}}, r"provenance lacks \['torch', 'date'\]"),
-        ({"steps": [{"step": "x", "notebooks": [{"notebook": "05_triton_kernels.ipynb", "passed": True}]}]},
-         "needs .notebook.* .passed.* .seconds."),
+        (
+            {"steps": [{"step": "x", "notebooks": [{"notebook": "05_triton_kernels.ipynb", "passed": True}]}]},
+            "needs .notebook.* .passed.* .seconds.",
+        ),
         ({"steps": [{"step": "chapter 05", "notebook": "05_triton_kernels.ipynb", "seconds": 3.0}]}, "needs .notebook"),
         ({"steps": ["chapter 05"]}, r"steps\[0\] must be a JSON object"),
         ({"steps": [{"step": "x", "notebooks": {"05_triton_kernels.ipynb": 3}}]}, "must be a list"),
     ],
-)  # fmt: skip
+)
 def test_a_malformed_gpu_check_is_refused_by_name(tmp_path, broken, match):
     root = _repo(tmp_path)
     _write(root, "gpu-check-broken-2026-11-27.json", {**FIXTURE, **broken})

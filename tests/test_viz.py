@@ -145,13 +145,20 @@ def test_memory_bill_for_smollm2_needs_two_full_contexts():
 
 def test_animation_is_readable_and_ends_with_the_bill():
     pytest.importorskip("matplotlib")
-    anim = cache_grid_animation(num_layers=4, prompt_len=3, new_tokens=3, kv_bytes_per_token=46_080,
-                                weight_bytes=4 * 134_515_008, context_len=8192)
+    anim = cache_grid_animation(
+        num_layers=4,
+        prompt_len=3,
+        new_tokens=3,
+        kv_bytes_per_token=46_080,
+        weight_bytes=4 * 134_515_008,
+        context_len=8192,
+    )
     fig = anim._fig
     width, height = fig.get_size_inches() * fig.dpi
     assert width >= 780 and height >= 450  # pixels
-    texts = [t for t in fig.findobj(lambda a: hasattr(a, "get_fontsize") and hasattr(a, "get_text"))
-             if t.get_text().strip()]
+    texts = [
+        t for t in fig.findobj(lambda a: hasattr(a, "get_fontsize") and hasattr(a, "get_text")) if t.get_text().strip()
+    ]
     assert texts and min(t.get_fontsize() for t in texts) >= 11
     frames = len(cache_grid_frames(4, 3, 3, "all")) + len(memory_bill_frames(46_080, 4 * 134_515_008, 8192))
     assert anim.to_jshtml().count("data:image/png") == frames
@@ -215,7 +222,9 @@ def test_shrunk_frames_keep_the_picture_at_a_fraction_of_the_bytes():
     pattern = r'data:image/png;base64,(.*?)"'
 
     def frames(text):
-        return [Image.open(io.BytesIO(base64.b64decode(re.sub(r"\\\n|\s", "", f)))) for f in re.findall(pattern, text, re.S)]
+        return [
+            Image.open(io.BytesIO(base64.b64decode(re.sub(r"\\\n|\s", "", f)))) for f in re.findall(pattern, text, re.S)
+        ]
 
     before, after = frames(html), frames(out)
     assert len(after) == len(before) >= 3 and len(out) < 0.6 * len(html)

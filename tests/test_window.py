@@ -33,8 +33,9 @@ def _tagged(b, h, t, d, start):
 def test_holds_the_sinks_and_the_last_window_whatever_the_chunks(seed, device):
     rng = random.Random(seed)
     window, sinks = rng.randint(1, 6), rng.randint(0, 3)
-    cache = SinkKVCache(num_layers=2, batch_size=2, num_kv_heads=3, head_dim=4, window=window, num_sinks=sinks,
-                        device=device)  # fmt: skip
+    cache = SinkKVCache(
+        num_layers=2, batch_size=2, num_kv_heads=3, head_dim=4, window=window, num_sinks=sinks, device=device
+    )
     seen = 0
     for _ in range(8):
         t = rng.randint(1, 9)  # chunks shorter and longer than the window

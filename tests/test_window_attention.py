@@ -29,9 +29,12 @@ def _loops(q, k, v, q_pos, k_pos, scale=None):
 
 def _qkv(seed, b=2, hq=4, hkv=2, t=3, s=9, d=8):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(b, hq, t, d, generator=g, dtype=torch.float64),
-            torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64),
-            torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64), g)  # fmt: skip
+    return (
+        torch.randn(b, hq, t, d, generator=g, dtype=torch.float64),
+        torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64),
+        torch.randn(b, hkv, s, d, generator=g, dtype=torch.float64),
+        g,
+    )
 
 
 @pytest.mark.parametrize("q_offset", [0, 2, 6])
@@ -51,8 +54,9 @@ def test_keys_in_any_order_and_any_subset(seed):
     got = position_masked_attention(q, k, v, q_pos, k_pos)
     torch.testing.assert_close(got, _loops(q, k, v, q_pos, k_pos), rtol=1e-12, atol=1e-12)
     perm = torch.randperm(9, generator=g)  # the order of the keys does not matter, only their positions
-    torch.testing.assert_close(position_masked_attention(q, k[:, :, perm], v[:, :, perm], q_pos, k_pos[perm]), got,
-                               rtol=1e-12, atol=1e-12)  # fmt: skip
+    torch.testing.assert_close(
+        position_masked_attention(q, k[:, :, perm], v[:, :, perm], q_pos, k_pos[perm]), got, rtol=1e-12, atol=1e-12
+    )
 
 
 def test_positions_per_kv_head():
@@ -100,7 +104,9 @@ def test_the_model_masks_by_the_positions_a_cache_reports(model):
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 17, 2, 8]])
     want = model(ids, cache=kvcourse.KVCache.for_model(model.config))
     cache = _ShuffledCache.for_model(model.config)
-    got = torch.cat([model(ids[:, :5], cache=cache), model(ids[:, 5:6], cache=cache), model(ids[:, 6:], cache=cache)], 1)
+    got = torch.cat(
+        [model(ids[:, :5], cache=cache), model(ids[:, 5:6], cache=cache), model(ids[:, 6:], cache=cache)], 1
+    )
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
 
 

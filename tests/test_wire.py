@@ -25,8 +25,15 @@ def test_plain_data_arrives_as_exact_builtin_types():
         def __eq__(self, other):
             return True
 
-    value = {"a": [1, 2.5, None, True], ("t", 1): {3, 4}, "f": frozenset({"x"}), "b": b"\x00\x01",
-             "special": [math.inf, -math.inf], "n": np.int64(7), "sneaky": Sneaky([1])}
+    value = {
+        "a": [1, 2.5, None, True],
+        ("t", 1): {3, 4},
+        "f": frozenset({"x"}),
+        "b": b"\x00\x01",
+        "special": [math.inf, -math.inf],
+        "n": np.int64(7),
+        "sneaky": Sneaky([1]),
+    }
     got = _roundtrip(value)
     assert got["a"] == [1, 2.5, None, True] and type(got["a"][3]) is bool
     assert got[("t", 1)] == {3, 4} and got["f"] == frozenset({"x"}) and got["b"] == b"\x00\x01"

@@ -69,8 +69,10 @@ class ContiguousBackend:
         """Chapter 8: the cache returned some of the past, in any order, and says at which positions."""
         k_pos = self.key_positions(layer_idx)
         if k_pos.shape[-1] != k_all.shape[2]:
-            raise ValueError(f"cache.key_positions({layer_idx}) gives {k_pos.shape[-1]} positions but "
-                             f"cache.update returned {k_all.shape[2]} keys")  # fmt: skip
+            raise ValueError(
+                f"cache.key_positions({layer_idx}) gives {k_pos.shape[-1]} positions but "
+                f"cache.update returned {k_all.shape[2]} keys"
+            )
         q_pos = torch.arange(self.start, self.start + q.shape[2], device=q.device)
         if self.observe_attention is None:
             return _heads_first(position_masked_attention(q, k_all, v_all, q_pos, k_pos))

@@ -77,9 +77,7 @@ class PagedBackend:
             raise TypeError(f"batch must be a ForwardBatch, got {type(batch).__name__}")
         # The format too: an int8 store is a PagedKVStore subclass, but its blocks hold codes, not floats.
         if not isinstance(kv_pool, self.store_type) or kv_pool.format != self.store_type.format:
-            raise TypeError(
-                f"backend {self.name!r} needs a {self.store_type.__name__}, got {type(kv_pool).__name__}"
-            )
+            raise TypeError(f"backend {self.name!r} needs a {self.store_type.__name__}, got {type(kv_pool).__name__}")
         self.pool, self.batch = kv_pool, batch
         self.scale = 1.0 / math.sqrt(kv_pool.head_dim)
 
@@ -230,13 +228,15 @@ class PagedTorchBackend(PagedBackend):
         """The dtype attention runs in for queries of ``dtype`` (float64 pools in the tests: see ``compute_dtype``)."""
         return compute_dtype(dtype) if dtype == torch.float64 else dtype
 
-    def attend(self, layer_idx: int, q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor | None,
-               padding: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor | None, padding: torch.Tensor
+    ) -> torch.Tensor:
         """``q [B, T, Hq, D]`` against the K/V of ``blocks [B * M]`` (M per sequence) -> ``[B, T, Hq, D]``."""
         return self.attend_heads(layer_idx, q.transpose(1, 2), blocks, mask, padding).transpose(1, 2)
 
-    def attend_heads(self, layer_idx: int, q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor | None,
-                     padding: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def attend_heads(
+        self, layer_idx: int, q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor | None, padding: torch.Tensor
+    ) -> torch.Tensor:
         """:meth:`attend` head-major, as SDPA takes it: ``q [B, Hq, T, D]`` -> ``[B, Hq, T, D]``.
 
         ``mask``: additive (0 or -inf, see :func:`additive_mask`), or None. ``padding``: gathered rows
@@ -251,8 +251,9 @@ class PagedTorchBackend(PagedBackend):
             v.view(-1, *v.shape[2:]).index_fill_(0, padding, 0.0)
         k = k.view(b, -1, *k.shape[2:]).transpose(1, 2)  # [B, Hkv, M * block_size, D], a view
         v = v.view(b, -1, *v.shape[2:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q if q.dtype == cdt else q.to(cdt), k, v,
-                                             attn_mask=mask, scale=self.scale, enable_gqa=True)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            q if q.dtype == cdt else q.to(cdt), k, v, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:

@@ -39,11 +39,13 @@ class RaggedTritonBackend(PagedBackend):
         from ..kernels.triton_runtime import launch_or_fallback
 
         k_cache, v_cache, batch = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx], self.batch
-        reshape_and_cache(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, batch.slot_mapping,
-                          check=False)  # fmt: skip
+        reshape_and_cache(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, batch.slot_mapping, check=False)
         config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.shape[1])
         args = (q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, self.scale)
         return launch_or_fallback(  # counted, so a recording sees a kernel that fell back (StepGraphs)
-            "ragged_paged_attention", q.device, config,
-            lambda: ragged_paged(*args), lambda: ragged_paged_attention_ref(*args),
-        )  # fmt: skip
+            "ragged_paged_attention",
+            q.device,
+            config,
+            lambda: ragged_paged(*args),
+            lambda: ragged_paged_attention_ref(*args),
+        )

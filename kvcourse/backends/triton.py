@@ -44,8 +44,9 @@ class KernelSteps:
         self.runs: Counter = Counter()  # (kernel, how it ran) -> launches, this step
         self.num_splits = 1
         if self.decode_seqs:
-            self.num_splits = choose_num_splits(len(self.decode_seqs), kv_pool.num_kv_heads, self.decode_max_len,
-                                                num_sms(kv_pool.k_cache[0].device))  # fmt: skip
+            self.num_splits = choose_num_splits(
+                len(self.decode_seqs), kv_pool.num_kv_heads, self.decode_max_len, num_sms(kv_pool.k_cache[0].device)
+            )
 
     @property
     def fell_back(self) -> list[str]:
@@ -66,8 +67,9 @@ class TritonBackend(KernelSteps, PagedTorchBackend):
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
         with counting_runs(self.runs):
-            reshape_and_cache(k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, self.batch.slot_mapping,
-                              check=False)  # fmt: skip
+            reshape_and_cache(
+                k.to(k_cache.dtype), v.to(v_cache.dtype), k_cache, v_cache, self.batch.slot_mapping, check=False
+            )
 
     def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
@@ -81,5 +83,6 @@ class TritonBackend(KernelSteps, PagedTorchBackend):
             launch = lambda: paged_decode(q, k_cache, v_cache, self.decode_tables, self.decode_lens,  # noqa: E731
                                           self.scale, self.num_splits)  # fmt: skip
         with counting_runs(self.runs):
-            return launch_or_fallback("paged_decode_attention", q.device, config, launch,
-                                      lambda: PagedTorchBackend.decode(self, layer_idx, q))  # fmt: skip
+            return launch_or_fallback(
+                "paged_decode_attention", q.device, config, launch, lambda: PagedTorchBackend.decode(self, layer_idx, q)
+            )

@@ -75,7 +75,12 @@ OTHER_HEADS = ((8, 8), (64, 8))
 NAMED_LAYERS = {"SmolLM2-135M": (576, 1536, 9, 3, 64)}
 FUSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
 FUSED_TOKENS = (1, 64, 2048)  # a decode step, a batch of decodes, a prefill chunk (only the grid depends on it)
-_ATTENTION_KERNELS = ("_decode_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_ragged_paged_kernel")  # the ones with tl.dot
+_ATTENTION_KERNELS = (
+    "_decode_kernel",
+    "_paged_decode_kernel",
+    "_merge_splits_kernel",
+    "_ragged_paged_kernel",
+)  # the ones with tl.dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +118,10 @@ class Config:
 
     def describe(self) -> str:
         if self.op in FUSED_OPS:
-            shape = {"rotary_embedding": f"heads={self.heads[0]}+{self.heads[1]} D={self.head_dim}",
-                     "silu_and_mul": f"intermediate={self.width}"}.get(self.op, f"hidden={self.width}")  # fmt: skip
+            shape = {
+                "rotary_embedding": f"heads={self.heads[0]}+{self.heads[1]} D={self.head_dim}",
+                "silu_and_mul": f"intermediate={self.width}",
+            }.get(self.op, f"hidden={self.width}")
             return f"{self.op} dtype={_dtype_name(self.dtype)} {shape} tokens={self.tokens}"
         kv = "int8" if self.kv_int8 else "fp8" if self.kv_fp8 else _dtype_name(self.dtype)
         parts = [self.op, f"q={_dtype_name(self.dtype)}", f"kv={kv}", f"heads={self.heads[0]}/{self.heads[1]}",
@@ -141,8 +148,11 @@ def check_triton_version() -> str:
     import triton
 
     if triton.__version__ != TESTED_TRITON:
-        print(f"compile_check: written against triton {TESTED_TRITON}, running {triton.__version__}: "
-              "if it fails inside Triton, the internals it uses have moved", file=sys.stderr)  # fmt: skip
+        print(
+            f"compile_check: written against triton {TESTED_TRITON}, running {triton.__version__}: "
+            "if it fails inside Triton, the internals it uses have moved",
+            file=sys.stderr,
+        )
     return triton.__version__
 
 
@@ -247,7 +257,9 @@ def launches_for(config: Config, target: Target | None) -> list[Launch]:
         elif config.op in FUSED_OPS:
             _launch_fused(config)
         else:
-            raise ValueError(f"config.op must be 'decode', 'paged', 'ragged', 'cache' or one of {FUSED_OPS}, got {config.op!r}")
+            raise ValueError(
+                f"config.op must be 'decode', 'paged', 'ragged', 'cache' or one of {FUSED_OPS}, got {config.op!r}"
+            )
     return launches
 
 
@@ -311,7 +323,9 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [_cuobjdump(), "--dump-resource-usage", f.name], capture_output=True, text=True, check=True
+        )
     found = _USAGE.findall(out.stdout)
     if len(found) != 1:
         raise RuntimeError(f"expected one kernel's resource usage from cuobjdump, got:\n{out.stdout}")
@@ -396,7 +410,11 @@ def configurations(target: Target, quick: bool = False) -> list[Config]:
         most = max(split_counts(hkv, target))
         for kv_int8 in (False, True):
             if quick:
-                blocks, splits, tokens = (16,), ([1] if kv_int8 else [1, most]), ((37,) if dtype == torch.float16 else ())
+                blocks, splits, tokens = (
+                    (16,),
+                    ([1] if kv_int8 else [1, most]),
+                    ((37,) if dtype == torch.float16 else ()),
+                )
             else:
                 blocks, splits, tokens = ((1, 16, 32) if is_named else (16,)), sorted({1, 2, most}), (1, 5, 37)
             for block_size, s in itertools.product(blocks, splits):
@@ -411,8 +429,11 @@ def configurations(target: Target, quick: bool = False) -> list[Config]:
     # The tests' tiny model (tests/conftest.py): head_dim 8 is under tl.dot's 16, so BLOCK_D pads it.
     # gpu-check runs those tests on the GPU; this compiles them here.
     tiny = (6, 2)
-    out += [Config("decode", torch.float32, tiny, 8), Config("paged", torch.float32, tiny, 8, False, 4, 1),
-            Config("ragged", torch.float32, tiny, 8, False, 4)]
+    out += [
+        Config("decode", torch.float32, tiny, 8),
+        Config("paged", torch.float32, tiny, 8, False, 4, 1),
+        Config("ragged", torch.float32, tiny, 8, False, 4),
+    ]
     return out + fused_configurations(target)
 
 
@@ -422,10 +443,12 @@ def fused_configurations(target: Target) -> list[Config]:
     for (hidden, intermediate, hq, hkv, d), dtype, n in itertools.product(
         NAMED_LAYERS.values(), dtypes_for(target), FUSED_TOKENS
     ):
-        out += [Config("rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
-                Config("fused_add_rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
-                Config("rotary_embedding", dtype, (hq, hkv), d, tokens=n),
-                Config("silu_and_mul", dtype, (hq, hkv), d, tokens=n, width=intermediate)]  # fmt: skip
+        out += [
+            Config("rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
+            Config("fused_add_rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
+            Config("rotary_embedding", dtype, (hq, hkv), d, tokens=n),
+            Config("silu_and_mul", dtype, (hq, hkv), d, tokens=n, width=intermediate),
+        ]
     return out
 
 
@@ -473,7 +496,9 @@ class Result:
             if c.shared > self.target.max_shared:
                 out.append(f"{c.kernel}: {c.shared} B of shared memory > {self.target.max_shared} B")
             if c.spills and self.config.model is not None:
-                out.append(f"{c.kernel}: {c.registers} registers, spills ({c.stack} B of stack) for {self.config.model}")
+                out.append(
+                    f"{c.kernel}: {c.registers} registers, spills ({c.stack} B of stack) for {self.config.model}"
+                )
         return out
 
 
@@ -531,7 +556,9 @@ def _compile_job(job: tuple[Config, int, int]) -> Compiled | str:
         return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[-1][:300]}"
 
 
-def sweep(quick: bool = False, targets: Sequence[Target] = TARGETS, workers: int | None = None, log=print) -> list[Result]:
+def sweep(
+    quick: bool = False, targets: Sequence[Target] = TARGETS, workers: int | None = None, log=print
+) -> list[Result]:
     """Every configuration on every target; each distinct compile once, ``workers`` processes in parallel."""
     import concurrent.futures
     import multiprocessing
@@ -553,12 +580,16 @@ def sweep(quick: bool = False, targets: Sequence[Target] = TARGETS, workers: int
     results = []
     for config, target, keys in plan:
         errors = [done[k] for k in keys if isinstance(done[k], str)]
-        r = Result(config, target, [done[k] for k in keys if not isinstance(done[k], str)], errors[0] if errors else None)
+        r = Result(
+            config, target, [done[k] for k in keys if not isinstance(done[k], str)], errors[0] if errors else None
+        )
         results.append(r)
         for problem in r.problems():
             log(f"sm_{target.capability} {config.describe()}: {problem}")
-    log(f"{len(results)} configurations, {len(jobs)} distinct compiles, "
-        f"{sum(bool(r.problems()) for r in results)} with problems")  # fmt: skip
+    log(
+        f"{len(results)} configurations, {len(jobs)} distinct compiles, "
+        f"{sum(bool(r.problems()) for r in results)} with problems"
+    )
     return results
 
 
@@ -599,7 +630,7 @@ def report(results: list[Result], quick: bool, choice_rows: list[dict] | None = 
     return dict(
         report="compile",
         note="compiled on a CPU, no GPU: registers, spills and shared memory from the cubins ptxas wrote; "
-             "nothing here was run or timed on a GPU",
+        "nothing here was run or timed on a GPU",
         date=dt.datetime.now(dt.timezone.utc).date().isoformat(),
         triton=triton.__version__,
         torch=torch.__version__.split("+")[0],
@@ -610,11 +641,13 @@ def report(results: list[Result], quick: bool, choice_rows: list[dict] | None = 
         choices=choice_rows or [],
         # every row of the named models, and any other row that failed or spilled (the rest: counted above)
         rows=[row for row in rows if row["model"] or "error" in row or row["stack_bytes"]],
-    )  # fmt: skip
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcourse.bench.compile_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcourse.bench.compile_check", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--quick", action="store_true", help="the named models only, fewer splits (make test)")
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--choices", action="store_true", help="also measure the tile alternatives (CHOICES)")
@@ -625,8 +658,11 @@ def main(argv: list[str] | None = None) -> int:
     from ..kernels.triton_runtime import interpreting
 
     if interpreting():
-        print("compile_check needs Triton in compile mode: run it with TRITON_INTERPRET=0 in the environment "
-              "(kvcourse turns the interpreter on when there is no GPU)", file=sys.stderr)  # fmt: skip
+        print(
+            "compile_check needs Triton in compile mode: run it with TRITON_INTERPRET=0 in the environment "
+            "(kvcourse turns the interpreter on when there is no GPU)",
+            file=sys.stderr,
+        )
         return 2
     check_triton_version()
     targets = [t for t in TARGETS if args.capability is None or t.capability in args.capability]

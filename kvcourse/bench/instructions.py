@@ -79,7 +79,9 @@ def _compile(config: cc.Config, target: cc.Target):
     return cc.compile_for(launch, target)[0], launch.kwargs
 
 
-def paged_variants(dtype: torch.dtype = torch.float16, heads: tuple[int, int, int] = (32, 8, 128)) -> dict[str, cc.Config]:
+def paged_variants(
+    dtype: torch.dtype = torch.float16, heads: tuple[int, int, int] = (32, 8, 128)
+) -> dict[str, cc.Config]:
     """The variants compared: the float pool, the int8 pool converted by ``cvt`` (the first version), by bits."""
     hq, hkv, d = heads
     return {
@@ -129,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             "packed_half_math", "tensor_core", "registers", "stack_bytes")  # fmt: skip
     print(f"{'sm':>3} {'dtype':<5} {'variant':<26} {'BLOCK_N':>7} " + " ".join(f"{c[:12]:>12}" for c in cols))
     for r in out["rows"]:
-        print(f"{r['capability']:>3} {r['dtype']:<5} {r['variant']:<26} {r['BLOCK_N']:>7} "
-              + " ".join(f"{r[c]:>12}" for c in cols))  # fmt: skip
+        print(
+            f"{r['capability']:>3} {r['dtype']:<5} {r['variant']:<26} {r['BLOCK_N']:>7} "
+            + " ".join(f"{r[c]:>12}" for c in cols)
+        )
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0

@@ -72,8 +72,17 @@ BATCHES = (1, 8, 32, 64, 128)
 CONTEXTS = (512, 2048, 8192, 32768)
 EXTRA = ((1, 65536),)
 QUICK = ((1, 8192), (8, 8192), (64, 2048), (1, 65536))
-VARIANTS = ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "paged-fp8", "contiguous", "sdpa",
-            "flex")
+VARIANTS = (
+    "paged",
+    "paged-unsplit",
+    "paged-workspace",
+    "paged-int8",
+    "paged-int8-cvt",
+    "paged-fp8",
+    "contiguous",
+    "sdpa",
+    "flex",
+)
 
 # The serving engine's attention (SmolLM2-135M: 9 query / 3 KV heads, D = 64, bf16 on a GPU), issue 50.
 ENGINE_HEADS = (9, 3, 64)
@@ -217,11 +226,24 @@ def variant_fns(p: Problem, variants: Sequence[str]) -> dict[str, tuple[Callable
             fn()  # compile now, so a failure is reported here and not timed
             fns["flex"] = (fn, "FlexAttention, torch.compile")
         except Exception as exc:  # an unsupported GPU or torch build: report, do not crash the benchmark
-            fns["flex"] = (None, f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
+            fns["flex"] = (
+                None,
+                f"unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}",
+            )
     # A fallback is not a kernel timing: each kernel runs once first, and a variant whose kernel did
     # not compile, or was computed by the torch reference instead, is refused (reported, never timed).
-    ours = ("paged", "paged-unsplit", "paged-captured", "paged-planned", *ENGINE_TILES, "paged-workspace", "paged-int8",
-            "paged-int8-cvt", "paged-fp8", "contiguous")
+    ours = (
+        "paged",
+        "paged-unsplit",
+        "paged-captured",
+        "paged-planned",
+        *ENGINE_TILES,
+        "paged-workspace",
+        "paged-int8",
+        "paged-int8-cvt",
+        "paged-fp8",
+        "contiguous",
+    )
     for name in [n for n in ours if n in variants and fns[n][0] is not None]:  # only what is timed runs
         fns[name] = _first_run(name, *fns[name])
     # Correctness before speed: every float variant that ran equals SDPA on this very shape.
@@ -246,8 +268,10 @@ def _fp8_variant(p: Problem, scale: float, splits: int) -> tuple[Callable[[], to
     if capability is None or capability < 89:
         return None, f"skipped: fp8 needs compute capability 8.9 or later, this is {capability}"
     kf8, vf8 = ((x & 0x77).view(torch.float8_e4m3fn) for x in (p.k8, p.v8))
-    return (lambda: paged_decode(p.q, kf8, vf8, p.block_tables, p.seq_lens, scale, splits, p.k_scale, p.v_scale),
-            f"num_splits={splits}")  # fmt: skip
+    return (
+        lambda: paged_decode(p.q, kf8, vf8, p.block_tables, p.seq_lens, scale, splits, p.k_scale, p.v_scale),
+        f"num_splits={splits}",
+    )
 
 
 def _first_run(name: str, fn: Callable[[], torch.Tensor], note: str) -> tuple[Callable[[], torch.Tensor] | None, str]:
@@ -266,8 +290,10 @@ def _first_run(name: str, fn: Callable[[], torch.Tensor], note: str) -> tuple[Ca
         return None, f"refused: {name} did not compile ({type(exc).__name__}), so there is no kernel to time"
     fell_back = sorted(kernel for kernel, how in runs if how == "fallback")
     if fell_back:
-        return None, (f"refused: {', '.join(fell_back)} fell back to the torch reference here; "
-                      "timing it would label torch as the kernel")  # fmt: skip
+        return None, (
+            f"refused: {', '.join(fell_back)} fell back to the torch reference here; "
+            "timing it would label torch as the kernel"
+        )
     return fn, note
 
 
@@ -285,8 +311,9 @@ def run(
 
     if shape not in ("benchmark", "engine"):
         raise ValueError(f"shape must be 'benchmark' or 'engine', got {shape!r}")
-    heads, dtype = ((ENGINE_HEADS, ENGINE_DTYPE) if shape == "engine"
-                    else ((NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM), torch.float16))  # fmt: skip
+    heads, dtype = (
+        (ENGINE_HEADS, ENGINE_DTYPE) if shape == "engine" else ((NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM), torch.float16)
+    )
     peak = peak_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     rows = []
     for batch, context in shape_list:
@@ -294,7 +321,9 @@ def run(
         if device.type == "cuda":
             free = torch.cuda.mem_get_info(device)[0]
             if need > 0.9 * free:
-                log(f"batch {batch:4d} x context {context:6d}: skipped, needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+                log(
+                    f"batch {batch:4d} x context {context:6d}: skipped, needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
+                )
                 rows.append(dict(shape=shape, batch=batch, context=context, variant="all",
                                  skipped=f"needs {need} bytes, {free} free"))  # fmt: skip
                 continue
@@ -302,8 +331,9 @@ def run(
             p = Problem(batch, context, device, dtype=dtype, heads=heads)
             for name, (fn, note) in variant_fns(p, variants).items():
                 ran = "torch" if name in ("sdpa", "flex") else how_kernels_run()
-                row = dict(shape=shape, batch=batch, context=context, tokens=batch * context, variant=name, note=note,
-                           ran=ran)  # fmt: skip
+                row = dict(
+                    shape=shape, batch=batch, context=context, tokens=batch * context, variant=name, note=note, ran=ran
+                )
                 if fn is None:
                     rows.append({**row, "skipped": note})
                     log(f"batch {batch:4d} x context {context:6d} {name:14s} {note}")
@@ -313,8 +343,11 @@ def run(
                 gbps = nbytes / (ms * 1e-3) / 1e9
                 row.update(ms=ms, bytes=nbytes, gbps=gbps, pct_peak=100 * gbps * 1e9 / peak.bandwidth if peak else None)
                 rows.append(row)
-                log(f"batch {batch:4d} x context {context:6d} {name:14s} {ms:8.3f} ms {gbps:8.1f} GB/s"
-                    + (f" {row['pct_peak']:5.1f}% of peak" if peak else "") + (f"  ({note})" if note else ""))  # fmt: skip
+                log(
+                    f"batch {batch:4d} x context {context:6d} {name:14s} {ms:8.3f} ms {gbps:8.1f} GB/s"
+                    + (f" {row['pct_peak']:5.1f}% of peak" if peak else "")
+                    + (f"  ({note})" if note else "")
+                )
             del p
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -342,8 +375,11 @@ def targets(rows: list[dict]) -> list[dict]:
     worst = min(big, key=pct, default=None)
     out.append(dict(name="paged_peak", target="paged >= 80% of peak bandwidth when batch x context >= 64k",
                     value=pct(worst) if worst else None, met=pct(worst) >= 80 if worst else None))  # fmt: skip
-    ratios = [by[(b, c, "contiguous")]["ms"] / r["ms"] for (b, c, v), r in by.items()
-              if v == "paged" and (b, c, "contiguous") in by]  # fmt: skip
+    ratios = [
+        by[(b, c, "contiguous")]["ms"] / r["ms"]
+        for (b, c, v), r in by.items()
+        if v == "paged" and (b, c, "contiguous") in by
+    ]
     out.append(dict(name="paged_vs_contiguous", target="paged >= 0.9x the contiguous kernel's speed (worst shape)",
                     value=min(ratios, default=None), met=min(ratios) >= 0.9 if ratios else None))  # fmt: skip
     s, u = by.get((1, 65536, "paged")), by.get((1, 65536, "paged-unsplit"))
@@ -352,12 +388,18 @@ def targets(rows: list[dict]) -> list[dict]:
     speedup = u["ms"] / s["ms"] if s and u else None
     out.append(dict(name="split_speedup", target="split-KV at batch 1, 64k: >= 1.8x the unsplit kernel",
                     value=speedup, met=speedup >= 1.8 if speedup else None))  # fmt: skip
-    gains = [by[(b, c, "paged")]["ms"] / r["ms"] for (b, c, v), r in by.items()
-             if v == "paged-int8" and c >= 16384 and (b, c, "paged") in by]  # fmt: skip
+    gains = [
+        by[(b, c, "paged")]["ms"] / r["ms"]
+        for (b, c, v), r in by.items()
+        if v == "paged-int8" and c >= 16384 and (b, c, "paged") in by
+    ]
     out.append(dict(name="int8_speedup", target="int8 >= 1.5x fp16 at context >= 16k (worst shape)",
                     value=min(gains, default=None), met=min(gains) >= 1.5 if gains else None))  # fmt: skip
-    fp8 = [by[(b, c, "paged")]["ms"] / r["ms"] for (b, c, v), r in by.items()
-           if v == "paged-fp8" and c >= 8192 and (b, c, "paged") in by]  # fmt: skip
+    fp8 = [
+        by[(b, c, "paged")]["ms"] / r["ms"]
+        for (b, c, v), r in by.items()
+        if v == "paged-fp8" and c >= 8192 and (b, c, "paged") in by
+    ]
     out.append(dict(name="fp8_speedup", target="fp8 >= 1.6x fp16 at context >= 8k (worst shape; issue 30)",
                     value=min(fp8, default=None), met=min(fp8) >= 1.6 if fp8 else None))  # fmt: skip
     return out
@@ -370,7 +412,9 @@ def engine_targets(rows: list[dict]) -> list[dict]:
     """The engine shape's targets (issue 50): the worst ``pct_peak`` at batch >= 32 and 512-1,024 tokens of the
     planned kernel (what a CUDA-graph step runs once the plan is wired) and of the heuristic's split, and the planned
     kernel against today's graph split (``paged-captured``) there (``None``: not measured)."""
-    ok = [r for r in rows if "ms" in r and r.get("shape") == "engine" and r["batch"] >= 32 and 512 <= r["context"] <= 1024]
+    ok = [
+        r for r in rows if "ms" in r and r.get("shape") == "engine" and r["batch"] >= 32 and 512 <= r["context"] <= 1024
+    ]
     by = {(r["batch"], r["context"], r["variant"]): r for r in ok}
     out = []
     for variant in ("paged-planned", "paged"):
@@ -381,8 +425,11 @@ def engine_targets(rows: list[dict]) -> list[dict]:
                         target=f"engine shape (9/3 heads, D 64, bf16): {variant} >= {ENGINE_TARGET_PCT}% of peak "
                                "at batch >= 32 and 512-1,024 tokens (worst shape; issue 50)",
                         value=value, met=value >= ENGINE_TARGET_PCT if value is not None else None))  # fmt: skip
-    gains = [by[(b, c, "paged-captured")]["ms"] / r["ms"] for (b, c, v), r in by.items()
-             if v == "paged-planned" and (b, c, "paged-captured") in by]  # fmt: skip
+    gains = [
+        by[(b, c, "paged-captured")]["ms"] / r["ms"]
+        for (b, c, v), r in by.items()
+        if v == "paged-planned" and (b, c, "paged-captured") in by
+    ]
     out.append(dict(name="engine_planned_vs_captured",
                     target="engine shape: planned splits >= 1.0x the speed of a graph's captured split count (worst)",
                     value=min(gains, default=None), met=min(gains) >= 1.0 if gains else None))  # fmt: skip
@@ -441,11 +488,14 @@ def smoke() -> int:
     """No GPU: one tiny shape through the same code, for correctness only (the interpreter's time means nothing)."""
     with torch.inference_mode():
         p = Problem(2, 100, torch.device("cpu"), dtype=torch.float32, heads=(4, 2, 64))
-        fns = variant_fns(p, ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "contiguous",
-                              "sdpa"))
+        fns = variant_fns(
+            p, ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "contiguous", "sdpa")
+        )
     ran = [name for name, (fn, _) in fns.items() if fn is not None]
-    print(f"smoke run in Triton's interpreter: {', '.join(ran)} ran on batch 2 x context 100; the float ones agree "
-          "with SDPA, the two int8 conversions with each other (correctness only; no speed without a GPU)")  # fmt: skip
+    print(
+        f"smoke run in Triton's interpreter: {', '.join(ran)} ran on batch 2 x context 100; the float ones agree "
+        "with SDPA, the two int8 conversions with each other (correctness only; no speed without a GPU)"
+    )
     for name, (fn, note) in fns.items():
         if fn is None:
             print(f"  {name}: {note}")
@@ -458,20 +508,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="where the JSON goes")
     parser.add_argument("--smoke", action="store_true", help="without a GPU: check one tiny shape, time nothing")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="what to time")
-    parser.add_argument("--shapes", choices=("all", "benchmark", "engine"), default="all",
-                        help="the benchmark's 32/8/128 fp16 shapes, the engine's 9/3/64 bf16 ones, or both")
-    parser.add_argument("--dry-run", action="store_true", help="list the shapes and variants a run would time, and stop")
+    parser.add_argument(
+        "--shapes",
+        choices=("all", "benchmark", "engine"),
+        default="all",
+        help="the benchmark's 32/8/128 fp16 shapes, the engine's 9/3/64 bf16 ones, or both",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="list the shapes and variants a run would time, and stop"
+    )
     args = parser.parse_args(argv)
     planned = [e for e in plan(args.quick, args.variants) if args.shapes in ("all", e["shape"])]
     if args.dry_run:
         for e in planned:
-            print(f"{e['shape']:9s} batch {e['batch']:4d} x context {e['context']:6d} heads {e['heads']} {e['dtype']}: "
-                  + ", ".join(e["variants"]))  # fmt: skip
+            print(
+                f"{e['shape']:9s} batch {e['batch']:4d} x context {e['context']:6d} heads {e['heads']} {e['dtype']}: "
+                + ", ".join(e["variants"])
+            )
         print(f"{len(planned)} shapes")
         return 0
     if not torch.cuda.is_available():
-        print("kvcourse.bench kernels: no CUDA GPU here. This benchmark measures memory bandwidth on a GPU; "
-              "Triton's CPU interpreter would time Python, not the kernels, so no figure is produced.")  # fmt: skip
+        print(
+            "kvcourse.bench kernels: no CUDA GPU here. This benchmark measures memory bandwidth on a GPU; "
+            "Triton's CPU interpreter would time Python, not the kernels, so no figure is produced."
+        )
         return smoke() if args.smoke else 0
     import triton.testing
 
@@ -485,13 +545,18 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance(device)
     copy_bps = copy_bandwidth(device, timer)
     peak = peak_for(prov["gpu"])
-    print(f"{prov['gpu']} (sm_{prov['compute_capability'].replace('.', '')}, {prov['sms']} SMs), driver {prov['driver']}, "
-          f"CUDA {prov['cuda']}, torch {prov['torch']}, triton {prov['triton']}")  # fmt: skip
+    print(
+        f"{prov['gpu']} (sm_{prov['compute_capability'].replace('.', '')}, {prov['sms']} SMs), driver {prov['driver']}, "
+        f"CUDA {prov['cuda']}, torch {prov['torch']}, triton {prov['triton']}"
+    )
     vendor = f"vendor peak {peak.bandwidth / 1e9:.0f} GB/s ({peak.source})" if peak else "no vendor peak listed"
     print(f"device-to-device copy: {copy_bps / 1e9:.0f} GB/s; {vendor}")
     rows = run(shapes(args.quick), device, timer, args.variants) if args.shapes != "engine" else []
-    engine_rows = (run(engine_shapes(args.quick), device, timer, ENGINE_VARIANTS, shape="engine")
-                   if args.shapes != "benchmark" else [])  # fmt: skip
+    engine_rows = (
+        run(engine_shapes(args.quick), device, timer, ENGINE_VARIANTS, shape="engine")
+        if args.shapes != "benchmark"
+        else []
+    )
     for r in rows + engine_rows:
         if "gbps" in r:
             r["pct_copy"] = 100 * r["gbps"] * 1e9 / copy_bps
@@ -500,13 +565,25 @@ def main(argv: list[str] | None = None) -> int:
         provenance=prov,
         peak=None if peak is None else dict(name=peak.name, bandwidth=peak.bandwidth, source=peak.source),
         copy_bandwidth=copy_bps,
-        shape=dict(num_q_heads=NUM_Q_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=BLOCK_SIZE,
-                   dtype="float16"),  # fmt: skip
+        shape=dict(
+            num_q_heads=NUM_Q_HEADS,
+            num_kv_heads=NUM_KV_HEADS,
+            head_dim=HEAD_DIM,
+            block_size=BLOCK_SIZE,
+            dtype="float16",
+        ),
         rows=rows,
         # The engine's shape apart from the benchmark's rows (another dtype and heads: other bytes per token).
-        engine=dict(shape=dict(num_q_heads=ENGINE_HEADS[0], num_kv_heads=ENGINE_HEADS[1], head_dim=ENGINE_HEADS[2],
-                               block_size=BLOCK_SIZE, dtype=str(ENGINE_DTYPE).removeprefix("torch.")),
-                    rows=engine_rows),
+        engine=dict(
+            shape=dict(
+                num_q_heads=ENGINE_HEADS[0],
+                num_kv_heads=ENGINE_HEADS[1],
+                head_dim=ENGINE_HEADS[2],
+                block_size=BLOCK_SIZE,
+                dtype=str(ENGINE_DTYPE).removeprefix("torch."),
+            ),
+            rows=engine_rows,
+        ),
         targets=targets(rows) + engine_targets(engine_rows),
         kernel_runs=kernel_runs(),  # how every kernel launch ran: "compiled" only, or a fallback shows here
     )

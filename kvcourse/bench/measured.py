@@ -25,12 +25,24 @@ from dataclasses import dataclass
 from .. import results as committed
 from ..kernels.roofline import decode_attention_bytes
 
-__all__ = ["ONE_BYTE_KV", "KernelBench", "check_kernel_bench", "check_result", "compare_runs", "load_kernel_bench", "plot_bandwidth",
-           "reproducible_from"]
+__all__ = [
+    "ONE_BYTE_KV",
+    "KernelBench",
+    "check_kernel_bench",
+    "check_result",
+    "compare_runs",
+    "load_kernel_bench",
+    "plot_bandwidth",
+    "reproducible_from",
+]
 
 PATTERN = "kernels-*.json"
 OUR_KERNELS = ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "paged-fp8", "contiguous")
-ONE_BYTE_KV = ("paged-int8", "paged-int8-cvt", "paged-fp8")  # a byte per K/V value and an fp32 scale per vector  # timed as compiled Triton code
+ONE_BYTE_KV = (
+    "paged-int8",
+    "paged-int8-cvt",
+    "paged-fp8",
+)  # a byte per K/V value and an fp32 scale per vector  # timed as compiled Triton code
 TORCH_BASELINES = ("sdpa", "flex")  # timed as torch
 _PROVENANCE = ("date", "torch", "triton", "python", "commit", "gpu", "compute_capability", "sms", "cuda", "driver")
 _SHAPE = ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "dtype")
@@ -79,8 +91,10 @@ class KernelBench:
         for r in self.rows:
             if (r["batch"], r["context"], r["variant"]) == (batch, context, variant) and "ms" in r:
                 return r
-        raise KeyError(f"{self.name} has no timed row for batch {batch} x context {context}, variant {variant!r}; "
-                       f"shapes: {self.shapes()}, variants: {self.variants()}")  # fmt: skip
+        raise KeyError(
+            f"{self.name} has no timed row for batch {batch} x context {context}, variant {variant!r}; "
+            f"shapes: {self.shapes()}, variants: {self.variants()}"
+        )
 
     def gbps(self, batch: int, context: int, variant: str) -> float:
         """Effective bandwidth in GB/s: the bytes the step must move over its median time."""
@@ -99,8 +113,9 @@ class KernelBench:
 
     def timed(self, variant: str) -> list[Mapping]:
         """Every timed row of ``variant``, by tokens, then batch."""
-        return sorted((r for r in self.rows if r["variant"] == variant and "ms" in r),
-                      key=lambda r: (r["tokens"], r["batch"]))  # fmt: skip
+        return sorted(
+            (r for r in self.rows if r["variant"] == variant and "ms" in r), key=lambda r: (r["tokens"], r["batch"])
+        )
 
 
 def _need(mapping: object, keys: tuple[str, ...], where: str) -> None:
@@ -192,8 +207,10 @@ def load_kernel_bench(name: str | None = None) -> KernelBench:
     if name is None:
         name = committed.newest(PATTERN)
         if name is None:
-            raise FileNotFoundError("no kernels-*.json committed in kvcourse.results: python -m kvcourse.bench kernels "
-                                    "has not been run on a GPU and committed")  # fmt: skip
+            raise FileNotFoundError(
+                "no kernels-*.json committed in kvcourse.results: python -m kvcourse.bench kernels "
+                "has not been run on a GPU and committed"
+            )
     elif not isinstance(name, str) or not re.fullmatch(r"kernels-[A-Za-z0-9-]+\.json", name):
         raise ValueError(f"name must be a kernels-<gpu>-<date>.json file name, got {name!r}")
     data = committed.load(name)
@@ -219,8 +236,10 @@ def compare_runs(first: KernelBench, second: KernelBench, variants: Iterable[str
     ``{batch, context, tokens, variant, first, second, ratio}``.
     """
     if not isinstance(first, KernelBench) or not isinstance(second, KernelBench):
-        raise TypeError(f"first and second must be KernelBench (load_kernel_bench), got "
-                        f"{type(first).__name__}, {type(second).__name__}")  # fmt: skip
+        raise TypeError(
+            f"first and second must be KernelBench (load_kernel_bench), got "
+            f"{type(first).__name__}, {type(second).__name__}"
+        )
     wanted = first.variants() if variants is None else list(variants)
     rows = []
     for batch, context in first.shapes():
@@ -251,9 +270,11 @@ def _finding(bench: KernelBench) -> str:
     """The plot's default title: the finding, computed from the run."""
     ratios = [bench.gbps(b, c, "paged") / bench.gbps(b, c, "sdpa") for b, c in bench.shapes()]
     best = {v: max(r["gbps"] for r in bench.timed(v)) for v in ("paged", "paged-int8")}
-    return (f"Correct is not fast: on an {bench.gpu} our paged kernel reaches {min(ratios):.2f} to {max(ratios):.2f} of "
-            f"SDPA's bandwidth,\nand int8 K/V, half the bytes, tops out at {best['paged-int8']:,.0f} GB/s "
-            f"against fp16's {best['paged']:,.0f}")  # fmt: skip
+    return (
+        f"Correct is not fast: on an {bench.gpu} our paged kernel reaches {min(ratios):.2f} to {max(ratios):.2f} of "
+        f"SDPA's bandwidth,\nand int8 K/V, half the bytes, tops out at {best['paged-int8']:,.0f} GB/s "
+        f"against fp16's {best['paged']:,.0f}"
+    )
 
 
 def plot_bandwidth(bench: KernelBench, ax=None, title: str | None = None):
@@ -288,7 +309,9 @@ def plot_bandwidth(bench: KernelBench, ax=None, title: str | None = None):
     lines = [(bench.copy_bandwidth / 1e9, f"device-to-device copy, measured ({bench.copy_bandwidth / 1e9:,.0f} GB/s)",
               "grey", ":")]  # fmt: skip
     if bench.peak_bandwidth:
-        lines.insert(0, (bench.peak_bandwidth / 1e9, f"vendor peak ({bench.peak_bandwidth / 1e9:,.0f} GB/s)", "grey", "--"))
+        lines.insert(
+            0, (bench.peak_bandwidth / 1e9, f"vendor peak ({bench.peak_bandwidth / 1e9:,.0f} GB/s)", "grey", "--")
+        )
     for y, _, colour, style in lines:
         ax.axhline(y, color=colour, ls=style, lw=1.2)
     handles = [Line2D([], [], color=c, marker=m, label=label) for label, c, m in PLOTTED.values()]
@@ -298,9 +321,11 @@ def plot_bandwidth(bench: KernelBench, ax=None, title: str | None = None):
     ticks = sorted({r["tokens"] for r in bench.rows if "tokens" in r})
     ax.set_xticks(ticks, [f"{t // 1024}k" if t >= 1024 else str(t) for t in ticks], fontsize=8)
     shape = bench.shape
-    ax.set_xlabel(f"tokens in the batch (batch x context), log scale\n{shape['num_q_heads']} query / "
-                  f"{shape['num_kv_heads']} KV heads, head dim {shape['head_dim']}, fp16, blocks of "
-                  f"{shape['block_size']}; {bench.gpu}, {bench.date}")  # fmt: skip
+    ax.set_xlabel(
+        f"tokens in the batch (batch x context), log scale\n{shape['num_q_heads']} query / "
+        f"{shape['num_kv_heads']} KV heads, head dim {shape['head_dim']}, fp16, blocks of "
+        f"{shape['block_size']}; {bench.gpu}, {bench.date}"
+    )
     ax.set_ylabel("effective bandwidth (GB/s), log scale")
     ax.set_title(title or _finding(bench), fontsize=10)
     ax.grid(True, which="major", alpha=0.3)

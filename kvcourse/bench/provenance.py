@@ -22,8 +22,10 @@ from ..kernels.triton_runtime import interpreting, kernel_runs
 __all__ = ["launch_report", "plot_kernel_measurements"]
 
 # The speed targets of the course's kernel issue, which only a GPU run of the benchmark can check.
-_TARGETS = ("paged decode at 80% or more of peak bandwidth on an H100, split-KV 1.8x the unsplit kernel at batch 1 "
-            "and 64k, int8 1.5x fp16")  # fmt: skip
+_TARGETS = (
+    "paged decode at 80% or more of peak bandwidth on an H100, split-KV 1.8x the unsplit kernel at batch 1 "
+    "and 64k, int8 1.5x fp16"
+)
 
 
 def _device() -> str:
@@ -35,10 +37,15 @@ def launch_report() -> str:
     runs = kernel_runs()
     print(f"{'kernel':32s} {'compiled':>9s} {'interpreter':>12s} {'torch fallback':>15s}")
     for kernel, hows in runs.items():
-        print(f"{kernel:32s} {hows.get('compiled', 0):9d} {hows.get('interpreter', 0):12d} {hows.get('fallback', 0):15d}")
+        print(
+            f"{kernel:32s} {hows.get('compiled', 0):9d} {hows.get('interpreter', 0):12d} {hows.get('fallback', 0):15d}"
+        )
     fell_back = [kernel for kernel, hows in runs.items() if hows.get("fallback")]
-    where = f"{_device()}, with no torch fallback" if not fell_back else (
-        f"{_device()}, except {', '.join(fell_back)}: torch fallback")  # fmt: skip
+    where = (
+        f"{_device()}, with no torch fallback"
+        if not fell_back
+        else (f"{_device()}, except {', '.join(fell_back)}: torch fallback")
+    )
     print(f"every kernel launch on this page ran as {where}")
     return where
 
@@ -63,28 +70,38 @@ def plot_kernel_measurements(ax=None) -> tuple[object, str]:
         bench = load_kernel_bench(names[-1])
         plot_bandwidth(bench, ax=ax)
         prov = bench.provenance
-        print(f"{bench.name}: {prov['gpu']}, driver {prov['driver']}, CUDA {prov['cuda']}, torch {prov['torch']}, "
-              f"triton {prov['triton']}")  # fmt: skip
+        print(
+            f"{bench.name}: {prov['gpu']}, driver {prov['driver']}, CUDA {prov['cuda']}, torch {prov['torch']}, "
+            f"triton {prov['triton']}"
+        )
         for t in bench.targets:
             value = "not measured" if t["value"] is None else round(t["value"], 2)
             print(f"  {t['target']}: {value} ({'met' if t['met'] else 'not met' if t['met'] is False else '-'})")
         met = [t for t in bench.targets if t["met"] is not None]
-        status = (f"Measured on {prov['gpu']} with python -m kvcourse.bench kernels ({bench.name}): "
-                  f"{sum(t['met'] for t in met)} of {len(met)} speed targets met.")  # fmt: skip
+        status = (
+            f"Measured on {prov['gpu']} with python -m kvcourse.bench kernels ({bench.name}): "
+            f"{sum(t['met'] for t in met)} of {len(met)} speed targets met."
+        )
         return ax.figure, status
     tokens = np.array([512, 2048, 8192, 32768, 65536, 131072, 524288, 1048576, 4194304])
     for gpu in GPU_PEAKS.values():
-        best = [decode_attention_bytes([int(t)], 32, 8, 128, kv_bytes=2, q_bytes=2) / gpu.bandwidth * 1e6
-                for t in tokens]  # fmt: skip
+        best = [
+            decode_attention_bytes([int(t)], 32, 8, 128, kv_bytes=2, q_bytes=2) / gpu.bandwidth * 1e6 for t in tokens
+        ]
         ax.loglog(tokens, best, label=f"{gpu.name}: bytes / vendor peak")
     ax.set_ylabel("best possible time per layer (µs)")
     ax.set_title("No GPU measurement yet: the floor set by vendor peak bandwidth")
-    here = ("No GPU was available where this page was computed" if interpreting()
-            else f"This page ran on {torch.cuda.get_device_name()}")  # fmt: skip
-    status = (f"{here}, and no GPU measurement of these kernels has been committed yet: the speed figures above "
-              "are vendor peak figures, and the kernel tests (tests/test_kernels*.py) have run in Triton's "
-              f"interpreter only. The chapter's speed targets ({_TARGETS}) stay unverified until "
-              "python -m kvcourse.bench kernels runs on such a GPU.")  # fmt: skip
+    here = (
+        "No GPU was available where this page was computed"
+        if interpreting()
+        else f"This page ran on {torch.cuda.get_device_name()}"
+    )
+    status = (
+        f"{here}, and no GPU measurement of these kernels has been committed yet: the speed figures above "
+        "are vendor peak figures, and the kernel tests (tests/test_kernels*.py) have run in Triton's "
+        f"interpreter only. The chapter's speed targets ({_TARGETS}) stay unverified until "
+        "python -m kvcourse.bench kernels runs on such a GPU."
+    )
     print(status)
     ax.set_xlabel("cached tokens read per step (batch x context), Llama-3-8B layer shape, fp16")
     ax.legend(fontsize=8)

@@ -56,16 +56,21 @@ def sweep(shapes, device: torch.device, timer, num_sms: int | None) -> list[dict
         rows.append({"batch": batch, "context": context, "chosen": chosen, "best": best,
                      "ms": {str(s): t for s, t in ms.items()}, "chosen_over_best": ms[chosen] / ms[best],
                      "best_gbps": p.bytes() / (ms[best] * 1e-3) / 1e9})  # fmt: skip
-        print(f"batch {batch:3d} x context {context:6d}: heuristic {chosen:2d} splits, fastest {best:2d} "
-              f"({ms[chosen] / ms[best]:.2f}x its time); " + ", ".join(f"{s}: {t:.3f} ms" for s, t in ms.items()))
+        print(
+            f"batch {batch:3d} x context {context:6d}: heuristic {chosen:2d} splits, fastest {best:2d} "
+            f"({ms[chosen] / ms[best]:.2f}x its time); " + ", ".join(f"{s}: {t:.3f} ms" for s, t in ms.items())
+        )
         del p
     return rows
 
 
 def summarize(rows: list[dict]) -> dict:
     """Where the heuristic is off by 10% or more, and its worst shape."""
-    off = [{k: r[k] for k in ("batch", "context", "chosen", "best", "chosen_over_best")} for r in rows
-           if r["chosen_over_best"] >= 1.1]  # fmt: skip
+    off = [
+        {k: r[k] for k in ("batch", "context", "chosen", "best", "chosen_over_best")}
+        for r in rows
+        if r["chosen_over_best"] >= 1.1
+    ]
     worst = max(rows, key=lambda r: r["chosen_over_best"]) if rows else None
     return {"shapes": len(rows), "heuristic_off_by_10pct": off,
             "worst": None if worst is None else {k: worst[k] for k in ("batch", "context", "chosen", "best",
@@ -78,12 +83,16 @@ def smoke() -> int:
 
     with torch.inference_mode():
         p = Problem(2, 100, torch.device("cpu"), dtype=torch.float32, heads=(4, 2, 64))
-        outs = {s: paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 0.125, s)
-                for s in split_counts(100, 1)}  # fmt: skip
+        outs = {
+            s: paged_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.seq_lens, 0.125, s)
+            for s in split_counts(100, 1)
+        }
     for s, out in outs.items():
         torch.testing.assert_close(out, outs[1], rtol=1e-5, atol=1e-5, msg=lambda m, s=s: f"{s} splits: {m}")
-    print(f"smoke run in Triton's interpreter: split counts {sorted(outs)} agree on batch 2 x context 100 "
-          "(correctness only; no speed is reported without a GPU)")  # fmt: skip
+    print(
+        f"smoke run in Triton's interpreter: split counts {sorted(outs)} agree on batch 2 x context 100 "
+        "(correctness only; no speed is reported without a GPU)"
+    )
     return 0
 
 
@@ -93,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="without a GPU: check split counts agree, time nothing")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kvcourse.bench splits: no CUDA GPU here. Split counts matter for the time of a GPU's programs; the "
-              "interpreter runs them one after another, so no figure is produced.")  # fmt: skip
+        print(
+            "kvcourse.bench splits: no CUDA GPU here. Split counts matter for the time of a GPU's programs; the "
+            "interpreter runs them one after another, so no figure is produced."
+        )
         return smoke() if args.smoke else 0
     import triton.testing
 

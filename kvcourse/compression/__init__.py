@@ -13,8 +13,14 @@ Every cache here speaks the contiguous-cache protocol (``seq_len``, ``update``),
 and dropping caches also report ``key_positions``: they hold only some of the past.
 """
 
-from .dropping import (DroppingKVCache, compressed_continuation_logits, generate_compressed, prefill, prefill_prompt,
-                       select_tokens)
+from .dropping import (
+    DroppingKVCache,
+    compressed_continuation_logits,
+    generate_compressed,
+    prefill,
+    prefill_prompt,
+    select_tokens,
+)
 from .paged_int8 import Int8PagedKVStore
 from .quantization import FORMATS, QuantizedTensor, dequantize, fake_quantize, quantize
 from .quantized_cache import SCHEMES, QuantizedKVCache

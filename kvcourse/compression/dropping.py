@@ -29,8 +29,15 @@ from ..cache import check_update
 from ..checks import check_int
 from ..utils import check_config
 
-__all__ = ["DroppingKVCache", "METHODS", "compressed_continuation_logits", "generate_compressed", "prefill",
-           "prefill_prompt", "select_tokens"]
+__all__ = [
+    "DroppingKVCache",
+    "METHODS",
+    "compressed_continuation_logits",
+    "generate_compressed",
+    "prefill",
+    "prefill_prompt",
+    "select_tokens",
+]
 
 METHODS = ("h2o", "snapkv", "streaming")
 
@@ -89,8 +96,9 @@ class DroppingKVCache:
     (decode or more text): new tokens are appended after the kept ones.
     """
 
-    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
-                 observation_window: int = 32) -> None:  # fmt: skip
+    def __init__(
+        self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, observation_window: int = 32
+    ) -> None:
         for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim), ("observation_window", observation_window)):  # fmt: skip
             check_int(name, value, min=1)
@@ -103,8 +111,9 @@ class DroppingKVCache:
     def for_model(cls, config, batch_size: int = 1, observation_window: int = 32) -> DroppingKVCache:
         """A cache shaped for ``config`` (``model.config``)."""
         check_config(config)
-        return cls(config.num_hidden_layers, batch_size, config.num_key_value_heads, config.head_dim,
-                   observation_window)  # fmt: skip
+        return cls(
+            config.num_hidden_layers, batch_size, config.num_key_value_heads, config.head_dim, observation_window
+        )
 
     # ---- what the model calls -------------------------------------------------
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,8 +181,10 @@ class DroppingKVCache:
         return self.seq_len
 
     def __repr__(self) -> str:
-        return (f"DroppingKVCache(layers={self.num_layers}, batch={self.batch_size}, seq_len={self.seq_len}, "
-                f"held={self.num_held}, nbytes={self.nbytes:,})")  # fmt: skip
+        return (
+            f"DroppingKVCache(layers={self.num_layers}, batch={self.batch_size}, seq_len={self.seq_len}, "
+            f"held={self.num_held}, nbytes={self.nbytes:,})"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,8 +199,9 @@ def prefill(model, ids, observation_window: int = 32) -> DroppingKVCache:
 
 
 @torch.inference_mode()
-def compressed_continuation_logits(model, context, continuation, budget: int | None, method: str = "snapkv",
-                                   prefilled: DroppingKVCache | None = None) -> torch.Tensor:  # fmt: skip
+def compressed_continuation_logits(
+    model, context, continuation, budget: int | None, method: str = "snapkv", prefilled: DroppingKVCache | None = None
+) -> torch.Tensor:
     """Prefill ``context``, keep ``budget`` of its tokens (``None``: all), then read ``continuation``.
 
     Returns the logits ``[len(continuation), vocab]`` (float32) computed over the compressed cache:

@@ -27,8 +27,11 @@ GUIDE: dict[str, tuple[float, float, float | None]] = {
 # technique -> (source, its claim, what we measured of it)
 CLAIMS: dict[str, tuple[str, str, str]] = {
     "int8 per-token": ("What is KV Cache?", "halves the cache, minimal quality impact", "agrees"),
-    "int4 per-token": ("What is KV Cache?", "quarters the cache, impact usually minimal",
-                       "more than a quarter with the scales, and not minimal"),
+    "int4 per-token": (
+        "What is KV Cache?",
+        "quarters the cache, impact usually minimal",
+        "more than a quarter with the scales, and not minimal",
+    ),
     "int4 KIVI": ("KIVI", "4-bit close to fp16", "agrees"),
     "int2 KIVI": ("KIVI", "2-bit 'almost the same quality' on 7B+ models", "not at 135M"),
     "fp8 e4m3": ("vLLM docs", "E4M3 'only minimally degrades' accuracy", "small here, but int8 does better"),

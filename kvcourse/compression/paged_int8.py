@@ -51,12 +51,14 @@ class Int8PagedKVStore(PagedKVStore):
         self.v_scale = [torch.zeros(shape[:3], dtype=SCALE_DTYPE, device=device) for _ in range(num_layers)]
 
     @classmethod
-    def for_model(cls, config, num_blocks: int, block_size: int = 16,
-                  device: torch.device | str = "cpu") -> Int8PagedKVStore:  # fmt: skip
+    def for_model(
+        cls, config, num_blocks: int, block_size: int = 16, device: torch.device | str = "cpu"
+    ) -> Int8PagedKVStore:
         """A pool shaped for ``config`` (``model.config``)."""
         check_config(config)
-        return cls(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim,
-                   device)  # fmt: skip
+        return cls(
+            config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim, device
+        )
 
     @property
     def block_nbytes(self) -> int:
@@ -69,23 +71,28 @@ class Int8PagedKVStore(PagedKVStore):
         slots = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
         expected = (slots.shape[0], self.num_kv_heads, self.head_dim)
         if tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise ValueError(f"k and v must have shape [T, H_kv, D] = {list(expected)}, got {list(k.shape)} and "
-                             f"{list(v.shape)}")  # fmt: skip
+            raise ValueError(
+                f"k and v must have shape [T, H_kv, D] = {list(expected)}, got {list(k.shape)} and {list(v.shape)}"
+            )
         if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < self.num_blocks * self.block_size):
             raise ValueError(f"slots must lie in [0, {self.num_blocks * self.block_size}), got {slots.tolist()[:5]}")
         self.write_unchecked(layer_idx, slots, k, v)
 
     def write_unchecked(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        for x, cache, scales in ((k, self.k_cache[layer_idx], self.k_scale[layer_idx]),
-                                 (v, self.v_cache[layer_idx], self.v_scale[layer_idx])):  # fmt: skip
+        for x, cache, scales in (
+            (k, self.k_cache[layer_idx], self.k_scale[layer_idx]),
+            (v, self.v_cache[layer_idx], self.v_scale[layer_idx]),
+        ):
             codes, scale = quantize_int8(x)
             cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, codes)
             scales.view(-1, self.num_kv_heads).index_copy_(0, slots, scale)
 
     def dequantized(self, layer_idx: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_idx``'s whole pool as floats ``[num_blocks, block_size, H_kv, D]`` (for the reference)."""
-        return (dequantize_int8(self.k_cache[layer_idx], self.k_scale[layer_idx], dtype),
-                dequantize_int8(self.v_cache[layer_idx], self.v_scale[layer_idx], dtype))  # fmt: skip
+        return (
+            dequantize_int8(self.k_cache[layer_idx], self.k_scale[layer_idx], dtype),
+            dequantize_int8(self.v_cache[layer_idx], self.v_scale[layer_idx], dtype),
+        )
 
     def copy_block(self, src_block: int, dst_block: int) -> None:
         """Copy-on-write: duplicate block ``src_block`` (codes and scales) into ``dst_block`` in every layer."""
@@ -95,6 +102,8 @@ class Int8PagedKVStore(PagedKVStore):
             v_scale[dst_block] = v_scale[src_block]
 
     def __repr__(self) -> str:
-        return (f"Int8PagedKVStore(layers={self.num_layers}, num_blocks={self.num_blocks}, "
-                f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"nbytes={self.nbytes:,})")  # fmt: skip
+        return (
+            f"Int8PagedKVStore(layers={self.num_layers}, num_blocks={self.num_blocks}, "
+            f"block_size={self.block_size}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"nbytes={self.nbytes:,})"
+        )

@@ -202,10 +202,14 @@ class QuantizedKVCache:
                                      layer.k_zero.view()[:, :, :, None], self.fmt)  # fmt: skip
                 keys.append(dequantize(qk, dtype).reshape(b, h, t, self.head_dim))
             else:
-                keys.append(dequantize(QuantizedTensor(layer.k.view(), layer.k_scale.view(), layer.k_zero.view(),
-                                                       self.fmt), dtype))  # fmt: skip
-            values.append(dequantize(QuantizedTensor(layer.v.view(), layer.v_scale.view(), layer.v_zero.view(),
-                                                     self.fmt), dtype))  # fmt: skip
+                keys.append(
+                    dequantize(
+                        QuantizedTensor(layer.k.view(), layer.k_scale.view(), layer.k_zero.view(), self.fmt), dtype
+                    )
+                )
+            values.append(
+                dequantize(QuantizedTensor(layer.v.view(), layer.v_scale.view(), layer.v_zero.view(), self.fmt), dtype)
+            )
         keys.append(layer.res_k.to(dtype))
         values.append(layer.res_v.to(dtype))
         return torch.cat(keys, 2), torch.cat(values, 2)

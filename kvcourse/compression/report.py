@@ -58,12 +58,15 @@ def tradeoff_points(bench: Mapping, fp16_bytes: float) -> list[tuple[str, str, f
     head of SmolLM2's three.
     """
     _check_inputs(bench, fp16_bytes)
-    points = [("quantization", r["name"], r["bytes_per_token"] / fp16_bytes, r["ppl_change"])
-              for r in bench["quantization"]]  # fmt: skip
+    points = [
+        ("quantization", r["name"], r["bytes_per_token"] / fp16_bytes, r["ppl_change"]) for r in bench["quantization"]
+    ]
     points += [("sliding window" if r["num_sinks"] == 0 else "sinks + window", r["name"],
                 r["bytes_per_token"] / fp16_bytes, r["ppl_change"]) for r in bench["window"]["results"]]  # fmt: skip
-    points += [(f"dropping: {r['method']}", f"{r['method']} {r['budget_frac']:.0%}", r["budget_frac"],
-                r["ppl_change"]) for r in bench["dropping"]["results"]]  # fmt: skip
+    points += [
+        (f"dropping: {r['method']}", f"{r['method']} {r['budget_frac']:.0%}", r["budget_frac"], r["ppl_change"])
+        for r in bench["dropping"]["results"]
+    ]
     points.append(("fewer KV heads", "MQA (pooled)", 1 / 3, bench["heads"]["ppl_change"]))
     return points
 
@@ -89,8 +92,7 @@ def plot_tradeoff(bench: Mapping, fp16_bytes: float, ax=None):
         _, ax = plt.subplots(figsize=(10, 6))
     for family, marker in _MARKERS.items():
         fam = [p for p in points if p[0] == family]
-        ax.scatter([p[2] * 100 for p in fam], [max(p[3], _FLOOR) * 100 for p in fam], marker=marker, s=60,
-                   label=family)  # fmt: skip
+        ax.scatter([p[2] * 100 for p in fam], [max(p[3], _FLOOR) * 100 for p in fam], marker=marker, s=60, label=family)
     cheap = smallest_within(points)
     labelled, below = TRADEOFF_LABELLED | {cheap[1]}, _BELOW | {cheap[1]}  # the point the title names
     for _, label, mem, change in points:
@@ -113,11 +115,17 @@ def comparison_table(bench: Mapping, fp16_bytes: float) -> str:
     KIVI's greedy entries are ``n/a``: the sweep's chat prompts never left its fp16 window.
     """
     _check_inputs(bench, fp16_bytes)
-    rows = [(r["name"], r["bytes_per_token"], r) for r in bench["quantization"]
-            if r["name"] in CLAIMS or guide_change(r["name"]) is not None]  # fmt: skip
+    rows = [
+        (r["name"], r["bytes_per_token"], r)
+        for r in bench["quantization"]
+        if r["name"] in CLAIMS or guide_change(r["name"]) is not None
+    ]
     rows += [(r["name"], r["bytes_per_token"], r) for r in bench["window"]["results"] if r["name"] in CLAIMS]
-    rows += [(f"{r['method']} {r['budget_frac']:.0%}", r["budget_frac"] * fp16_bytes, r)
-             for r in bench["dropping"]["results"] if f"{r['method']} {r['budget_frac']:.0%}" in CLAIMS]  # fmt: skip
+    rows += [
+        (f"{r['method']} {r['budget_frac']:.0%}", r["budget_frac"] * fp16_bytes, r)
+        for r in bench["dropping"]["results"]
+        if f"{r['method']} {r['budget_frac']:.0%}" in CLAIMS
+    ]
     rows.append(("MQA (pooled)", fp16_bytes / 3, bench["heads"]))
     lines = [
         "| technique | of fp16 | PPL change | top-1 | KL | greedy | earlier run | claim (source) | on SmolLM2-135M |",

@@ -27,7 +27,15 @@ from ..sequence import SamplingParams, Sequence
 from ..serving import scheduler as _scheduler_module
 from ..serving.scheduler import Scheduler, SchedulerOutput
 
-__all__ = ["ARRIVALS", "PRESETS", "SYSTEM_PROMPT_BLOCKS", "Playground", "PlaygroundConfig", "count_steps", "scheduler_source"]
+__all__ = [
+    "ARRIVALS",
+    "PRESETS",
+    "SYSTEM_PROMPT_BLOCKS",
+    "Playground",
+    "PlaygroundConfig",
+    "count_steps",
+    "scheduler_source",
+]
 
 ARRIVALS = {
     "burst": "every request at step 0",
@@ -123,7 +131,7 @@ _ANCHORS = {
     "no budget": "while self.waiting and budget > 0:",
     "after preemption": "if not out.preempted:  # a step that had to preempt takes nobody in: the pool is too tight",
     "swapped first": "if not self.swapped:  # the swapped-out sequences came first",
-}  # fmt: skip
+}
 _FUNCTIONS = ("schedule", "_schedule_running", "_schedule_swapped", "_schedule_waiting", "_reserve", "_preempt")
 
 
@@ -136,7 +144,9 @@ def _anchor_lines() -> dict[str, int]:
     for key, text in _ANCHORS.items():
         hits = [i + 1 for i, line in enumerate(lines) if line.strip() == text]
         if len(hits) != 1:
-            raise RuntimeError(f"the playground's anchor {key!r} ({text!r}) is in scheduler.py {len(hits)} times, not once")
+            raise RuntimeError(
+                f"the playground's anchor {key!r} ({text!r}) is in scheduler.py {len(hits)} times, not once"
+            )
         found[key] = hits[0]
     return found
 
@@ -239,21 +249,28 @@ class Playground:
                     child = seq.fork((seq.seq_id[0], k))
                     self.scheduler.fork(seq, child)
                     sampled[child.seq_id] = 0
-                    decisions.append({"text": f"{_name(child)} forks from {_name(seq)}: it shares its "
-                                              f"{len(self.block_manager.block_table(seq.seq_id))} blocks", "line": None})
+                    decisions.append(
+                        {
+                            "text": f"{_name(child)} forks from {_name(seq)}: it shares its "
+                            f"{len(self.block_manager.block_table(seq.seq_id))} blocks",
+                            "line": None,
+                        }
+                    )
             sampled[seq.seq_id] = 0
         finished = self.scheduler.append_tokens(sampled)
         record = {
             "step": self.step_index,
             "arrived": arrived,
-            "scheduled": [[_name(s.seq), s.kind, s.num_computed_tokens, s.num_new_tokens, s.num_cached_tokens]
-                          for s in out.scheduled],
+            "scheduled": [
+                [_name(s.seq), s.kind, s.num_computed_tokens, s.num_new_tokens, s.num_cached_tokens]
+                for s in out.scheduled
+            ],
             "decisions": decisions,
             "budget": {"used": out.num_batched_tokens, "limit": self.config.token_budget},
             "lines": sorted(set(trace.lines)),
             "finished": [_name(s) for s in finished],
             **self.state(),
-        }  # fmt: skip
+        }
         self.step_index += 1
         return record
 
@@ -322,9 +339,12 @@ class Playground:
             said.append({"text": f"{_name(seq)} swapped back in", "line": LINES["swap in"]})
         admitted, swapped_in = {id(s) for s in out.admitted}, {id(s) for s in out.swapped_in}
         for s in out.scheduled:
-            what = {"decode": "decodes 1 token", "prefill": f"prefills {s.num_new_tokens} tokens",
-                    "chunk": f"feeds a chunk of {s.num_new_tokens} prompt tokens",
-                    "recompute": f"recomputes {s.num_new_tokens} tokens"}[s.kind]  # fmt: skip
+            what = {
+                "decode": "decodes 1 token",
+                "prefill": f"prefills {s.num_new_tokens} tokens",
+                "chunk": f"feeds a chunk of {s.num_new_tokens} prompt tokens",
+                "recompute": f"recomputes {s.num_new_tokens} tokens",
+            }[s.kind]
             if s.num_cached_tokens:
                 what += f" after {s.num_cached_tokens} from the prefix cache"
             if id(s.seq) in admitted:
@@ -337,11 +357,13 @@ class Playground:
                          "line": LINES["cow"]})  # fmt: skip
         waiting = self.scheduler.waiting
         if waiting:  # why the head of the queue still waits: the check of schedule() that ran last
-            reasons = {"after preemption": "the step preempted, so it admits nobody",
-                       "swapped first": "swapped-out sequences come back first",
-                       "no seat": f"max_num_seqs={self.config.max_num_seqs} seats are taken",
-                       "no room": "the pool has no room for its blocks",
-                       "no budget": "the step's token budget is spent"}  # fmt: skip
+            reasons = {
+                "after preemption": "the step preempted, so it admits nobody",
+                "swapped first": "swapped-out sequences come back first",
+                "no seat": f"max_num_seqs={self.config.max_num_seqs} seats are taken",
+                "no room": "the pool has no room for its blocks",
+                "no budget": "the step's token budget is spent",
+            }
             by_line = {LINES[key]: key for key in reasons}
             ran = [by_line[line] for line in lines if line in by_line]
             if ran:

@@ -153,7 +153,9 @@ def reports_unfinished(check: Callable) -> Callable:
     @functools.wraps(check)
     def wrapper(*args, **kwargs):
         if any(arg is NotImplemented for arg in (*args, *kwargs.values())):
-            return _not_done(f"{check.__name__}: your answer is not written yet (it is still NotImplemented): see the exercise")
+            return _not_done(
+                f"{check.__name__}: your answer is not written yet (it is still NotImplemented): see the exercise"
+            )
         try:
             with _Watch():  # what the check's refuse_references(...) refuses is watched until it returns
                 return check(*args, **kwargs)
@@ -219,8 +221,7 @@ def tensor_diff(got, want) -> str:
         index.append(flat % size)
         flat //= size
     index = tuple(reversed(index))
-    return (f"largest difference at {list(index)}: expected {want[index].item():.4g}, "
-            f"got {got[index].item():.4g}")
+    return f"largest difference at {list(index)}: expected {want[index].item():.4g}, got {got[index].item():.4g}"
 
 
 def fail(case: str, *, expected: Any, got: Any, hint: str) -> NoReturn:
@@ -240,8 +241,9 @@ class Diagnosis:
     failing case is the one reported.
     """
 
-    def __init__(self, mistakes: list[tuple[str, Callable[..., Any]]], default: str,
-                 same: Callable[[Any, Any], bool]) -> None:
+    def __init__(
+        self, mistakes: list[tuple[str, Callable[..., Any]]], default: str, same: Callable[[Any, Any], bool]
+    ) -> None:
         self.mistakes, self.default, self.same = mistakes, default, same
         self.consistent = [True] * len(mistakes)
         self.failures: list[tuple[str, Any, Any]] = []
@@ -265,8 +267,12 @@ class Diagnosis:
         hint = next((h for (h, _), ok in zip(self.mistakes, self.consistent) if ok), self.default)
         case, want, got = self.failures[0]
         others = len(self.failures) - 1
-        fail(case + (f" (and {others} more case{'s' if others > 1 else ''})" if others else ""),
-             expected=want, got=got, hint=hint)
+        fail(
+            case + (f" (and {others} more case{'s' if others > 1 else ''})" if others else ""),
+            expected=want,
+            got=got,
+            hint=hint,
+        )
 
 
 def _seed_from(*key: object) -> int:
@@ -333,15 +339,19 @@ def call_learner(name: str, fn, *args, **kwargs):
     except NotImplementedError as exc:
         raise Unfinished(f"{name} is not written yet (it raised NotImplementedError: {exc})") from exc
     except Exception as exc:  # the learner's code failed: say where, not the answer
-        shown = ", ".join([describe(a, limit=4) for a in args] + [f"{k}={describe(v, limit=4)}" for k, v in kwargs.items()])
+        shown = ", ".join(
+            [describe(a, limit=4) for a in args] + [f"{k}={describe(v, limit=4)}" for k, v in kwargs.items()]
+        )
         hint = f" {DEVICE_HINT}" if _is_device_mismatch(exc) else ""
         raise ExerciseError(f"{name}({shown}) raised {type(exc).__name__}: {exc}{hint}") from exc
 
 
 # What a device mismatch says (torch's messages, and Triton's for a CPU tensor handed to a compiled kernel).
 _DEVICE_MISMATCH = ("same device", "cpu tensor?", "found at least two devices")
-DEVICE_HINT = ("Hint: your code made a tensor on the CPU while its inputs are on the GPU. Make new tensors on "
-               "the inputs' device, e.g. torch.arange(n, device=x.device), or move one there with .to(x.device).")
+DEVICE_HINT = (
+    "Hint: your code made a tensor on the CPU while its inputs are on the GPU. Make new tensors on "
+    "the inputs' device, e.g. torch.arange(n, device=x.device), or move one there with .to(x.device)."
+)
 
 
 def _is_device_mismatch(exc: BaseException) -> bool:
@@ -367,11 +377,16 @@ def expect_tensor(case: str, got: Any, shape: tuple[int, ...], dtype=None, what:
     import torch
 
     if not isinstance(got, torch.Tensor):
-        raise ExerciseError(f"{case} should return a torch.Tensor{' ' + what if what else ''}, got {type(got).__name__}.",
-                            case=case)
+        raise ExerciseError(
+            f"{case} should return a torch.Tensor{' ' + what if what else ''}, got {type(got).__name__}.", case=case
+        )
     if tuple(got.shape) != tuple(shape):
-        fail(case, expected=f"shape {list(shape)} {what}".strip(), got=f"shape {list(got.shape)}",
-             hint="Check which axis is which: the docstring gives the order of the dimensions.")
+        fail(
+            case,
+            expected=f"shape {list(shape)} {what}".strip(),
+            got=f"shape {list(got.shape)}",
+            hint="Check which axis is which: the docstring gives the order of the dimensions.",
+        )
     if dtype is not None and got.dtype != dtype:
         fail(case, expected=f"dtype {dtype}", got=f"dtype {got.dtype}", hint=f"Return a {dtype} tensor.")
 
@@ -395,8 +410,15 @@ def expect_tensor(case: str, got: Any, shape: tuple[int, ...], dtype=None, what:
 # often most of its time (an allocator simulated for the expected answers), runs unwatched and at full speed.
 
 _PACKAGE_DIR = os.path.dirname(_CHECKS_DIR) + os.sep
-_LIBRARY_DIRS = tuple(sorted({os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
-                              if (p := sysconfig.get_paths().get(key))}))
+_LIBRARY_DIRS = tuple(
+    sorted(
+        {
+            os.path.realpath(p) + os.sep
+            for key in ("stdlib", "platstdlib", "purelib", "platlib")
+            if (p := sysconfig.get_paths().get(key))
+        }
+    )
+)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -443,8 +465,11 @@ def _code_objects(obj: Any) -> list[types.CodeType]:
                     add(value.func)
                 elif isinstance(value, (types.FunctionType, staticmethod, classmethod)):
                     add(value)
-            todo += [sub for sub in cls.__subclasses__() if sub.__module__.startswith("kvcourse.")
-                     and not sub.__module__.startswith("kvcourse.exercises")]
+            todo += [
+                sub
+                for sub in cls.__subclasses__()
+                if sub.__module__.startswith("kvcourse.") and not sub.__module__.startswith("kvcourse.exercises")
+            ]
     elif isinstance(obj, functools.partial):
         found += _code_objects(obj.func)
     else:
@@ -529,8 +554,10 @@ class _Watch:
                 sys.setprofile(self.previous)
                 threading.setprofile(self.previous_threads)
                 if replaced and self.tripped is None:
-                    raise ExerciseError("your code replaced the profile function (sys.setprofile) with which this "
-                                        "check watches for kvcourse's references: leave it in place.")
+                    raise ExerciseError(
+                        "your code replaced the profile function (sys.setprofile) with which this "
+                        "check watches for kvcourse's references: leave it in place."
+                    )
 
     def _make_profile(self) -> Callable:
         codes, builtins, previous = self.codes, self.builtins, self.previous
@@ -554,9 +581,15 @@ class _Watch:
             return
         if c_frame:  # a C function has no frame of its own: the frame given is its caller's
             code = frame.f_code
-            where = ("" if code is _CALL_LEARNER_CODE else None if code.co_filename.startswith(_CHECKS_DIR) else
-                     f"{code.co_filename}, line {frame.f_lineno}" if _learners_file(code.co_filename) else
-                     _called_by_learner(frame))
+            where = (
+                ""
+                if code is _CALL_LEARNER_CODE
+                else None
+                if code.co_filename.startswith(_CHECKS_DIR)
+                else f"{code.co_filename}, line {frame.f_lineno}"
+                if _learners_file(code.co_filename)
+                else _called_by_learner(frame)
+            )
         else:
             where = _called_by_learner(frame)
         if where is not None:
@@ -566,9 +599,11 @@ class _Watch:
         name, what, where, task = self.tripped
         ran = "" if what in (name, name.split(".")[-1]) else f" ({what} ran)"
         at = f", from {where}" if where else ""
-        error = ExerciseError(f"your code calls kvcourse's {name}{ran}{at}: that is what this check compares your "
-                              f"answer with, and the exercise is to write it: {task}",
-                              hint=task)
+        error = ExerciseError(
+            f"your code calls kvcourse's {name}{ran}{at}: that is what this check compares your "
+            f"answer with, and the exercise is to write it: {task}",
+            hint=task,
+        )
         error.refused = True
         return error
 
@@ -595,8 +630,10 @@ def refuse_references(fn: Any, references: dict[str, Any], task: str) -> None:
     """
     watch = _Watch.current
     if watch is None:
-        raise RuntimeError("refuse_references watches the learner's calls until the check returns: call it inside a "
-                           "check_* function wrapped by wrap_checks (or reports_unfinished)")
+        raise RuntimeError(
+            "refuse_references watches the learner's calls until the check returns: call it inside a "
+            "check_* function wrapped by wrap_checks (or reports_unfinished)"
+        )
     if not isinstance(references, dict) or not references:
         raise TypeError(f"references must be a non-empty dict of name -> object, got {references!r}")
     handed = fn

@@ -77,18 +77,33 @@ _CH03_GPUS = """gpus = {
 
 _SPECS = [
     # chapter 1
-    ExerciseSpec("ch01-ex-frozen", "ch01.check_frozen_positions", ("frozen_positions",), given=("model", "tok"),
-                 setup=_CH01_PROMPT),  # the solution goes on to run the function on the real model
+    ExerciseSpec(
+        "ch01-ex-frozen",
+        "ch01.check_frozen_positions",
+        ("frozen_positions",),
+        given=("model", "tok"),
+        setup=_CH01_PROMPT,
+    ),  # the solution goes on to run the function on the real model
     ExerciseSpec("ch01-ex-mask", "ch01.check_causal_mask", ("causal_mask",)),
     ExerciseSpec("ch01-ex-attention", "ch01.check_attention", ("attention",), uses=("ch01-ex-mask",)),
-    ExerciseSpec("ch01-ex-pairs", "ch01.check_naive_attention_pairs", ("naive_attention_pairs",),
-                 given=("tok",), setup='P = len(tok.encode("The capital of France is"))\n'),
+    ExerciseSpec(
+        "ch01-ex-pairs",
+        "ch01.check_naive_attention_pairs",
+        ("naive_attention_pairs",),
+        given=("tok",),
+        setup='P = len(tok.encode("The capital of France is"))\n',
+    ),
     ExerciseSpec("ch01-ex-predict", "ch01.check_predicted_naive_step", ("predict_naive_step_ms",)),
     # chapter 2
     ExerciseSpec("ch02-ex-positions", "ch02.check_new_positions", ("new_positions",)),
     ExerciseSpec("ch02-ex-update", "ch02.check_cache_update", ("PreallocatedKVCache", MODEL)),
-    ExerciseSpec("ch02-ex-bughunt", "ch02.check_chunked_prefill", ("prefill_in_chunks_fixed", MODEL),
-                 given=("model", "tok"), setup='prompt_ids = tok.encode("The capital of France is")\n'),
+    ExerciseSpec(
+        "ch02-ex-bughunt",
+        "ch02.check_chunked_prefill",
+        ("prefill_in_chunks_fixed", MODEL),
+        given=("model", "tok"),
+        setup='prompt_ids = tok.encode("The capital of France is")\n',
+    ),
     ExerciseSpec("ch02-ex-decode", "ch02.check_decode_attention", ("attend",)),
     ExerciseSpec("ch02-ex-outweigh", "ch02.check_tokens_to_outweigh", ("tokens_to_outweigh",)),
     ExerciseSpec("ch02-ex-predict", "ch02.check_predicted_generation", ("predict_generation_ms",)),
@@ -96,19 +111,26 @@ _SPECS = [
     ExerciseSpec("ch03-ex-per-token", "ch03.check_bytes_per_token", ("bytes_per_token",)),
     ExerciseSpec("ch03-ex-per-rank", "ch03.check_bytes_per_rank", ("bytes_per_rank",), uses=("ch03-ex-per-token",)),
     ExerciseSpec("ch03-ex-kivi", "ch03.check_quantized_bytes", ("quantized_bytes",)),
-    ExerciseSpec("ch03-ex-fit", "ch03.check_max_sequences", ("max_sequences",), uses=("ch03-ex-per-token",),
-                 setup=_CH03_GPUS),
+    ExerciseSpec(
+        "ch03-ex-fit", "ch03.check_max_sequences", ("max_sequences",), uses=("ch03-ex-per-token",), setup=_CH03_GPUS
+    ),
     # the solution checks its prediction with the calculator the check refuses as an answer
-    ExerciseSpec("ch03-ex-context", "ch03.check_max_context", ("max_context",), uses=("ch03-ex-per-token",),
-                 references_in_cells=True),
+    ExerciseSpec(
+        "ch03-ex-context",
+        "ch03.check_max_context",
+        ("max_context",),
+        uses=("ch03-ex-per-token",),
+        references_in_cells=True,
+    ),
     # chapter 4
     ExerciseSpec("ch04-ex-slot-mapping", "ch04.check_slot_mapping", ("step_slot_mapping",)),
     ExerciseSpec("ch04-ex-bughunt", "ch04.check_block_manager", ("FixedBlockManager",), references_in_cells=True),
     ExerciseSpec("ch04-ex-parallel-sampling", "ch04.check_parallel_sampling_blocks", ("blocks_with_sharing",)),
     ExerciseSpec("ch04-ex-block-size", "ch04.check_live_fraction", ("live_fraction",)),
     # the solution runs the simulator on the chapter's trace to compare with its prediction
-    ExerciseSpec("ch04-ex-reservation", "ch04.check_reservation_live", ("predict_reservation_live",),
-                 setup=_CH04_TRACE),
+    ExerciseSpec(
+        "ch04-ex-reservation", "ch04.check_reservation_live", ("predict_reservation_live",), setup=_CH04_TRACE
+    ),
     # chapter 5
     ExerciseSpec("ch05-ex-mask", "ch05.check_masked_decode", ("masked_decode_kernel_fixed",)),
     ExerciseSpec("ch05-ex-rescale", "ch05.check_online_softmax", ("online_decode_kernel_fixed",)),
@@ -126,8 +148,9 @@ _SPECS = [
     # chapter 7
     ExerciseSpec("ch07-ex-hash-chain", "ch07.check_block_hashes", ("block_hashes",)),
     ExerciseSpec("ch07-ex-lru", "ch07.check_lru_takes", ("lru_takes",)),
-    ExerciseSpec("ch07-ex-lookup", "ch07.check_prefix_lookup", ("find_longest_cache_hit", MODEL),
-                 uses=("ch07-ex-hash-chain",)),
+    ExerciseSpec(
+        "ch07-ex-lookup", "ch07.check_prefix_lookup", ("find_longest_cache_hit", MODEL), uses=("ch07-ex-hash-chain",)
+    ),
     ExerciseSpec("ch07-ex-replay", "ch07.check_replay", ("replay",)),
     ExerciseSpec("ch07-ex-predict", "ch07.check_predicted_prefix_ttft", ("predict_ttft_ms",)),
     # chapter 8

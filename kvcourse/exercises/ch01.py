@@ -52,25 +52,41 @@ __all__ = [
 
 # --- Exercise 1: the causal mask -----------------------------------------------------------------
 
+
 def _mask(num_queries: int, num_keys: int, offset: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``tril(offset)`` of a ``[num_queries, num_keys]`` block: query i may read keys 0 .. i + offset."""
     return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(offset)
 
 
 _MASK_MISTAKES = [
-    (lambda t, s: ~_mask(t, s, s - t), "It is inverted: True must mark the keys a query MAY read (its own position "
-                                       "and the earlier ones), False the ones it must not."),
-    (lambda t, s: _mask(t, s, s - t + 1), "Each query sees one key from its future. Query i sits at position "
-                                          "num_keys - num_queries + i and may read keys up to that position, never after it."),
-    (lambda t, s: torch.ones(t, s, dtype=torch.bool, device="cpu"), "Every query sees every key, its future included. "
-                                                                    "Only a single query at the end (a decode step) "
-                                                                    "may read all keys."),
+    (
+        lambda t, s: ~_mask(t, s, s - t),
+        "It is inverted: True must mark the keys a query MAY read (its own position "
+        "and the earlier ones), False the ones it must not.",
+    ),
+    (
+        lambda t, s: _mask(t, s, s - t + 1),
+        "Each query sees one key from its future. Query i sits at position "
+        "num_keys - num_queries + i and may read keys up to that position, never after it.",
+    ),
+    (
+        lambda t, s: torch.ones(t, s, dtype=torch.bool, device="cpu"),
+        "Every query sees every key, its future included. "
+        "Only a single query at the end (a decode step) "
+        "may read all keys.",
+    ),
     (lambda t, s: _mask(t, s, s - t - 1), "The diagonal is missing: each query may attend to its own position too."),
-    (lambda t, s: _mask(t, s, 0), "The queries are the LAST num_queries positions: query i sits at position "
-                                  "num_keys - num_queries + i, not at i. (torch's scaled_dot_product_attention with "
-                                  "is_causal=True makes the same top-left alignment.)"),
-    (lambda t, s: _mask(t, s, 0).T if t == s else None, "It is transposed: rows are queries, columns keys, and a "
-                                                             "query looks back (columns <= its own position), not ahead."),
+    (
+        lambda t, s: _mask(t, s, 0),
+        "The queries are the LAST num_queries positions: query i sits at position "
+        "num_keys - num_queries + i, not at i. (torch's scaled_dot_product_attention with "
+        "is_causal=True makes the same top-left alignment.)",
+    ),
+    (
+        lambda t, s: _mask(t, s, 0).T if t == s else None,
+        "It is transposed: rows are queries, columns keys, and a "
+        "query looks back (columns <= its own position), not ahead.",
+    ),
 ]
 
 
@@ -90,7 +106,9 @@ def check_causal_mask(fn: Callable[[int, int], torch.Tensor], seed: int = 0) -> 
     diagnosis = Diagnosis(
         [(h, lambda t, s, m=m: m(t, s)) for m, h in _MASK_MISTAKES],
         "Query i sits at position num_keys - num_queries + i and may attend to keys 0 up to and including that "
-        "position.", _same_mask)
+        "position.",
+        _same_mask,
+    )
     for t, s in cases:
         case = f"causal_mask({t}, {s})"
         want = _mask(t, s, s - t)
@@ -100,8 +118,10 @@ def check_causal_mask(fn: Callable[[int, int], torch.Tensor], seed: int = 0) -> 
         if not torch.equal(got, want):
             diagnosis.record(case, (t, s), got, want)
     diagnosis.raise_if_wrong()
-    return passed("a query at position p reads keys 0..p; for a chunk at the end of a cache that is "
-                  "tril(num_keys - num_queries), and a single decode query reads everything.")
+    return passed(
+        "a query at position p reads keys 0..p; for a chunk at the end of a cache that is "
+        "tril(num_keys - num_queries), and a single decode query reads everything."
+    )
 
 
 def _same_mask(got: torch.Tensor, wrong: torch.Tensor | None) -> bool:
@@ -109,6 +129,7 @@ def _same_mask(got: torch.Tensor, wrong: torch.Tensor | None) -> bool:
 
 
 # --- Exercise 2: causal attention with GQA -------------------------------------------------------
+
 
 def _attention(q, k, v, *, scale=None, offset_shift=0, anchored=False, heads="grouped", softmax_dim=-1, mask=True):
     """Causal GQA attention with switches that reproduce the usual mistakes (the defaults are right)."""
@@ -125,33 +146,57 @@ def _attention(q, k, v, *, scale=None, offset_shift=0, anchored=False, heads="gr
 
 
 _ATTENTION_MISTAKES = [
-    (dict(scale=1.0), "The scores are not scaled: divide q . k by sqrt(head_dim) before the softmax, or the softmax "
-                      "saturates on one key as head_dim grows."),
-    (dict(mask=False), "No causal mask: each query also reads keys from its future. Set the scores of keys after the "
-                       "query's position to -inf before the softmax."),
-    (dict(offset_shift=1), "The mask lets each query see one key from its future: query i may read keys up to "
-                           "position S - T + i, not S - T + i + 1."),
-    (dict(anchored=True), "The queries are the last T of the S positions: query i sits at position S - T + i. Your mask "
-                          "puts it at position i (scaled_dot_product_attention's is_causal=True does the same)."),
+    (
+        dict(scale=1.0),
+        "The scores are not scaled: divide q . k by sqrt(head_dim) before the softmax, or the softmax "
+        "saturates on one key as head_dim grows.",
+    ),
+    (
+        dict(mask=False),
+        "No causal mask: each query also reads keys from its future. Set the scores of keys after the "
+        "query's position to -inf before the softmax.",
+    ),
+    (
+        dict(offset_shift=1),
+        "The mask lets each query see one key from its future: query i may read keys up to "
+        "position S - T + i, not S - T + i + 1.",
+    ),
+    (
+        dict(anchored=True),
+        "The queries are the last T of the S positions: query i sits at position S - T + i. Your mask "
+        "puts it at position i (scaled_dot_product_attention's is_causal=True does the same).",
+    ),
     (dict(offset_shift=-1), "The mask hides the diagonal: a query may attend to its own position."),
-    (dict(heads="interleaved"), "Query head h reads KV head h // (Hq // Hkv): consecutive query heads share a KV "
-                                "head. Yours pairs them as h % Hkv."),
-    (dict(softmax_dim=-2), "The softmax runs over the queries. Each query's weights must sum to 1 over the keys "
-                           "(the last axis of the scores)."),
+    (
+        dict(heads="interleaved"),
+        "Query head h reads KV head h // (Hq // Hkv): consecutive query heads share a KV "
+        "head. Yours pairs them as h % Hkv.",
+    ),
+    (
+        dict(softmax_dim=-2),
+        "The softmax runs over the queries. Each query's weights must sum to 1 over the keys "
+        "(the last axis of the scores).",
+    ),
 ]
 
 
-def check_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], seed: int = 0, *,
-                    device: torch.device | str | None = None) -> CheckResult:
+def check_attention(
+    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    seed: int = 0,
+    *,
+    device: torch.device | str | None = None,
+) -> CheckResult:
     """``fn(q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, D])`` -> ``[B, Hq, T, D]``.
 
     Causal softmax attention where the ``T`` queries are the last ``T`` of the ``S`` positions, and
     query head ``h`` reads KV head ``h // (Hq // Hkv)`` (grouped-query attention). Compared with
     :func:`kvcourse.causal_attention` on hidden random inputs, handed to ``fn`` on ``device`` (the chapter's device, default_device(), by default).
     """
-    refuse_references(fn, {"causal_attention": kvcourse.causal_attention,
-                           "decode_attention_ref": kvcourse.decode_attention_ref},
-                      "write the attention yourself in plain torch (matmul, masked_fill, softmax).")
+    refuse_references(
+        fn,
+        {"causal_attention": kvcourse.causal_attention, "decode_attention_ref": kvcourse.decode_attention_ref},
+        "write the attention yourself in plain torch (matmul, masked_fill, softmax).",
+    )
     if not callable(fn):
         raise ExerciseError(f"pass your function fn(q, k, v), got {type(fn).__name__}")
     device = learner_device(device)
@@ -165,7 +210,8 @@ def check_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tor
         [(h, lambda q, k, v, kw=kw: _attention(q, k, v, **kw)) for kw, h in _ATTENTION_MISTAKES],
         "Scores q . k / sqrt(D) for every key, -inf where the key is after the query's position (S - T + i), "
         "softmax over the keys, then the weighted sum of the values.",
-        lambda a, w: torch.allclose(a.float(), w, atol=1e-5, rtol=1e-4))
+        lambda a, w: torch.allclose(a.float(), w, atol=1e-5, rtol=1e-4),
+    )
     for b, hq, hkv, t, s, d in shapes:
         q = torch.randn(b, hq, t, d, generator=gen, device="cpu")
         k = torch.randn(b, hkv, s, d, generator=gen, device="cpu") * 2.0  # large enough that a missing scale shows
@@ -178,11 +224,14 @@ def check_attention(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tor
         if not torch.allclose(got.float(), want, atol=1e-5, rtol=1e-4):
             diagnosis.record(case, (q, k, v), got, want, extra=f"\n            ({tensor_diff(got, want)})")
     diagnosis.raise_if_wrong()
-    return passed("scores, scale, causal mask, softmax over the keys, weighted values: with queries at the end of "
-                  "the keys, the same code serves a whole sequence, a prefill chunk and a decode step.")
+    return passed(
+        "scores, scale, causal mask, softmax over the keys, weighted values: with queries at the end of "
+        "the keys, the same code serves a whole sequence, a prefill chunk and a decode step."
+    )
 
 
 # --- Exercise 3: the naive loop's attention work -------------------------------------------------
+
 
 def _pairs(prompt_len: int, new_tokens: int, per_step: Callable[[int], int], first: int = 0) -> int:
     return sum(per_step(prompt_len + i) for i in range(first, new_tokens + first))
@@ -196,19 +245,35 @@ def check_naive_attention_pairs(fn: Callable[[int, int], int], seed: int = 0) ->
     rng = case_rng("ch01.check_naive_attention_pairs", seed)
     cases = [(1, 1), (5, 1), (5, 2), (1, 0), (5, 1000)]
     cases += [(rng.randint(1, 60), rng.randint(1, 80)) for _ in range(10)]
-    diagnosis = Diagnosis([
-        ("You counted all T x T pairs of a step. The causal mask allows only T(T+1)/2 of them: query i reads keys "
-         "0..i. (A kernel that fills the whole square and then masks does T x T multiply-adds; the course counts the "
-         "pairs the mask allows.)", lambda p, n: _pairs(p, n, lambda t: t * t)),
-        ("Off by one: each token also attends to itself, so a step over T tokens has T(T+1)/2 pairs, diagonal "
-         "included.", lambda p, n: _pairs(p, n, lambda t: t * (t - 1) // 2)),
-        ("Off by one step: step 0 feeds the prompt alone (prompt_len tokens) and the last step feeds "
-         "prompt_len + new_tokens - 1.", lambda p, n: _pairs(p, n, lambda t: t * (t + 1) // 2, first=1)),
-        ("That is one triangle over the final sequence: the naive loop's last step alone, or everything the "
-         "cached loop scores (each pair once). The naive loop redoes the triangle at every one of the new_tokens "
-         "steps.", lambda p, n: (p + n - 1) * (p + n) // 2 if n else 0),
-    ], "Step i (i = 0 .. new_tokens-1) feeds T = prompt_len + i tokens, and the causal mask allows T(T+1)/2 "
-       "(query, key) pairs in it.", lambda a, w: a == w)
+    diagnosis = Diagnosis(
+        [
+            (
+                "You counted all T x T pairs of a step. The causal mask allows only T(T+1)/2 of them: query i reads keys "
+                "0..i. (A kernel that fills the whole square and then masks does T x T multiply-adds; the course counts the "
+                "pairs the mask allows.)",
+                lambda p, n: _pairs(p, n, lambda t: t * t),
+            ),
+            (
+                "Off by one: each token also attends to itself, so a step over T tokens has T(T+1)/2 pairs, diagonal "
+                "included.",
+                lambda p, n: _pairs(p, n, lambda t: t * (t - 1) // 2),
+            ),
+            (
+                "Off by one step: step 0 feeds the prompt alone (prompt_len tokens) and the last step feeds "
+                "prompt_len + new_tokens - 1.",
+                lambda p, n: _pairs(p, n, lambda t: t * (t + 1) // 2, first=1),
+            ),
+            (
+                "That is one triangle over the final sequence: the naive loop's last step alone, or everything the "
+                "cached loop scores (each pair once). The naive loop redoes the triangle at every one of the new_tokens "
+                "steps.",
+                lambda p, n: (p + n - 1) * (p + n) // 2 if n else 0,
+            ),
+        ],
+        "Step i (i = 0 .. new_tokens-1) feeds T = prompt_len + i tokens, and the causal mask allows T(T+1)/2 "
+        "(query, key) pairs in it.",
+        lambda a, w: a == w,
+    )
     for p, n in cases:
         case = f"naive_attention_pairs({p}, {n})"
         got = call_learner("naive_attention_pairs", fn, p, n)
@@ -220,11 +285,14 @@ def check_naive_attention_pairs(fn: Callable[[int, int], int], seed: int = 0) ->
         if got != want:
             diagnosis.record(case, (p, n), got, want)
     diagnosis.raise_if_wrong()
-    return passed("the naive loop scores sum over steps of T(T+1)/2 pairs, about n^3/6 for a long reply; "
-                  "a cache needs about n^2/2.")
+    return passed(
+        "the naive loop scores sum over steps of T(T+1)/2 pairs, about n^3/6 for a long reply; "
+        "a cache needs about n^2/2."
+    )
 
 
 # --- Exercise 4: what a naive step leaves unchanged ----------------------------------------------
+
 
 def _same_past(a: torch.Tensor, b: torch.Tensor, past: int) -> bool:
     """Positions ``0 .. past-1`` (dim 0) of ``a`` and ``b`` agree up to float rounding: assert_close's tolerance
@@ -253,27 +321,39 @@ def _allclose_defaults(a, b, past):
 
 # The remedy both tolerance hints give, and it passes: a tolerance that follows the dtype, or one wide enough for
 # bf16. torch.allclose's defaults are not (rtol=1e-5 is far below one bf16 step), so no hint may send a learner there.
-_TOLERANCE_REMEDY = ("Compare with a tolerance that follows the dtype: torch.testing.assert_close(x, y) raises "
-                     "AssertionError when they differ by more than the dtype's rounding; or torch.allclose with "
-                     "rtol=1e-2 (its defaults, rtol=1e-5 and atol=1e-8, are tighter than one bf16 or fp16 step).")
+_TOLERANCE_REMEDY = (
+    "Compare with a tolerance that follows the dtype: torch.testing.assert_close(x, y) raises "
+    "AssertionError when they differ by more than the dtype's rounding; or torch.allclose with "
+    "rtol=1e-2 (its defaults, rtol=1e-5 and atol=1e-8, are tighter than one bf16 or fp16 step)."
+)
 
 _FROZEN_MISTAKES = [
     # before exact equality: on bf16 and fp16 cases the two agree, and this hint's remedy fits both
-    ("torch.allclose's default tolerance (rtol=1e-5, atol=1e-8) is tighter than one step of bf16 (8 bits: about "
-     "0.4% of a value) or fp16 (about 0.05%), so a tensor recomputed with a different last bit comes back changed. "
-     + _TOLERANCE_REMEDY,
-     lambda a, b, p: _frozen_names(a, b, p, _allclose_defaults)),
-    ("Two steps that recompute the same number can differ in its last bits (a matrix product over more rows is "
-     "summed in a different order), so exact equality (torch.equal, ==) calls frozen tensors changed. "
-     + _TOLERANCE_REMEDY,
-     lambda a, b, p: _frozen_names(a, b, p, _exactly)),
-    ("Compare positions 0 .. past-1 only. The positions from `past` on may differ, even those step_a already has "
-     "(step_a can hold more than `past` tokens).",
-     lambda a, b, p: _frozen_names(a, b, p, lambda x, y, q: _same_past(x, y, len(x)))),
-    ("Off by one: positions 0 .. past-1 are `past` positions, x[:past]; x[:past - 1] leaves the last one out.",
-     lambda a, b, p: _frozen_names(a, b, p, lambda x, y, q: _same_past(x, y, q - 1))),
-    ("Positions run along dim 0 from the start of the sequence: the past is x[:past], not the last rows x[-past:].",
-     lambda a, b, p: _frozen_names(a, b, p, lambda x, y, q: _same_past(x[-q:], y[-q:], q))),
+    (
+        "torch.allclose's default tolerance (rtol=1e-5, atol=1e-8) is tighter than one step of bf16 (8 bits: about "
+        "0.4% of a value) or fp16 (about 0.05%), so a tensor recomputed with a different last bit comes back changed. "
+        + _TOLERANCE_REMEDY,
+        lambda a, b, p: _frozen_names(a, b, p, _allclose_defaults),
+    ),
+    (
+        "Two steps that recompute the same number can differ in its last bits (a matrix product over more rows is "
+        "summed in a different order), so exact equality (torch.equal, ==) calls frozen tensors changed. "
+        + _TOLERANCE_REMEDY,
+        lambda a, b, p: _frozen_names(a, b, p, _exactly),
+    ),
+    (
+        "Compare positions 0 .. past-1 only. The positions from `past` on may differ, even those step_a already has "
+        "(step_a can hold more than `past` tokens).",
+        lambda a, b, p: _frozen_names(a, b, p, lambda x, y, q: _same_past(x, y, len(x))),
+    ),
+    (
+        "Off by one: positions 0 .. past-1 are `past` positions, x[:past]; x[:past - 1] leaves the last one out.",
+        lambda a, b, p: _frozen_names(a, b, p, lambda x, y, q: _same_past(x, y, q - 1)),
+    ),
+    (
+        "Positions run along dim 0 from the start of the sequence: the past is x[:past], not the last rows x[-past:].",
+        lambda a, b, p: _frozen_names(a, b, p, lambda x, y, q: _same_past(x[-q:], y[-q:], q)),
+    ),
 ]
 
 
@@ -310,7 +390,9 @@ def _synthetic_steps(gen: torch.Generator, rng) -> tuple[dict, dict, int]:
     step_a, step_b = {}, {}
     for i, kind in enumerate(rng.sample(kinds, len(kinds))):
         shape = (t_b, *rng.choice([(), (3,), (2, 4)]))
-        full = torch.randn(shape, generator=gen, device="cpu").to(dtype) + 2.0  # away from 0: a relative rounding is one
+        full = (
+            torch.randn(shape, generator=gen, device="cpu").to(dtype) + 2.0
+        )  # away from 0: a relative rounding is one
         b = full.clone()
         if kind == "rounded":  # one ulp apart: what a recomputation does to the last bit
             b = torch.nextafter(full, full + 1)
@@ -335,8 +417,11 @@ def check_frozen_positions(fn: Callable[[dict, dict, int], set], seed: int = 0) 
     cases = [_model_steps(gen, rng) for _ in range(2)] + [_synthetic_steps(gen, rng) for _ in range(8)]
     wants = [_frozen_names(a, b, p) for a, b, p in cases]  # computed before the learner's code runs
     device = learner_device()
-    diagnosis = Diagnosis(_FROZEN_MISTAKES, "For each name, compare the first `past` positions of the two steps "
-                          "up to float rounding.", lambda got, wrong: set(got) == set(wrong))  # fmt: skip
+    diagnosis = Diagnosis(
+        _FROZEN_MISTAKES,
+        "For each name, compare the first `past` positions of the two steps up to float rounding.",
+        lambda got, wrong: set(got) == set(wrong),
+    )
     for (a, b, past), want in zip(cases, wants):
         shapes = ", ".join(f"{n} {list(a[n].shape)}->{list(b[n].shape)}" for n in a)
         case = f"frozen_positions(step_a, step_b, past={past}) with {shapes}"
@@ -350,19 +435,23 @@ def check_frozen_positions(fn: Callable[[dict, dict, int], set], seed: int = 0) 
         if got != want:
             diagnosis.record(case, (a, b, past), sorted(got), sorted(want))
     diagnosis.raise_if_wrong()
-    return passed("a naive step recomputes every past position's Q, K, V and hidden state, and gets the same numbers "
-                  "up to rounding; what belongs to the newest token (its weights over the keys) changes.")
+    return passed(
+        "a naive step recomputes every past position's Q, K, V and hidden state, and gets the same numbers "
+        "up to rounding; what belongs to the newest token (its weights over the keys) changes."
+    )
 
 
 # --- Exercise 5: predict a naive step from the FLOPs ----------------------------------------------
+
 
 def _pass_flops(tokens: int, per_token: float, per_pair: float) -> float:
     """FLOPs of a pass over ``tokens`` tokens: linear work per token, attention per allowed pair."""
     return per_token * tokens + per_pair * tokens * (tokens + 1) / 2
 
 
-def _predicted_naive_step_ms(ms_short: float, short_len: int, long_len: int, per_token: float,
-                             per_pair: float) -> float:
+def _predicted_naive_step_ms(
+    ms_short: float, short_len: int, long_len: int, per_token: float, per_pair: float
+) -> float:
     return ms_short * _pass_flops(long_len, per_token, per_pair) / _pass_flops(short_len, per_token, per_pair)
 
 
@@ -371,22 +460,33 @@ def _close(got: float, want: float) -> bool:
 
 
 _PREDICT_STEP_MISTAKES = [
-    ("You scaled by the tokens alone: that is the linear work, but every query of the longer pass also reads more "
-     "keys. Add per_pair_flops x T(T+1)/2 to each pass's FLOPs.",
-     lambda ms, s, l, t, p: ms * l / s),
-    ("You scaled by the square of the tokens: only attention grows as T^2, and at these lengths it is the smaller "
-     "part. A pass costs per_token_flops x T plus per_pair_flops x T(T+1)/2.",
-     lambda ms, s, l, t, p: ms * (l / s) ** 2),
-    ("You counted all T x T (query, key) pairs. The causal mask allows T(T+1)/2 of them: query i reads keys 0..i.",
-     lambda ms, s, l, t, p: ms * (t * l + p * l * l) / (t * s + p * s * s)),
-    ("Off by one: each query also reads its own key, so a pass over T tokens has T(T+1)/2 pairs, diagonal "
-     "included.",
-     lambda ms, s, l, t, p: ms * (t * l + p * l * (l - 1) / 2) / (t * s + p * s * (s - 1) / 2)),
-    ("Upside down: the longer pass does more work, so the time is ms_short x FLOPs(long_len) / FLOPs(short_len).",
-     lambda ms, s, l, t, p: ms * _pass_flops(s, t, p) / _pass_flops(l, t, p)),
-    ("You added the FLOPs' difference as milliseconds: scale the measured time by the ratio of the two passes' "
-     "FLOPs instead.",
-     lambda ms, s, l, t, p: ms + _pass_flops(l, t, p) - _pass_flops(s, t, p)),
+    (
+        "You scaled by the tokens alone: that is the linear work, but every query of the longer pass also reads more "
+        "keys. Add per_pair_flops x T(T+1)/2 to each pass's FLOPs.",
+        lambda ms, s, l, t, p: ms * l / s,
+    ),
+    (
+        "You scaled by the square of the tokens: only attention grows as T^2, and at these lengths it is the smaller "
+        "part. A pass costs per_token_flops x T plus per_pair_flops x T(T+1)/2.",
+        lambda ms, s, l, t, p: ms * (l / s) ** 2,
+    ),
+    (
+        "You counted all T x T (query, key) pairs. The causal mask allows T(T+1)/2 of them: query i reads keys 0..i.",
+        lambda ms, s, l, t, p: ms * (t * l + p * l * l) / (t * s + p * s * s),
+    ),
+    (
+        "Off by one: each query also reads its own key, so a pass over T tokens has T(T+1)/2 pairs, diagonal included.",
+        lambda ms, s, l, t, p: ms * (t * l + p * l * (l - 1) / 2) / (t * s + p * s * (s - 1) / 2),
+    ),
+    (
+        "Upside down: the longer pass does more work, so the time is ms_short x FLOPs(long_len) / FLOPs(short_len).",
+        lambda ms, s, l, t, p: ms * _pass_flops(s, t, p) / _pass_flops(l, t, p),
+    ),
+    (
+        "You added the FLOPs' difference as milliseconds: scale the measured time by the ratio of the two passes' "
+        "FLOPs instead.",
+        lambda ms, s, l, t, p: ms + _pass_flops(l, t, p) - _pass_flops(s, t, p),
+    ),
 ]
 
 
@@ -407,22 +507,28 @@ def check_predicted_naive_step(fn: Callable[[float, int, int, float, float], flo
         short = rng.randint(1, 64)
         cases.append((round(rng.uniform(1, 200), 3), short, short + rng.randint(1, 4000),
                        float(rng.randint(10**6, 10**9)), float(rng.randint(10**3, 10**6))))  # fmt: skip
-    diagnosis = Diagnosis(_PREDICT_STEP_MISTAKES, (
-        "A pass over T tokens costs per_token_flops x T + per_pair_flops x T(T+1)/2 FLOPs; the prediction is "
-        "ms_short times the long pass's FLOPs over the short pass's."), _close)
+    diagnosis = Diagnosis(
+        _PREDICT_STEP_MISTAKES,
+        (
+            "A pass over T tokens costs per_token_flops x T + per_pair_flops x T(T+1)/2 FLOPs; the prediction is "
+            "ms_short times the long pass's FLOPs over the short pass's."
+        ),
+        _close,
+    )
     for case_args in cases:
         ms, s, l, t, p = case_args
         case = f"predict_naive_step_ms({ms}, {s}, {l}, {t:.0f}, {p:.0f})"
         got = call_learner("predict_naive_step_ms", fn, *case_args)
         if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
-            raise ExerciseError(f"{case} should return a finite number of milliseconds, got {describe(got)}",
-                                case=case)  # fmt: skip
+            raise ExerciseError(f"{case} should return a finite number of milliseconds, got {describe(got)}", case=case)
         want = _predicted_naive_step_ms(*case_args)
         if not _close(got, want):
             diagnosis.record(case, case_args, got, want)
     diagnosis.raise_if_wrong()
-    return passed("time in proportion to the FLOPs, attention's T(T+1)/2 pairs included; it leaves out the "
-                  "fixed read of every weight, which a short pass pays as much as a long one.")
+    return passed(
+        "time in proportion to the FLOPs, attention's T(T+1)/2 pairs included; it leaves out the "
+        "fixed read of every weight, which a short pass pays as much as a long one."
+    )
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

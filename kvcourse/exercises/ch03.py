@@ -34,22 +34,29 @@ from ._core import (
     wrap_checks,
 )
 
-__all__ = ["check_bytes_per_token", "check_bytes_per_rank", "check_quantized_bytes", "check_max_sequences",
-           "check_max_context"]
+__all__ = [
+    "check_bytes_per_token",
+    "check_bytes_per_rank",
+    "check_quantized_bytes",
+    "check_max_sequences",
+    "check_max_context",
+]
 
 # The package's own calculator: a learner's function must not call it.
 _REFERENCES = {name: getattr(memory, name) for name in ("kv_bytes_per_token", "kv_cache_bytes", "kv_layout")}
 # The fit exercise's answer is kvcourse's max_concurrent_sequences, which takes its budget from kv_budget_bytes and
 # the weights from weight_bytes: all three are what the learner is asked to count.
-_FIT_REFERENCES = {name: getattr(memory, name) for name in ("max_concurrent_sequences", "kv_budget_bytes",
-                                                             "weight_bytes")}
+_FIT_REFERENCES = {
+    name: getattr(memory, name) for name in ("max_concurrent_sequences", "kv_budget_bytes", "weight_bytes")
+}
 
 
 def _number(case: str, got: Any, what: str) -> float:
     """``got`` as a number, or an ExerciseError saying a number was expected."""
     if isinstance(got, bool) or not isinstance(got, (int, float)):
-        raise ExerciseError(f"{case} should return a number ({what}), got {type(got).__name__}: {describe(got)}",
-                            case=case)
+        raise ExerciseError(
+            f"{case} should return a number ({what}), got {type(got).__name__}: {describe(got)}", case=case
+        )
     return got
 
 
@@ -65,19 +72,24 @@ def _call_on_config(name: str, fn: Callable, config: dict, *args) -> Any:
         cause = exc.__cause__
         if isinstance(cause, KeyError) and cause.args and cause.args[0] in _OPTIONAL_KEYS:
             key = cause.args[0]
-            fail(f"{name}({describe(config)}, {', '.join(map(repr, args))})", expected="a number",
-                 got=f"KeyError: {key!r}", hint=_OPTIONAL_KEYS[key])
+            fail(
+                f"{name}({describe(config)}, {', '.join(map(repr, args))})",
+                expected="a number",
+                got=f"KeyError: {key!r}",
+                hint=_OPTIONAL_KEYS[key],
+            )
         raise
 
 
 _OPTIONAL_KEYS = {
     "num_key_value_heads": "num_key_value_heads is optional: a config without it is multi-head attention, where "
-                           "every query head has its own K/V head (num_key_value_heads = num_attention_heads).",
+    "every query head has its own K/V head (num_key_value_heads = num_attention_heads).",
     "head_dim": "head_dim is optional: without it a head is hidden_size // num_attention_heads wide.",
 }
 
 
 # --- Exercise 1: bytes per token from a config ---------------------------------------------------
+
 
 def _head_dim(cfg: dict) -> int:
     return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -87,8 +99,9 @@ def _kv_heads(cfg: dict) -> int:
     return cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
 
 
-def _per_token(cfg: dict, nbytes: float, *, kv: int = 2, heads: int | None = None, head_dim: int | None = None,
-               layers: bool = True) -> float:
+def _per_token(
+    cfg: dict, nbytes: float, *, kv: int = 2, heads: int | None = None, head_dim: int | None = None, layers: bool = True
+) -> float:
     heads = _kv_heads(cfg) if heads is None else heads
     head_dim = _head_dim(cfg) if head_dim is None else head_dim
     return kv * (cfg["num_hidden_layers"] if layers else 1) * heads * head_dim * nbytes
@@ -123,19 +136,33 @@ def check_bytes_per_token(fn: Callable[[dict, int], float], seed: int = 0) -> Ch
     if not callable(fn):
         raise ExerciseError(f"pass your function fn(config, bytes_per_value), got {type(fn).__name__}")
     refuse_references(fn, _REFERENCES, "compute the bytes from the config yourself.")
-    diagnosis = Diagnosis([
-        ("Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
-         lambda c, b: _per_token(c, b, kv=1)),
-        ("Only the num_key_value_heads KV heads are cached, not the query heads (grouped-query attention).",
-         lambda c, b: _per_token(c, b, heads=c["num_attention_heads"])),
-        ("Use config['head_dim'] when it is there: a head need not be hidden_size / num_attention_heads wide "
-         "(Gemma-2-9B: 16 heads of 256 with hidden_size 3584).",
-         lambda c, b: _per_token(c, b, head_dim=c["hidden_size"] // c["num_attention_heads"])),
-        ("Multiply by bytes_per_value: the answer must change with the dtype (4 bytes in fp32, 2 in bf16, 1 in fp8).",
-         lambda c, b: _per_token(c, 2)),
-        ("Every layer caches its own K and V: multiply by num_hidden_layers.",
-         lambda c, b: _per_token(c, b, layers=False)),
-    ], "2 (K and V) x layers x KV heads x head_dim x bytes per value.", _same)
+    diagnosis = Diagnosis(
+        [
+            (
+                "Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
+                lambda c, b: _per_token(c, b, kv=1),
+            ),
+            (
+                "Only the num_key_value_heads KV heads are cached, not the query heads (grouped-query attention).",
+                lambda c, b: _per_token(c, b, heads=c["num_attention_heads"]),
+            ),
+            (
+                "Use config['head_dim'] when it is there: a head need not be hidden_size / num_attention_heads wide "
+                "(Gemma-2-9B: 16 heads of 256 with hidden_size 3584).",
+                lambda c, b: _per_token(c, b, head_dim=c["hidden_size"] // c["num_attention_heads"]),
+            ),
+            (
+                "Multiply by bytes_per_value: the answer must change with the dtype (4 bytes in fp32, 2 in bf16, 1 in fp8).",
+                lambda c, b: _per_token(c, 2),
+            ),
+            (
+                "Every layer caches its own K and V: multiply by num_hidden_layers.",
+                lambda c, b: _per_token(c, b, layers=False),
+            ),
+        ],
+        "2 (K and V) x layers x KV heads x head_dim x bytes per value.",
+        _same,
+    )
     for cfg, nbytes in _llama_style_cases(case_rng("ch03.check_bytes_per_token", seed)):
         case = f"bytes_per_token({cfg}, bytes_per_value={nbytes})"
         got = _number(case, _call_on_config("bytes_per_token", fn, cfg, nbytes), "bytes")
@@ -147,6 +174,7 @@ def check_bytes_per_token(fn: Callable[[dict, int], float], seed: int = 0) -> Ch
 
 
 # --- Exercise 2: bytes per tensor-parallel rank, GQA and MLA ------------------------------------
+
 
 def _per_rank(cfg: dict, seq_len: int, tp: int, nbytes: int, mistake: str = "") -> float:
     """Bytes of one sequence's K/V on one rank; ``mistake`` names a typical wrong answer to reproduce."""
@@ -166,28 +194,54 @@ def _per_rank(cfg: dict, seq_len: int, tp: int, nbytes: int, mistake: str = "") 
 
 
 def _tp_cases(rng) -> list[tuple[dict, int, int, int]]:
-    l31 = {k: CATALOG["llama-3.1-70b"].config[k] for k in ("num_hidden_layers", "num_attention_heads",
-                                                           "num_key_value_heads", "hidden_size")}
+    l31 = {
+        k: CATALOG["llama-3.1-70b"].config[k]
+        for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size")
+    }
     l31["head_dim"] = 128
-    ds = {k: v for k, v in CATALOG["deepseek-v3"].config.items()
-          if k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "kv_lora_rank",
-                   "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")}
+    ds = {
+        k: v
+        for k, v in CATALOG["deepseek-v3"].config.items()
+        if k
+        in (
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "hidden_size",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "qk_nope_head_dim",
+            "v_head_dim",
+        )
+    }
     cases = [(l31, 131072, 8, 2), (l31, 131072, 16, 2), (l31, 4096, 1, 2), (ds, 131072, 8, 1), (ds, 1000, 1, 2)]
     for _ in range(10):
         tp = rng.choice([1, 2, 4, 8, 16, 32])
         seq_len, nbytes = rng.randint(1, 200_000), rng.choice([1, 2, 4])
         if rng.random() < 0.35:  # a DeepSeek-style MLA config: it also states num_key_value_heads
             heads = rng.choice([32, 64, 128])
-            cfg = {"num_hidden_layers": rng.randint(20, 64), "num_attention_heads": heads, "num_key_value_heads": heads,
-                   "hidden_size": heads * 56, "kv_lora_rank": rng.choice([256, 512]), "qk_rope_head_dim": 64,
-                   "qk_nope_head_dim": 128, "v_head_dim": 128}
+            cfg = {
+                "num_hidden_layers": rng.randint(20, 64),
+                "num_attention_heads": heads,
+                "num_key_value_heads": heads,
+                "hidden_size": heads * 56,
+                "kv_lora_rank": rng.choice([256, 512]),
+                "qk_rope_head_dim": 64,
+                "qk_nope_head_dim": 128,
+                "v_head_dim": 128,
+            }
         else:
             kv = rng.choice([1, 2, 4, 8])
             heads = kv * rng.choice([2, 4, 8])
             while heads % tp:  # each rank gets a whole number of query heads
                 tp //= 2
-            cfg = {"num_hidden_layers": rng.randint(16, 96), "num_attention_heads": heads, "num_key_value_heads": kv,
-                   "head_dim": rng.choice([64, 128]), "hidden_size": heads * 128}
+            cfg = {
+                "num_hidden_layers": rng.randint(16, 96),
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv,
+                "head_dim": rng.choice([64, 128]),
+                "hidden_size": heads * 128,
+            }
         cases.append((cfg, seq_len, tp, nbytes))
     return cases
 
@@ -202,32 +256,51 @@ def check_bytes_per_rank(fn: Callable[[dict, int, int, int], float], seed: int =
     ranks; with more ranks than KV heads, each rank stores one whole head.
     """
     if not callable(fn):
-        raise ExerciseError(f"pass your function fn(config, seq_len, tp_size, bytes_per_value), got {type(fn).__name__}")
+        raise ExerciseError(
+            f"pass your function fn(config, seq_len, tp_size, bytes_per_value), got {type(fn).__name__}"
+        )
     refuse_references(fn, _REFERENCES, "compute the bytes per rank yourself.")
-    split_hint = ("Dividing by tp_size assumes tp_size KV heads to share out. With more ranks than KV heads every rank "
-                  "still stores one whole head (each head is replicated on tp_size / KV-heads ranks), and an MLA "
-                  "latent serves all heads, so every rank stores all of it.")
-    diagnosis = Diagnosis([
-        ("The MLA config also says num_key_value_heads (DeepSeek-V3: 128), but MLA caches no per-head K and V: per "
-         "token and layer it caches one latent of kv_lora_rank values and one RoPE key of qk_rope_head_dim values.",
-         lambda c, s, t, b: _per_rank(c, s, t, b, "mla_as_gqa")),
-        ("That is the cache of MLA decompressed into per-head keys and values, which is what MLA avoids storing: "
-         "cache kv_lora_rank + qk_rope_head_dim values per token and layer, once for all heads.",
-         lambda c, s, t, b: _per_rank(c, s, t, b, "mla_per_head")),
-        ("MLA caches one latent vector per token and layer, not a K and a V: no factor 2 for it.",
-         lambda c, s, t, b: _per_rank(c, s, t, b, "mla_kv")),
-        ("The MLA latent is kv_lora_rank values plus the shared RoPE key of qk_rope_head_dim values.",
-         lambda c, s, t, b: _per_rank(c, s, t, b, "mla_no_rope")),
-        (split_hint, lambda c, s, t, b: _per_rank(c, s, t, b, "split")),
-        (split_hint, lambda c, s, t, b: _per_rank(c, s, t, b, "mla_split")),
-        ("Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
-         lambda c, s, t, b: _per_rank(c, s, t, b, "no_kv")),
-        ("Only the num_key_value_heads KV heads are cached, not the query heads (grouped-query attention).",
-         lambda c, s, t, b: _per_rank(c, s, t, b, "query_heads")),
-        ("The answer is for a whole sequence: multiply by seq_len.",
-         lambda c, s, t, b: _per_rank(c, 1, t, b)),
-    ], "GQA: 2 x layers x max(1, KV heads // tp_size) x head_dim x seq_len x bytes. MLA: layers x (kv_lora_rank + "
-       "qk_rope_head_dim) x seq_len x bytes on every rank.", _same)
+    split_hint = (
+        "Dividing by tp_size assumes tp_size KV heads to share out. With more ranks than KV heads every rank "
+        "still stores one whole head (each head is replicated on tp_size / KV-heads ranks), and an MLA "
+        "latent serves all heads, so every rank stores all of it."
+    )
+    diagnosis = Diagnosis(
+        [
+            (
+                "The MLA config also says num_key_value_heads (DeepSeek-V3: 128), but MLA caches no per-head K and V: per "
+                "token and layer it caches one latent of kv_lora_rank values and one RoPE key of qk_rope_head_dim values.",
+                lambda c, s, t, b: _per_rank(c, s, t, b, "mla_as_gqa"),
+            ),
+            (
+                "That is the cache of MLA decompressed into per-head keys and values, which is what MLA avoids storing: "
+                "cache kv_lora_rank + qk_rope_head_dim values per token and layer, once for all heads.",
+                lambda c, s, t, b: _per_rank(c, s, t, b, "mla_per_head"),
+            ),
+            (
+                "MLA caches one latent vector per token and layer, not a K and a V: no factor 2 for it.",
+                lambda c, s, t, b: _per_rank(c, s, t, b, "mla_kv"),
+            ),
+            (
+                "The MLA latent is kv_lora_rank values plus the shared RoPE key of qk_rope_head_dim values.",
+                lambda c, s, t, b: _per_rank(c, s, t, b, "mla_no_rope"),
+            ),
+            (split_hint, lambda c, s, t, b: _per_rank(c, s, t, b, "split")),
+            (split_hint, lambda c, s, t, b: _per_rank(c, s, t, b, "mla_split")),
+            (
+                "Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
+                lambda c, s, t, b: _per_rank(c, s, t, b, "no_kv"),
+            ),
+            (
+                "Only the num_key_value_heads KV heads are cached, not the query heads (grouped-query attention).",
+                lambda c, s, t, b: _per_rank(c, s, t, b, "query_heads"),
+            ),
+            ("The answer is for a whole sequence: multiply by seq_len.", lambda c, s, t, b: _per_rank(c, 1, t, b)),
+        ],
+        "GQA: 2 x layers x max(1, KV heads // tp_size) x head_dim x seq_len x bytes. MLA: layers x (kv_lora_rank + "
+        "qk_rope_head_dim) x seq_len x bytes on every rank.",
+        _same,
+    )
     for cfg, seq_len, tp, nbytes in _tp_cases(case_rng("ch03.check_bytes_per_rank", seed)):
         case = f"bytes_per_rank({cfg}, seq_len={seq_len}, tp_size={tp}, bytes_per_value={nbytes})"
         got = _number(case, call_learner("bytes_per_rank", fn, dict(cfg), seq_len, tp, nbytes), "bytes")
@@ -238,11 +311,14 @@ def check_bytes_per_rank(fn: Callable[[dict, int, int, int], float], seed: int =
     ds = CATALOG["deepseek-v3"].config
     latent = ds["kv_lora_rank"] + ds["qk_rope_head_dim"]
     per_head = ds["num_attention_heads"] * (ds["qk_nope_head_dim"] + ds["qk_rope_head_dim"] + ds["v_head_dim"])
-    return passed(f"heads are whole on every rank, and MLA's latent ({latent} values per token and layer for "
-                  f"DeepSeek-V3, {per_head / latent:.0f}x fewer than per-head K and V) is on all of them.")
+    return passed(
+        f"heads are whole on every rank, and MLA's latent ({latent} values per token and layer for "
+        f"DeepSeek-V3, {per_head / latent:.0f}x fewer than per-head K and V) is on all of them."
+    )
 
 
 # --- Exercise 3: a KIVI-style quantized cache ----------------------------------------------------
+
 
 def _quantized(cfg: dict, seq_len: int, bits: int, group: int, residual: int, mistake: str = "") -> float:
     values = (1 if mistake == "no_kv" else 2) * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]
@@ -252,7 +328,7 @@ def _quantized(cfg: dict, seq_len: int, bits: int, group: int, residual: int, mi
         quantized, recent = seq_len, 0
     elif mistake == "window_twice":
         quantized = seq_len
-    per_value = (bits if mistake == "bits_as_bytes" else bits / 8)
+    per_value = bits if mistake == "bits_as_bytes" else bits / 8
     group_bytes = 2 if mistake == "scale_only" else 4
     groups_per_value = 1 / (cfg["head_dim"] if mistake == "per_vector" else group)
     window_bytes = 4 if mistake == "window_fp32" else 2
@@ -261,12 +337,20 @@ def _quantized(cfg: dict, seq_len: int, bits: int, group: int, residual: int, mi
 
 def _quant_cases(rng) -> list[tuple[dict, int, int, int, int]]:
     l38 = {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128}
-    cases = [(l38, 131072, 4, 32, 128), (l38, 131072, 2, 32, 128), (l38, 100, 2, 32, 128), (l38, 4096, 8, 64, 32),
-             (l38, 5000, 4, 128, 0)]
+    cases = [
+        (l38, 131072, 4, 32, 128),
+        (l38, 131072, 2, 32, 128),
+        (l38, 100, 2, 32, 128),
+        (l38, 4096, 8, 64, 32),
+        (l38, 5000, 4, 128, 0),
+    ]
     for _ in range(10):
         head_dim = rng.choice([64, 128, 256])
-        cfg = {"num_hidden_layers": rng.randint(8, 80), "num_key_value_heads": rng.choice([1, 2, 4, 8]),
-               "head_dim": head_dim}
+        cfg = {
+            "num_hidden_layers": rng.randint(8, 80),
+            "num_key_value_heads": rng.choice([1, 2, 4, 8]),
+            "head_dim": head_dim,
+        }
         group = rng.choice([g for g in (32, 64, 128) if head_dim % g == 0])
         residual = rng.choice([0, 32, 64, 128])
         seq_len = rng.choice([rng.randint(1, 2 * max(residual, 1)), rng.randint(1, 200_000)])
@@ -284,26 +368,43 @@ def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed:
     point (``group_size`` divides ``head_dim`` in every case).
     """
     if not callable(fn):
-        raise ExerciseError("pass your function fn(config, seq_len, bits, group_size, residual_len), got "
-                            f"{type(fn).__name__}")
+        raise ExerciseError(
+            f"pass your function fn(config, seq_len, bits, group_size, residual_len), got {type(fn).__name__}"
+        )
     refuse_references(fn, _REFERENCES, "count the bytes of the quantized cache yourself.")
-    diagnosis = Diagnosis([
-        ("KIVI is asymmetric: a group is stored as q with x = scale * q + zero_point, so each group keeps a scale "
-         "AND a zero point, 2 + 2 bytes in fp16. Counting the scale alone halves the overhead (for int4 in groups "
-         "of 32, a quarter of the payload, not an eighth).",
-         lambda *a: _quantized(*a, mistake="scale_only")),
-        ("The most recent residual_len tokens are not quantized: they stay in fp16 (KIVI keeps a window of recent "
-         "tokens in full precision and quantizes it once it fills).", lambda *a: _quantized(*a, mistake="no_window")),
-        ("The recent tokens in the fp16 window are not also stored quantized: only the older "
-         "seq_len - residual_len tokens are.", lambda *a: _quantized(*a, mistake="window_twice")),
-        ("bits counts bits: a value takes bits / 8 bytes.", lambda *a: _quantized(*a, mistake="bits_as_bytes")),
-        ("One scale and zero point per group of group_size values, not one per head vector of head_dim values.",
-         lambda *a: _quantized(*a, mistake="per_vector")),
-        ("The recent window is fp16: 2 bytes per value.", lambda *a: _quantized(*a, mistake="window_fp32")),
-        ("Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
-         lambda *a: _quantized(*a, mistake="no_kv")),
-    ], "Price the two kinds of token separately: which ones are not quantized yet, and what does an asymmetric "
-       "group keep beside its values?", _same)
+    diagnosis = Diagnosis(
+        [
+            (
+                "KIVI is asymmetric: a group is stored as q with x = scale * q + zero_point, so each group keeps a scale "
+                "AND a zero point, 2 + 2 bytes in fp16. Counting the scale alone halves the overhead (for int4 in groups "
+                "of 32, a quarter of the payload, not an eighth).",
+                lambda *a: _quantized(*a, mistake="scale_only"),
+            ),
+            (
+                "The most recent residual_len tokens are not quantized: they stay in fp16 (KIVI keeps a window of recent "
+                "tokens in full precision and quantizes it once it fills).",
+                lambda *a: _quantized(*a, mistake="no_window"),
+            ),
+            (
+                "The recent tokens in the fp16 window are not also stored quantized: only the older "
+                "seq_len - residual_len tokens are.",
+                lambda *a: _quantized(*a, mistake="window_twice"),
+            ),
+            ("bits counts bits: a value takes bits / 8 bytes.", lambda *a: _quantized(*a, mistake="bits_as_bytes")),
+            (
+                "One scale and zero point per group of group_size values, not one per head vector of head_dim values.",
+                lambda *a: _quantized(*a, mistake="per_vector"),
+            ),
+            ("The recent window is fp16: 2 bytes per value.", lambda *a: _quantized(*a, mistake="window_fp32")),
+            (
+                "Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
+                lambda *a: _quantized(*a, mistake="no_kv"),
+            ),
+        ],
+        "Price the two kinds of token separately: which ones are not quantized yet, and what does an asymmetric "
+        "group keep beside its values?",
+        _same,
+    )
     for cfg, seq_len, bits, group, residual in _quant_cases(case_rng("ch03.check_quantized_bytes", seed)):
         case = f"quantized_bytes({cfg}, seq_len={seq_len}, bits={bits}, group_size={group}, residual_len={residual})"
         got = _number(case, call_learner("quantized_bytes", fn, dict(cfg), seq_len, bits, group, residual), "bytes")
@@ -313,9 +414,11 @@ def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed:
     diagnosis.raise_if_wrong()
     l38 = {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128}
     ratio = _quantized(l38, 131072, 2, 32, 128) / (2 * 32 * 8 * 128 * 131072 * 2)
-    return passed(f"2-bit KIVI (groups of 32, 128 recent tokens in fp16) keeps Llama-3-8B's 128k-token cache at "
-                  f"{ratio:.1%} of its bf16 size: an eighth for the payload, half as much again for the scales and "
-                  "zero points.")
+    return passed(
+        f"2-bit KIVI (groups of 32, 128 recent tokens in fp16) keeps Llama-3-8B's 128k-token cache at "
+        f"{ratio:.1%} of its bf16 size: an eighth for the payload, half as much again for the scales and "
+        "zero points."
+    )
 
 
 # --- Exercise 4: sequences on one GPU -----------------------------------------------------------
@@ -325,8 +428,18 @@ _FIT_MODELS = ("smollm2-135m", "llama-2-7b", "llama-2-70b", "llama-3-8b", "llama
 _FIT_CHAPTER = ("qwen2.5-7b", 32768, 80 * GB, 2, 1, 0.9)  # the chapter's question: bf16 weights, fp8 cache, 80 GB
 
 
-def _fit_ratio(c: dict, num_parameters: int, seq_len: int, gpu_bytes: float, weight_bytes: float, kv_bytes: float,
-               utilization: float, *, kv: int = 2, on_what_is_left: bool = False) -> float:
+def _fit_ratio(
+    c: dict,
+    num_parameters: int,
+    seq_len: int,
+    gpu_bytes: float,
+    weight_bytes: float,
+    kv_bytes: float,
+    utilization: float,
+    *,
+    kv: int = 2,
+    on_what_is_left: bool = False,
+) -> float:
     """The budget over one sequence's cache (keywords: the typical mistakes)."""
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     per_seq = kv * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * seq_len * kv_bytes
@@ -342,17 +455,29 @@ def _fit(*args, rounding=math.floor, clamp: bool = True, **mistake) -> int:
 
 
 _FIT_MISTAKES = [
-    ("The weights and the cache have their own dtypes: weight_bytes_per_value for the parameters, kv_bytes_per_value "
-     "for K and V.", lambda c, p, s, g, w, k, u: _fit(c, p, s, g, k, k, u)),
-    ("The cache's values take kv_bytes_per_value bytes each (fp8: 1), not the weights' weight_bytes_per_value.",
-     lambda c, p, s, g, w, k, u: _fit(c, p, s, g, w, w, u)),
-    ("The engine may use `utilization` of the whole GPU, and the weights come out of that share: budget = "
-     "utilization x gpu_bytes - weight bytes.", lambda *a: _fit(*a, on_what_is_left=True)),
+    (
+        "The weights and the cache have their own dtypes: weight_bytes_per_value for the parameters, kv_bytes_per_value "
+        "for K and V.",
+        lambda c, p, s, g, w, k, u: _fit(c, p, s, g, k, k, u),
+    ),
+    (
+        "The cache's values take kv_bytes_per_value bytes each (fp8: 1), not the weights' weight_bytes_per_value.",
+        lambda c, p, s, g, w, k, u: _fit(c, p, s, g, w, w, u),
+    ),
+    (
+        "The engine may use `utilization` of the whole GPU, and the weights come out of that share: budget = "
+        "utilization x gpu_bytes - weight bytes.",
+        lambda *a: _fit(*a, on_what_is_left=True),
+    ),
     ("Round down: a sequence that does not fit whole does not run.", lambda *a: _fit(*a, rounding=math.ceil)),
-    ("Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
-     lambda *a: _fit(*a, kv=1)),
-    ("When the weights alone take more than the budget, no sequence fits: 0, not a negative count.",
-     lambda *a: _fit(*a, clamp=False)),
+    (
+        "Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
+        lambda *a: _fit(*a, kv=1),
+    ),
+    (
+        "When the weights alone take more than the budget, no sequence fits: 0, not a negative count.",
+        lambda *a: _fit(*a, clamp=False),
+    ),
 ]
 
 
@@ -381,38 +506,62 @@ def check_max_sequences(fn: Callable[..., int], seed: int = 0) -> CheckResult:
     use the fraction ``utilization`` (vLLM's ``gpu_memory_utilization``) for the weights and the cache together.
     ``config`` and ``num_parameters`` are a :data:`~kvcourse.memory.CATALOG` entry's."""
     if not callable(fn):
-        raise ExerciseError("pass your function fn(config, num_parameters, seq_len, gpu_bytes, weight_bytes_per_value, "
-                            f"kv_bytes_per_value, utilization), got {type(fn).__name__}")  # fmt: skip
-    refuse_references(fn, {**_REFERENCES, **_FIT_REFERENCES}, "count the bytes yourself (your bytes_per_token may help).")
+        raise ExerciseError(
+            "pass your function fn(config, num_parameters, seq_len, gpu_bytes, weight_bytes_per_value, "
+            f"kv_bytes_per_value, utilization), got {type(fn).__name__}"
+        )
+    refuse_references(
+        fn, {**_REFERENCES, **_FIT_REFERENCES}, "count the bytes yourself (your bytes_per_token may help)."
+    )
     cases = _fit_cases(case_rng("ch03.check_max_sequences", seed))
     wants = [_fit(*_fit_args(*case)) for case in cases]  # computed before the learner's code runs
-    diagnosis = Diagnosis(_FIT_MISTAKES, "Budget = utilization x gpu_bytes - weight bytes; divide by one sequence's "
-                          "cache and round down.", lambda got, wrong: got == wrong)  # fmt: skip
+    diagnosis = Diagnosis(
+        _FIT_MISTAKES,
+        "Budget = utilization x gpu_bytes - weight bytes; divide by one sequence's cache and round down.",
+        lambda got, wrong: got == wrong,
+    )
     for (name, *rest), want in zip(cases, wants):
         seq_len, gpu_bytes, w, k, u = rest
-        case = (f"max_sequences(CATALOG[{name!r}].config, {CATALOG[name].num_parameters:_}, seq_len={seq_len}, "
-                f"gpu_bytes={gpu_bytes / GB:g}e9, weight_bytes_per_value={w}, kv_bytes_per_value={k}, utilization={u})")
+        case = (
+            f"max_sequences(CATALOG[{name!r}].config, {CATALOG[name].num_parameters:_}, seq_len={seq_len}, "
+            f"gpu_bytes={gpu_bytes / GB:g}e9, weight_bytes_per_value={w}, kv_bytes_per_value={k}, utilization={u})"
+        )
         args = _fit_args(name, *rest)
         got = call_learner("max_sequences", fn, *args)
         if isinstance(got, float) and got.is_integer():
             got = int(got)
         if isinstance(got, bool) or not isinstance(got, int):
-            raise ExerciseError(f"{case} should return an int (a number of sequences), got {type(got).__name__}: "
-                                f"{describe(got)}", case=case)  # fmt: skip
+            raise ExerciseError(
+                f"{case} should return an int (a number of sequences), got {type(got).__name__}: {describe(got)}",
+                case=case,
+            )
         if got != want:
             diagnosis.record(case, args, got, want)
     diagnosis.raise_if_wrong()
     n = _fit(*_fit_args(*_FIT_CHAPTER))
     per_seq = kv_cache_bytes(_FIT_CHAPTER[0], _FIT_CHAPTER[1], dtype="fp8")
-    return passed(f"the chapter's question: {n} sequences of 32k tokens fit on 80 GB, each holding "
-                  f"{per_seq / 2**30:.3f} GiB of fp8 K/V.")
+    return passed(
+        f"the chapter's question: {n} sequences of 32k tokens fit on 80 GB, each holding "
+        f"{per_seq / 2**30:.3f} GiB of fp8 K/V."
+    )
 
 
 # --- Exercise 5: the longest context for n users --------------------------------------------------
 
-def _context(c: dict, num_parameters: int, num_sequences: int, gpu_bytes: float, weight_bytes: float,
-             kv_bytes: float, utilization: float, *, rounding=math.floor, per: int | None = None,
-             **mistake) -> int:
+
+def _context(
+    c: dict,
+    num_parameters: int,
+    num_sequences: int,
+    gpu_bytes: float,
+    weight_bytes: float,
+    kv_bytes: float,
+    utilization: float,
+    *,
+    rounding=math.floor,
+    per: int | None = None,
+    **mistake,
+) -> int:
     """Tokens each of ``num_sequences`` sequences can hold: the budget over their bytes per token, rounded down
     (keywords: the typical mistakes; ``per`` replaces the number of sequences sharing the budget)."""
     tokens = _fit_ratio(c, num_parameters, 1, gpu_bytes, weight_bytes, kv_bytes, utilization, **mistake)
@@ -420,17 +569,30 @@ def _context(c: dict, num_parameters: int, num_sequences: int, gpu_bytes: float,
 
 
 _CONTEXT_MISTAKES = [
-    ("The budget is shared: num_sequences sequences each hold the context, so divide by num_sequences x the bytes "
-     "of one token.", lambda c, p, n, g, w, k, u: _context(c, p, n, g, w, k, u, per=1)),
-    ("The weights and the cache have their own dtypes: weight_bytes_per_value for the parameters, kv_bytes_per_value "
-     "for K and V.", lambda c, p, n, g, w, k, u: _context(c, p, n, g, k, k, u)),
-    ("The engine may use `utilization` of the whole GPU, and the weights come out of that share: budget = "
-     "utilization x gpu_bytes - weight bytes.", lambda *a: _context(*a, on_what_is_left=True)),
-    ("Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
-     lambda *a: _context(*a, kv=1)),
+    (
+        "The budget is shared: num_sequences sequences each hold the context, so divide by num_sequences x the bytes "
+        "of one token.",
+        lambda c, p, n, g, w, k, u: _context(c, p, n, g, w, k, u, per=1),
+    ),
+    (
+        "The weights and the cache have their own dtypes: weight_bytes_per_value for the parameters, kv_bytes_per_value "
+        "for K and V.",
+        lambda c, p, n, g, w, k, u: _context(c, p, n, g, k, k, u),
+    ),
+    (
+        "The engine may use `utilization` of the whole GPU, and the weights come out of that share: budget = "
+        "utilization x gpu_bytes - weight bytes.",
+        lambda *a: _context(*a, on_what_is_left=True),
+    ),
+    (
+        "Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
+        lambda *a: _context(*a, kv=1),
+    ),
     ("Round down: a context one token longer would not fit.", lambda *a: _context(*a, rounding=math.ceil)),
-    ("The weights are loaded first: subtract num_parameters x weight_bytes_per_value from the budget.",
-     lambda c, p, n, g, w, k, u: _context(c, 0, n, g, w, k, u)),
+    (
+        "The weights are loaded first: subtract num_parameters x weight_bytes_per_value from the budget.",
+        lambda c, p, n, g, w, k, u: _context(c, 0, n, g, w, k, u),
+    ),
 ]
 
 
@@ -452,30 +614,44 @@ def check_max_context(fn: Callable[..., int], seed: int = 0) -> CheckResult:
     ``gpu_bytes`` bytes, of which the engine may use ``utilization`` for the weights and the cache together; 0 if
     the weights leave nothing. The model's own context limit is left out."""
     if not callable(fn):
-        raise ExerciseError("pass your function fn(config, num_parameters, num_sequences, gpu_bytes, "
-                            f"weight_bytes_per_value, kv_bytes_per_value, utilization), got {type(fn).__name__}")
-    refuse_references(fn, {**_REFERENCES, **_FIT_REFERENCES}, "count the bytes yourself (your bytes_per_token may help).")
+        raise ExerciseError(
+            "pass your function fn(config, num_parameters, num_sequences, gpu_bytes, "
+            f"weight_bytes_per_value, kv_bytes_per_value, utilization), got {type(fn).__name__}"
+        )
+    refuse_references(
+        fn, {**_REFERENCES, **_FIT_REFERENCES}, "count the bytes yourself (your bytes_per_token may help)."
+    )
     cases = _context_cases(case_rng("ch03.check_max_context", seed))
     wants = [_context(*_fit_args(*case)) for case in cases]  # computed before the learner's code runs
-    diagnosis = Diagnosis(_CONTEXT_MISTAKES, "Budget = utilization x gpu_bytes - weight bytes; divide by "
-                          "num_sequences x one token's K/V bytes and round down.", lambda got, wrong: got == wrong)
+    diagnosis = Diagnosis(
+        _CONTEXT_MISTAKES,
+        "Budget = utilization x gpu_bytes - weight bytes; divide by "
+        "num_sequences x one token's K/V bytes and round down.",
+        lambda got, wrong: got == wrong,
+    )
     for (name, *rest), want in zip(cases, wants):
         n, gpu_bytes, w, k, u = rest
-        case = (f"max_context(CATALOG[{name!r}].config, {CATALOG[name].num_parameters:_}, num_sequences={n}, "
-                f"gpu_bytes={gpu_bytes / GB:g}e9, weight_bytes_per_value={w}, kv_bytes_per_value={k}, utilization={u})")
+        case = (
+            f"max_context(CATALOG[{name!r}].config, {CATALOG[name].num_parameters:_}, num_sequences={n}, "
+            f"gpu_bytes={gpu_bytes / GB:g}e9, weight_bytes_per_value={w}, kv_bytes_per_value={k}, utilization={u})"
+        )
         args = _fit_args(name, *rest)
         got = call_learner("max_context", fn, *args)
         if isinstance(got, float) and got.is_integer():
             got = int(got)
         if isinstance(got, bool) or not isinstance(got, int):
-            raise ExerciseError(f"{case} should return an int (a number of tokens), got {type(got).__name__}: "
-                                f"{describe(got)}", case=case)  # fmt: skip
+            raise ExerciseError(
+                f"{case} should return an int (a number of tokens), got {type(got).__name__}: {describe(got)}",
+                case=case,
+            )
         if got != want:
             diagnosis.record(case, args, got, want)
     diagnosis.raise_if_wrong()
     tokens = _context(*_fit_args("llama-3-8b", 64, 80 * GB, 2, 2, 0.9))
-    return passed(f"the chapter's question: 64 Llama-3-8B users on 80 GB in bf16 can each hold {tokens:,} tokens, "
-                  "just under 7k: the 8k of the fit section leaves room for 52.")
+    return passed(
+        f"the chapter's question: 64 Llama-3-8B users on 80 GB in bf16 can each hold {tokens:,} tokens, "
+        "just under 7k: the 8k of the fit section leaves room for 52."
+    )
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -82,8 +82,8 @@ def _slots_or_raise(tables, seq_lens, query_lens, block_size, mistake: str) -> l
 
 def _step_cases(rng) -> list[tuple[list[list[int]], list[int], list[int], int]]:
     fixed = [
-        ([[7, 2, 9]], [12], [12], 4),            # one prompt, three blocks
-        ([[7, 2, 9]], [10], [1], 4),             # one decode step
+        ([[7, 2, 9]], [12], [12], 4),  # one prompt, three blocks
+        ([[7, 2, 9]], [10], [1], 4),  # one decode step
         ([[3, 0, 2], [5], [1, 4]], [17, 4, 9], [1, 4, 3], 8),  # decode, prefill, chunk
     ]
     cases = list(fixed)
@@ -106,19 +106,28 @@ def _as_int_list(case: str, got: Any, length: int) -> list[int]:
     try:
         values = [int(x) for x in (got.tolist() if hasattr(got, "tolist") else got)]
     except (TypeError, ValueError):
-        raise ExerciseError(f"{case} should return a list of ints (one slot per new token), got "
-                            f"{type(got).__name__}: {describe(got)}", case=case) from None
-    if any(isinstance(x, float) and not float(x).is_integer() for x in (got.tolist() if hasattr(got, "tolist") else got)):
+        raise ExerciseError(
+            f"{case} should return a list of ints (one slot per new token), got {type(got).__name__}: {describe(got)}",
+            case=case,
+        ) from None
+    if any(
+        isinstance(x, float) and not float(x).is_integer() for x in (got.tolist() if hasattr(got, "tolist") else got)
+    ):
         raise ExerciseError(f"{case} should return whole slot numbers, got {describe(got)}", case=case)
     if len(values) != length:
-        hint = ("One slot per NEW token: query_lens[b] of them for sequence b, not seq_lens[b] (the cached tokens "
-                "already have their slots)." if length < len(values) else
-                "One slot per new token of every sequence, all sequences one after another.")
+        hint = (
+            "One slot per NEW token: query_lens[b] of them for sequence b, not seq_lens[b] (the cached tokens "
+            "already have their slots)."
+            if length < len(values)
+            else "One slot per new token of every sequence, all sequences one after another."
+        )
         fail(case, expected=f"{length} slots", got=f"{len(values)} slots", hint=hint)
     return values
 
 
-def check_slot_mapping(fn: Callable[[list[list[int]], list[int], list[int], int], list[int]], seed: int = 0) -> CheckResult:
+def check_slot_mapping(
+    fn: Callable[[list[list[int]], list[int], list[int], int], list[int]], seed: int = 0
+) -> CheckResult:
     """``fn(block_tables, seq_lens, query_lens, block_size)`` -> the pool slot of every new token of a step.
 
     Sequence ``b`` has block table ``block_tables[b]``, holds ``seq_lens[b]`` tokens after this step, and
@@ -127,31 +136,53 @@ def check_slot_mapping(fn: Callable[[list[list[int]], list[int], list[int], int]
     viewed as one flat array of ``num_blocks * block_size`` slots.
     """
     if not callable(fn):
-        raise ExerciseError(f"pass your function fn(block_tables, seq_lens, query_lens, block_size), got "
-                            f"{type(fn).__name__}")
-    refuse_references(fn, {"slot_mapping": _batch.slot_mapping, "ForwardBatch": _batch.ForwardBatch,
-                           "SeqSlice": _batch.SeqSlice}, "write the slot mapping yourself.")
-    diagnosis = Diagnosis([
-        ("The new tokens come after the cached ones: sequence b's new tokens sit at positions seq_lens[b] - "
-         "query_lens[b] .. seq_lens[b] - 1, not from 0.", lambda *a: _slots(*a, mistake="from_zero")),
-        ("Off by one: seq_lens[b] is the length AFTER this step, so the new tokens end at position seq_lens[b] - 1.",
-         lambda *a: _slots(*a, mistake="after_end")),
-        ("Off by one: the first new token is at position seq_lens[b] - query_lens[b] (a prefill starts at 0).",
-         lambda *a: _slots(*a, mistake="one_late")),
-        ("That is the slot of a contiguous cache: look the logical block pos // block_size up in the sequence's "
-         "block table first.", lambda *a: _slots(*a, mistake="contiguous")),
-        ("A block id counts blocks, not slots: multiply it by block_size, then add the offset pos % block_size.",
-         lambda *a: _slots(*a, mistake="block_not_scaled")),
-        ("Add the offset inside the block, pos % block_size.", lambda *a: _slots(*a, mistake="no_offset")),
-        ("Each sequence has its own block table: use block_tables[b] for sequence b.",
-         lambda *a: _slots(*a, mistake="first_table")),
-    ], "Position pos of sequence b lives at block_tables[b][pos // block_size] * block_size + pos % block_size.",
-        lambda a, w: a == w)
+        raise ExerciseError(
+            f"pass your function fn(block_tables, seq_lens, query_lens, block_size), got {type(fn).__name__}"
+        )
+    refuse_references(
+        fn,
+        {"slot_mapping": _batch.slot_mapping, "ForwardBatch": _batch.ForwardBatch, "SeqSlice": _batch.SeqSlice},
+        "write the slot mapping yourself.",
+    )
+    diagnosis = Diagnosis(
+        [
+            (
+                "The new tokens come after the cached ones: sequence b's new tokens sit at positions seq_lens[b] - "
+                "query_lens[b] .. seq_lens[b] - 1, not from 0.",
+                lambda *a: _slots(*a, mistake="from_zero"),
+            ),
+            (
+                "Off by one: seq_lens[b] is the length AFTER this step, so the new tokens end at position seq_lens[b] - 1.",
+                lambda *a: _slots(*a, mistake="after_end"),
+            ),
+            (
+                "Off by one: the first new token is at position seq_lens[b] - query_lens[b] (a prefill starts at 0).",
+                lambda *a: _slots(*a, mistake="one_late"),
+            ),
+            (
+                "That is the slot of a contiguous cache: look the logical block pos // block_size up in the sequence's "
+                "block table first.",
+                lambda *a: _slots(*a, mistake="contiguous"),
+            ),
+            (
+                "A block id counts blocks, not slots: multiply it by block_size, then add the offset pos % block_size.",
+                lambda *a: _slots(*a, mistake="block_not_scaled"),
+            ),
+            ("Add the offset inside the block, pos % block_size.", lambda *a: _slots(*a, mistake="no_offset")),
+            (
+                "Each sequence has its own block table: use block_tables[b] for sequence b.",
+                lambda *a: _slots(*a, mistake="first_table"),
+            ),
+        ],
+        "Position pos of sequence b lives at block_tables[b][pos // block_size] * block_size + pos % block_size.",
+        lambda a, w: a == w,
+    )
     for tables, seq_lens, query_lens, block_size in _step_cases(case_rng("ch04.check_slot_mapping", seed)):
         case = f"slot_mapping({tables}, seq_lens={seq_lens}, query_lens={query_lens}, block_size={block_size})"
         try:
-            got = call_learner("slot_mapping", fn, [list(t) for t in tables], list(seq_lens), list(query_lens),
-                               block_size)
+            got = call_learner(
+                "slot_mapping", fn, [list(t) for t in tables], list(seq_lens), list(query_lens), block_size
+            )
             got = _as_int_list(case, got, sum(query_lens))
         except ExerciseError as exc:
             if not isinstance(exc.__cause__, IndexError):
@@ -161,11 +192,14 @@ def check_slot_mapping(fn: Callable[[list[list[int]], list[int], list[int], int]
         if got != want:
             diagnosis.record(case, (tables, seq_lens, query_lens, block_size), got, want)
     diagnosis.raise_if_wrong()
-    return passed("every new token's slot, prefills, chunks and decodes alike: vLLM builds this slot_mapping for "
-                  "each step, and the K/V write kernel stores the step's keys and values at exactly these slots.")
+    return passed(
+        "every new token's slot, prefills, chunks and decodes alike: vLLM builds this slot_mapping for "
+        "each step, and the K/V write kernel stores the step's keys and values at exactly these slots."
+    )
 
 
 # --- Exercise 2 (bug hunt): a block allocator with fork and copy-on-write -----------------------
+
 
 def _copy_pair(cow: Any) -> tuple[int, int] | None:
     """``(src, dst)`` from a learner's copy-on-write report: a pair, or an object with src_block / dst_block."""
@@ -177,8 +211,9 @@ def _copy_pair(cow: Any) -> tuple[int, int] | None:
         src, dst = cow
         return int(src), int(dst)
     except (TypeError, ValueError):
-        raise ExerciseError(f"append_slot should return None or the copy (src_block, dst_block), got {describe(cow)}") \
-            from None
+        raise ExerciseError(
+            f"append_slot should return None or the copy (src_block, dst_block), got {describe(cow)}"
+        ) from None
 
 
 def _free_count(manager: Any, name: str) -> int:
@@ -222,26 +257,28 @@ def _operations(rng, num_blocks: int, block_size: int, steps: int) -> list[tuple
     return ops
 
 
-_SHARED_FREED = ("A block went back to the free list while another sequence still holds it: fork must add the child "
-                 "as an owner of every block it shares (raise the reference counts), and free must return a block "
-                 "only when its reference count drops to 0.")
+_SHARED_FREED = (
+    "A block went back to the free list while another sequence still holds it: fork must add the child "
+    "as an owner of every block it shares (raise the reference counts), and free must return a block "
+    "only when its reference count drops to 0."
+)
 _HINTS = {
     "allocate": "allocate(seq, num_tokens) takes ceil(num_tokens / block_size) blocks: a partly filled last block is "
-                "a whole block, an exact multiple needs no extra one, and 0 tokens need none.",
+    "a whole block, an exact multiple needs no extra one, and 0 tokens need none.",
     "new_block": "append_slot needs a new block exactly when the last one is full (num_tokens % block_size == 0, "
-                 "which includes a sequence with no block yet), and only then.",
+    "which includes a sequence with no block yet), and only then.",
     "no_copy": "This sequence writes into a partly filled block that another sequence also holds: copy it first "
-               "(copy-on-write), point this table at the copy and report (src_block, dst_block).",
+    "(copy-on-write), point this table at the copy and report (src_block, dst_block).",
     "copy_full": "The last block is full, so the new token goes into a NEW block: a full block is never written again "
-                 "and stays shared without a copy.",
+    "and stays shared without a copy.",
     "copy_unshared": "This sequence is the block's only owner now (the others copied it away already, or never held "
-                     "it), yet it copied: copy only while another table still holds the block (reference count "
-                     "above 1). Does a copy-on-write drop this sequence's own reference to the source block?",
+    "it), yet it copied: copy only while another table still holds the block (reference count "
+    "above 1). Does a copy-on-write drop this sequence's own reference to the source block?",
     "leak": "After every sequence is freed, some blocks never came back to the free list: a leak. A block's owner "
-            "count must drop whenever a table stops holding it, in free and in copy-on-write.",
+    "count must drop whenever a table stops holding it, in free and in copy-on-write.",
     "data": "The free-block counts are right, but a sequence no longer reads its own tokens back through its table: "
-            "two sequences wrote into one block. After a copy-on-write the sequence's table must point at the copy "
-            "(dst_block), and the report must name the block to copy from and the one to copy to.",
+    "two sequences wrote into one block. After a copy-on-write the sequence's table must point at the copy "
+    "(dst_block), and the report must name the block to copy from and the one to copy to.",
 }
 
 
@@ -264,7 +301,7 @@ def _run_op(manager: Any, op: tuple) -> Any:
     kind = op[0]
     method = getattr(manager, {"append": "append_slot"}.get(kind, kind), None)
     if not callable(method):
-        raise ExerciseError(f"your class has no method {({'append': 'append_slot'}.get(kind, kind))}")
+        raise ExerciseError(f"your class has no method { ({'append': 'append_slot'}.get(kind, kind)) }")
     return call_learner(f"{kind}{op[1:]}", method, *op[1:])
 
 
@@ -301,10 +338,16 @@ def check_block_manager(cls: type, seed: int = 0) -> CheckResult:
             kind = op[0]
             if kind == "append" and (want_cow is None) != (got_cow is None):
                 n = ref.num_tokens(op[1]) - 1  # tokens the sequence held before this append
-                hint = (_HINTS["no_copy"] if want_cow is not None else
-                        _HINTS["copy_full"] if n % block_size == 0 else _HINTS["copy_unshared"])
-                fail(case, expected="a copy-on-write" if want_cow else "no copy (None)",
-                     got=describe(got_cow), hint=hint)
+                hint = (
+                    _HINTS["no_copy"]
+                    if want_cow is not None
+                    else _HINTS["copy_full"]
+                    if n % block_size == 0
+                    else _HINTS["copy_unshared"]
+                )
+                fail(
+                    case, expected="a copy-on-write" if want_cow else "no copy (None)", got=describe(got_cow), hint=hint
+                )
             if got_free != want_free:
                 if kind == "allocate":
                     hint = _HINTS["allocate"]
@@ -317,8 +360,10 @@ def check_block_manager(cls: type, seed: int = 0) -> CheckResult:
                 fail(case + ": num_free_blocks", expected=want_free, got=got_free, hint=hint)
             _apply_data(op, got_cow, manager, ref, slots, tokens, block_size, case)
             done.append(op)
-    return passed("fork shares every block, copy-on-write copies only a shared, partly filled last block, and "
-                  "every block comes back when its last owner frees it.")
+    return passed(
+        "fork shares every block, copy-on-write copies only a shared, partly filled last block, and "
+        "every block comes back when its last owner frees it."
+    )
 
 
 def _show(op: tuple) -> str:
@@ -343,8 +388,13 @@ def _apply_data(op, cow, manager, ref, slots, tokens, block_size, case) -> None:
         tokens[seq].append((seq, len(tokens[seq])))
     table = _table(manager, seq, case)
     # Write the new tokens of this op (a prompt, or one appended token) through the learner's table.
-    new = range(len(tokens[seq])) if kind == "allocate" else range(len(tokens[seq]) - 1, len(tokens[seq])) \
-        if kind == "append" else range(0)
+    new = (
+        range(len(tokens[seq]))
+        if kind == "allocate"
+        else range(len(tokens[seq]) - 1, len(tokens[seq]))
+        if kind == "append"
+        else range(0)
+    )
     for pos in new:
         slots[_slot(table, pos, block_size, case)] = tokens[seq][pos]
     for other, expected in tokens.items():
@@ -352,9 +402,12 @@ def _apply_data(op, cow, manager, ref, slots, tokens, block_size, case) -> None:
         read = [slots.get(_slot(table, pos, block_size, case)) for pos in range(len(expected))]
         if read != expected:
             bad = next(p for p, (a, b) in enumerate(zip(read, expected)) if a != b)
-            fail(case + f": sequence {other} reads position {bad}", expected=f"its own token {expected[bad]}",
-                 got=f"{read[bad]} (written by sequence {read[bad][0]})" if read[bad] else "nothing written there",
-                 hint=_HINTS["data"])
+            fail(
+                case + f": sequence {other} reads position {bad}",
+                expected=f"its own token {expected[bad]}",
+                got=f"{read[bad]} (written by sequence {read[bad][0]})" if read[bad] else "nothing written there",
+                hint=_HINTS["data"],
+            )
 
 
 def _table(manager, seq, case) -> list[int]:
@@ -365,17 +418,24 @@ def _table(manager, seq, case) -> list[int]:
     try:
         return [int(b) for b in table]
     except (TypeError, ValueError):
-        raise ExerciseError(f"{case}: block_table({seq}) should be a list of block ids, got {describe(table)}") from None
+        raise ExerciseError(
+            f"{case}: block_table({seq}) should be a list of block ids, got {describe(table)}"
+        ) from None
 
 
 def _slot(table: list[int], pos: int, block_size: int, case: str) -> int:
     if pos // block_size >= len(table):
-        fail(case, expected=f"a table with a block for position {pos}", got=f"{len(table)} blocks: {table}",
-             hint=_HINTS["new_block"])
+        fail(
+            case,
+            expected=f"a table with a block for position {pos}",
+            got=f"{len(table)} blocks: {table}",
+            hint=_HINTS["new_block"],
+        )
     return table[pos // block_size] * block_size + pos % block_size
 
 
 # --- Exercise 3: memory of n samples ---------------------------------------------------------------
+
 
 def _sharing_blocks(prompt_len: int, n: int, new_tokens: int, block_size: int) -> int:
     """Blocks in use after ``n`` forked samples of a ``prompt_len``-token prompt each append ``new_tokens``,
@@ -391,12 +451,16 @@ def _sharing_blocks(prompt_len: int, n: int, new_tokens: int, block_size: int) -
     return bm.num_used_blocks
 
 
-def check_parallel_sampling_blocks(blocks_with_sharing: Callable[[int, int, int, int], int], seed: int = 0) -> CheckResult:
+def check_parallel_sampling_blocks(
+    blocks_with_sharing: Callable[[int, int, int, int], int], seed: int = 0
+) -> CheckResult:
     """``blocks_with_sharing(prompt_len, n, new_tokens, block_size)`` (``new_tokens >= 1``): blocks in use
     once ``n`` samples forked from one prefilled prompt have each appended ``new_tokens`` tokens."""
     if not callable(blocks_with_sharing):
-        raise ExerciseError(f"pass your function blocks_with_sharing(prompt_len, n, new_tokens, block_size), got "
-                            f"{type(blocks_with_sharing).__name__}")
+        raise ExerciseError(
+            f"pass your function blocks_with_sharing(prompt_len, n, new_tokens, block_size), got "
+            f"{type(blocks_with_sharing).__name__}"
+        )
     refuse_references(blocks_with_sharing, {"BlockManager": BlockManager}, "write it as a formula.")
     rng = case_rng("ch04.check_parallel_sampling_blocks", seed)
     cases = [(300, 4, 64, 16), (32, 4, 10, 16), (33, 4, 10, 16), (300, 1, 64, 16), (5, 3, 1, 16), (17, 2, 15, 16)]
@@ -407,34 +471,53 @@ def check_parallel_sampling_blocks(blocks_with_sharing: Callable[[int, int, int,
     def full(p, b):
         return p // b
 
-    diagnosis = Diagnosis([
-        ("After fork the prompt's full blocks are stored once, whatever n is: count them once, not per sample.",
-         lambda p, n, t, b: n * _ceil_div(p + t, b)),
-        ("The prompt's last block is partly filled and shared: each sample writing into it gets a copy "
-         "(copy-on-write), except the last owner, which writes in place. Only FULL prompt blocks stay shared.",
-         lambda p, n, t, b: _ceil_div(p, b) + n * (_ceil_div(p + t, b) - _ceil_div(p, b))),
-        ("The last sample to write into the shared partial block owns it alone by then and writes in place: "
-         "n - 1 copies, not n.", lambda p, n, t, b: full(p, b) + n * (_ceil_div(p + t, b) - full(p, b)) + (p % b > 0)),
-        ("Off by one: a sample of p + new_tokens tokens occupies ceil((p + new_tokens) / block_size) blocks; round up.",
-         lambda p, n, t, b: full(p, b) + n * ((p + t) // b - full(p, b))),
-        ("All n sequences are samples, the one forked from included: n of them own their own blocks.",
-         lambda p, n, t, b: full(p, b) + (n - 1) * (_ceil_div(p + t, b) - full(p, b))),
-    ], "Count the full prompt blocks once, then each of the n samples' own blocks.", lambda a, w: a == w)
+    diagnosis = Diagnosis(
+        [
+            (
+                "After fork the prompt's full blocks are stored once, whatever n is: count them once, not per sample.",
+                lambda p, n, t, b: n * _ceil_div(p + t, b),
+            ),
+            (
+                "The prompt's last block is partly filled and shared: each sample writing into it gets a copy "
+                "(copy-on-write), except the last owner, which writes in place. Only FULL prompt blocks stay shared.",
+                lambda p, n, t, b: _ceil_div(p, b) + n * (_ceil_div(p + t, b) - _ceil_div(p, b)),
+            ),
+            (
+                "The last sample to write into the shared partial block owns it alone by then and writes in place: "
+                "n - 1 copies, not n.",
+                lambda p, n, t, b: full(p, b) + n * (_ceil_div(p + t, b) - full(p, b)) + (p % b > 0),
+            ),
+            (
+                "Off by one: a sample of p + new_tokens tokens occupies ceil((p + new_tokens) / block_size) blocks; round up.",
+                lambda p, n, t, b: full(p, b) + n * ((p + t) // b - full(p, b)),
+            ),
+            (
+                "All n sequences are samples, the one forked from included: n of them own their own blocks.",
+                lambda p, n, t, b: full(p, b) + (n - 1) * (_ceil_div(p + t, b) - full(p, b)),
+            ),
+        ],
+        "Count the full prompt blocks once, then each of the n samples' own blocks.",
+        lambda a, w: a == w,
+    )
     for args in cases:
         case = f"blocks_with_sharing{args}"
         got = call_learner("blocks_with_sharing", blocks_with_sharing, *args)
         if isinstance(got, bool) or not isinstance(got, int):
-            raise ExerciseError(f"{case} should return an int (a number of blocks), got {type(got).__name__}",
-                                case=case)
+            raise ExerciseError(
+                f"{case} should return an int (a number of blocks), got {type(got).__name__}", case=case
+            )
         want = _sharing_blocks(*args)
         if got != want:
             diagnosis.record(case, args, got, want)
     diagnosis.raise_if_wrong()
-    return passed("the full prompt blocks once, then each sample's own blocks, among them a copy of the partly "
-                  "filled prompt block for every sample but its last owner.")
+    return passed(
+        "the full prompt blocks once, then each sample's own blocks, among them a copy of the partly "
+        "filled prompt block for every sample but its last owner."
+    )
 
 
 # --- Exercise 4: the live fraction of a block size --------------------------------------------------
+
 
 def _live(lengths: list[int], block_size: int, mistake: str = "") -> float:
     """The right live fraction, or what a typical ``mistake`` gives."""
@@ -454,25 +537,43 @@ def check_live_fraction(live_fraction: Callable[[list[int], int], float], seed: 
     """``live_fraction(lengths, block_size)``: the share of the slots held by sequences of ``lengths`` tokens
     (each in whole blocks of ``block_size`` slots) that hold tokens. Compared on hidden traces."""
     if not callable(live_fraction):
-        raise ExerciseError(f"pass your function live_fraction(lengths, block_size), got {type(live_fraction).__name__}")
+        raise ExerciseError(
+            f"pass your function live_fraction(lengths, block_size), got {type(live_fraction).__name__}"
+        )
     rng = case_rng("ch04.check_live_fraction", seed)
     cases = [([16, 32], 16), ([1], 16), ([17, 15, 300], 16), ([5, 5, 5], 1), ([100], 256), ([31, 33, 64], 32)]
     for _ in range(12):
         n = rng.randint(1, 40)
         median = rng.choice([20, 80, 300, 1000])
-        cases.append(([max(1, int(rng.lognormvariate(0, 1) * median)) for _ in range(n)],
-                      rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256])))
-    diagnosis = Diagnosis([
-        ("A sequence's partly filled last block is still a whole block: round the blocks up, not down.",
-         lambda lengths, b: _live(lengths, b, "floor")),
-        ("That is the empty share: the question asks for the slots that hold tokens.",
-         lambda lengths, b: _live(lengths, b, "empty")),
-        ("The pool's fraction is all tokens over all slots; the mean of each sequence's fraction weighs a short "
-         "sequence as much as a long one.", lambda lengths, b: _live(lengths, b, "mean_of_fractions")),
-        ("(b - 1) / 2 empty slots per sequence is an average over lengths: count each sequence's own last block.",
-         lambda lengths, b: _live(lengths, b, "half_block")),
-    ], "Count the slots each sequence holds: whole blocks, enough for its tokens.",
-        lambda a, w: abs(a - w) <= 1e-9 * max(1.0, abs(w)))
+        cases.append(
+            (
+                [max(1, int(rng.lognormvariate(0, 1) * median)) for _ in range(n)],
+                rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256]),
+            )
+        )
+    diagnosis = Diagnosis(
+        [
+            (
+                "A sequence's partly filled last block is still a whole block: round the blocks up, not down.",
+                lambda lengths, b: _live(lengths, b, "floor"),
+            ),
+            (
+                "That is the empty share: the question asks for the slots that hold tokens.",
+                lambda lengths, b: _live(lengths, b, "empty"),
+            ),
+            (
+                "The pool's fraction is all tokens over all slots; the mean of each sequence's fraction weighs a short "
+                "sequence as much as a long one.",
+                lambda lengths, b: _live(lengths, b, "mean_of_fractions"),
+            ),
+            (
+                "(b - 1) / 2 empty slots per sequence is an average over lengths: count each sequence's own last block.",
+                lambda lengths, b: _live(lengths, b, "half_block"),
+            ),
+        ],
+        "Count the slots each sequence holds: whole blocks, enough for its tokens.",
+        lambda a, w: abs(a - w) <= 1e-9 * max(1.0, abs(w)),
+    )
     for lengths, block_size in cases:
         case = f"live_fraction({lengths}, block_size={block_size})"
         got = call_learner("live_fraction", live_fraction, list(lengths), block_size)
@@ -482,11 +583,14 @@ def check_live_fraction(live_fraction: Callable[[list[int], int], float], seed: 
         if abs(float(got) - want) > 1e-9 * max(1.0, abs(want)):
             diagnosis.record(case, (lengths, block_size), float(got), want)
     diagnosis.raise_if_wrong()
-    return passed("tokens over whole-block slots: each sequence wastes the empty tail of its last block, "
-                  "up to block_size - 1 slots, which weighs more the shorter the sequences.")
+    return passed(
+        "tokens over whole-block slots: each sequence wastes the empty tail of its last block, "
+        "up to block_size - 1 slots, which weighs more the shorter the sequences."
+    )
 
 
 # --- Exercise 5: predict the live share of max-length reservations ---------------------------------
+
 
 def _reservation_live(p: list[int], o: list[int], max_len: int, *, weight=lambda p, o: o, held=lambda p, o: p + (o + 1) / 2,
           ) -> float:  # fmt: skip
@@ -496,20 +600,35 @@ def _reservation_live(p: list[int], o: list[int], max_len: int, *, weight=lambda
 
 
 _RESERVATION_MISTAKES = [
-    ("Each request counted once: that is the trace's average request, not the running batch's. A request runs for "
-     "as many steps as it has output tokens, so weight it by output_len.", lambda p, o, m: _reservation_live(p, o, m,
-                                                                                              weight=lambda a, b: 1)),
-    ("That is the final length: a running request is on average halfway through its output, holding "
-     "prompt_len + (output_len + 1) / 2 tokens.", lambda p, o, m: _reservation_live(p, o, m, held=lambda a, b: a + b)),
-    ("The trace's mean final length over max_len: each request counted once, at its end. A snapshot meets "
-     "requests midway, and long ones more often.", lambda p, o, m: _reservation_live(p, o, m, weight=lambda a, b: 1,
-                                                                          held=lambda a, b: a + b)),
-    ("Half a token off: at its k-th step (k = 1 .. output_len) a request holds prompt_len + k tokens, so "
-     "prompt_len + (output_len + 1) / 2 on average.", lambda p, o, m: _reservation_live(p, o, m, held=lambda a, b: a + b / 2)),
-    ("The prompt is held from the first step to the last: add prompt_len to what the request holds.",
-     lambda p, o, m: _reservation_live(p, o, m, held=lambda a, b: (b + 1) / 2)),
-    ("A request occupies the batch for output_len steps (one token each), not prompt_len + output_len: weight by "
-     "output_len.", lambda p, o, m: _reservation_live(p, o, m, weight=lambda a, b: a + b)),
+    (
+        "Each request counted once: that is the trace's average request, not the running batch's. A request runs for "
+        "as many steps as it has output tokens, so weight it by output_len.",
+        lambda p, o, m: _reservation_live(p, o, m, weight=lambda a, b: 1),
+    ),
+    (
+        "That is the final length: a running request is on average halfway through its output, holding "
+        "prompt_len + (output_len + 1) / 2 tokens.",
+        lambda p, o, m: _reservation_live(p, o, m, held=lambda a, b: a + b),
+    ),
+    (
+        "The trace's mean final length over max_len: each request counted once, at its end. A snapshot meets "
+        "requests midway, and long ones more often.",
+        lambda p, o, m: _reservation_live(p, o, m, weight=lambda a, b: 1, held=lambda a, b: a + b),
+    ),
+    (
+        "Half a token off: at its k-th step (k = 1 .. output_len) a request holds prompt_len + k tokens, so "
+        "prompt_len + (output_len + 1) / 2 on average.",
+        lambda p, o, m: _reservation_live(p, o, m, held=lambda a, b: a + b / 2),
+    ),
+    (
+        "The prompt is held from the first step to the last: add prompt_len to what the request holds.",
+        lambda p, o, m: _reservation_live(p, o, m, held=lambda a, b: (b + 1) / 2),
+    ),
+    (
+        "A request occupies the batch for output_len steps (one token each), not prompt_len + output_len: weight by "
+        "output_len.",
+        lambda p, o, m: _reservation_live(p, o, m, weight=lambda a, b: a + b),
+    ),
 ]
 
 
@@ -519,17 +638,23 @@ def check_reservation_live(fn: Callable[[list[int], list[int], int], float], see
     Compared with :func:`kvcourse.fragmentation.reservation_live_fraction` on hidden traces."""
     if not callable(fn):
         raise ExerciseError(f"pass your function predict_reservation_live, got {type(fn).__name__}")
-    refuse_references(fn, {"reservation_live_fraction": _fragmentation.reservation_live_fraction},
-                      "weigh the requests yourself.")  # fmt: skip
+    refuse_references(
+        fn, {"reservation_live_fraction": _fragmentation.reservation_live_fraction}, "weigh the requests yourself."
+    )
     rng = case_rng("ch04.check_reservation_live", seed)
     cases = [([10], [4], 100), ([10, 10], [2, 8], 100)]
     while len(cases) < 12:
         max_len, n = rng.choice([256, 2048, 4096]), rng.randint(2, 40)
         prompts = [rng.randint(1, max_len // 4) for _ in range(n)]
         cases.append((prompts, [rng.randint(1, max_len - p) for p in prompts], max_len))
-    diagnosis = Diagnosis(_RESERVATION_MISTAKES, (
-        "Weight each request by output_len (the steps it runs) and count what it holds on average, "
-        "prompt_len + (output_len + 1) / 2, over max_len."), lambda got, wrong: math.isclose(got, wrong, rel_tol=1e-9))
+    diagnosis = Diagnosis(
+        _RESERVATION_MISTAKES,
+        (
+            "Weight each request by output_len (the steps it runs) and count what it holds on average, "
+            "prompt_len + (output_len + 1) / 2, over max_len."
+        ),
+        lambda got, wrong: math.isclose(got, wrong, rel_tol=1e-9),
+    )
     for prompts, outputs, max_len in cases:
         case = f"predict_reservation_live({prompts}, {outputs}, max_len={max_len})"
         got = call_learner("predict_reservation_live", fn, list(prompts), list(outputs), max_len)
@@ -539,8 +664,10 @@ def check_reservation_live(fn: Callable[[list[int], list[int], int], float], see
         if not math.isclose(got, want, rel_tol=1e-9):
             diagnosis.record(case, (prompts, outputs, max_len), float(got), want)
     diagnosis.raise_if_wrong()
-    return passed("a running batch is a time sample: long requests are in it longer, so weighting by output_len "
-                  "predicts the snapshot where the trace's averages do not.")
+    return passed(
+        "a running batch is a time sample: long requests are in it longer, so weighting by output_len "
+        "predicts the snapshot where the trace's averages do not."
+    )
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -64,8 +64,9 @@ __all__ = [
 
 def _expect_kernel(kernel: object, name: str) -> None:
     if not (callable(getattr(kernel, "__getitem__", None)) and hasattr(kernel, "fn")):
-        raise ExerciseError(f"pass the @triton.jit kernel {name} itself (not called, not a string), "
-                            f"got {type(kernel).__name__}")  # fmt: skip
+        raise ExerciseError(
+            f"pass the @triton.jit kernel {name} itself (not called, not a string), got {type(kernel).__name__}"
+        )
 
 
 def _launch(name: str, kernel, grid: tuple[int, ...], *args, inputs: tuple[str, ...] = (), **constexprs) -> None:
@@ -95,9 +96,12 @@ def _launch(name: str, kernel, grid: tuple[int, ...], *args, inputs: tuple[str, 
     call_learner(getattr(getattr(kernel, "fn", None), "__name__", name), run)  # the learner's own kernel name
     for arg_name, was, now in zip(inputs, before, args):
         if not torch.equal(was.isnan(), now.isnan()) or not torch.equal(was.nan_to_num(), now.nan_to_num()):
-            fail(f"{name}'s input {arg_name}", expected="left as it was (a kernel reads its inputs)",
-                 got=f"changed at {int(((was != now) & ~(was.isnan() & now.isnan())).sum())} positions",
-                 hint=f"Store only into the output: a tl.store to {arg_name} overwrites the caller's data.")  # fmt: skip
+            fail(
+                f"{name}'s input {arg_name}",
+                expected="left as it was (a kernel reads its inputs)",
+                got=f"changed at {int(((was != now) & ~(was.isnan() & now.isnan())).sum())} positions",
+                hint=f"Store only into the output: a tl.store to {arg_name} overwrites the caller's data.",
+            )
 
 
 def _same(got: torch.Tensor, want: torch.Tensor, tol: float = 1e-4) -> bool:
@@ -202,7 +206,9 @@ def check_masked_decode(kernel, seed: int = 0) -> CheckResult:
     scale = 1 / math.sqrt(MASK_D)
 
     def pad_mask(lens):  # [B, BLOCK_S, 1]: True where the slot belongs to the sequence (on the host, as the cases)
-        return (torch.arange(MASK_BLOCK_S, device="cpu")[None, :] < torch.tensor(lens, device="cpu")[:, None])[..., None]
+        return (torch.arange(MASK_BLOCK_S, device="cpu")[None, :] < torch.tensor(lens, device="cpu")[:, None])[
+            ..., None
+        ]
 
     def scores_only(q, k, v, lens):  # scores masked to -inf, V loaded whole: 0 x NaN is NaN
         s = torch.einsum("bd,bsd->bs", q.double(), torch.where(pad_mask(lens), k, 0.0).double()) * scale
@@ -237,8 +243,16 @@ def check_masked_decode(kernel, seed: int = 0) -> CheckResult:
             seq_lens = torch.tensor(lens, dtype=torch.int32, device="cpu")
             out = torch.full_like(q, float("nan"))
             args = _on_kernel_device(q, k, v, seq_lens, out)
-            _launch("masked_decode_kernel", kernel, (len(lens),), *args, scale, inputs=("Q", "K", "V", "Seq_lens"),
-                    BLOCK_S=MASK_BLOCK_S, D=MASK_D)
+            _launch(
+                "masked_decode_kernel",
+                kernel,
+                (len(lens),),
+                *args,
+                scale,
+                inputs=("Q", "K", "V", "Seq_lens"),
+                BLOCK_S=MASK_BLOCK_S,
+                D=MASK_D,
+            )
             out = on_host(args[-1])
             if not _right(out, want):
                 diagnosis.record(f"masked_decode_kernel with seq_lens {lens}, {pad} padding", (q, k, v, lens), out, want,
@@ -337,9 +351,10 @@ def _read_as(case, rows_of: Callable, head_stride: int | None = None, q: torch.T
         offsets = row[:, None, None] + heads[None, :, None] + torch.arange(d, device="cpu")  # [n, Hkv, D]
         k, v = (
             _buffer(c)[(c.storage_offset() + offsets).clamp(0, _buffer(c).numel() - 1)]
-            .repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+            .repeat_interleave(group, dim=1)
+            .transpose(0, 1)  # [Hq, n, D]
             for c in (case.k_cache, case.v_cache)
-        )  # fmt: skip
+        )
         rows.append(_attend(q[b], k, v, 1 / math.sqrt(d)))
     return torch.stack(rows)
 
@@ -356,22 +371,22 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
     rng = case_rng("ch05.check_paged_offsets", seed)
     hints = {
         "contiguous": "You read slot n as if the pool were one contiguous cache: look up the physical block "
-                      "block_tables[b, n // BLOCK_SIZE] first.",
+        "block_tables[b, n // BLOCK_SIZE] first.",
         "no_offset": "Every position of a block reads the block's first slot: add the offset (n % BLOCK_SIZE) times "
-                     "the token stride.",
+        "the token stride.",
         "unscaled": "A block id counts blocks, not tokens: multiply it by the block stride (stride_kb), not by the "
-                    "token stride.",
+        "token stride.",
         "row0": "Every sequence reads sequence 0's table: row b of Block_tables starts at b * stride_bt.",
         "packed_blocks": "Right while the pool is one packed [num_blocks, BLOCK_SIZE, Hkv, D] array, wrong here: "
-                         "block * BLOCK_SIZE * stride_kt is where a block starts only then. In a head-major pool, or "
-                         "one that keeps K and V side by side in each block, blocks are stride_kb elements apart: "
-                         "a block starts at block * stride_kb.",
+        "block * BLOCK_SIZE * stride_kt is where a block starts only then. In a head-major pool, or "
+        "one that keeps K and V side by side in each block, blocks are stride_kb elements apart: "
+        "a block starts at block * stride_kb.",
         "head_by_d": "Right while each token's KV heads are packed, wrong here: KV head h starts h * stride_kh "
-                     "elements into the token's row, not h * D (a head-major pool, or padded rows).",
+        "elements into the token's row, not h * D (a head-major pool, or padded rows).",
         "q_heads_by_d": "Right while Q and Out are packed [B, Hq, D], wrong here: query head h sits h * stride_qh "
-                        "elements into its row, not h * D (this Q's heads are padded). Step the heads of Q and Out "
-                        "by stride_qh.",
-    }  # fmt: skip
+        "elements into its row, not h * D (this Q's heads are padded). Step the heads of Q and Out "
+        "by stride_qh.",
+    }
     # How the pool and Q/Out are laid out in memory: the strides the kernel is given must be the ones it uses.
     pool_layouts = {
         "packed": None,
@@ -387,7 +402,7 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
         + tuple((rng.choice([2, 4, 8, 16]), rng.random() < 0.5) for _ in range(2)),
         ["head-major", "packed", "K and V side by side", "padded rows"] + layout_rng.sample(list(pool_layouts), 2),
         [False, False, True, True] + [layout_rng.random() < 0.5 for _ in range(2)],
-    ):  # fmt: skip
+    ):
         others = sorted((rng.randint(1, 39) for _ in range(rng.randint(1, 3))), reverse=True)
         # Sequence 0 is the longest, so even a kernel that reads row 0 for everyone stays inside the table.
         cases.append((block_size, nan, [40, *others], layout, padded))
@@ -432,30 +447,38 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
 
         return compute
 
-    diagnosis = Diagnosis([(hint, variant(name)) for name, hint in hints.items()],
-                          "The address of position n is block * stride_kb + (n % BLOCK_SIZE) * stride_kt "
-                          "+ kv_head * stride_kh, with block = Block_tables[b * stride_bt + n // BLOCK_SIZE].",
-                          _same)  # fmt: skip
+    diagnosis = Diagnosis(
+        [(hint, variant(name)) for name, hint in hints.items()],
+        "The address of position n is block * stride_kb + (n % BLOCK_SIZE) * stride_kt "
+        "+ kv_head * stride_kh, with block = Block_tables[b * stride_bt + n // BLOCK_SIZE].",
+        _same,
+    )
     for i, (block_size, nan, lens, layout, padded) in enumerate(cases):
         case = make(block_size, nan, lens, rng.randrange(2**31) + i)
         want = paged_decode_attention_ref(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
         case = lay_out(case, layout, padded)
-        args = _on_kernel_device(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
-                                 _nan_laid_out_as(case.q))  # fmt: skip
+        args = _on_kernel_device(
+            case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, _nan_laid_out_as(case.q)
+        )
         _launch("paged_decode_kernel", kernel, case.q.shape[:2], *args, 1 / math.sqrt(PAGED_D), *case.q.stride()[:2],
                 *case.k_cache.stride()[:3], case.block_tables.stride(0), GROUP=2, BLOCK_SIZE=block_size, BLOCK_N=16,
                 D=PAGED_D, inputs=("Q", "K_cache", "V_cache", "Block_tables", "Seq_lens"))  # fmt: skip
         out = on_host(args[-1])
         if not _right(out, want):
-            what = (f"blocks of {block_size}, seq_lens {lens}, unused slots holding {'NaN' if nan else 'stale numbers'}"
-                    f", pool layout {layout} (strides {case.k_cache.stride()})")
+            what = (
+                f"blocks of {block_size}, seq_lens {lens}, unused slots holding {'NaN' if nan else 'stale numbers'}"
+                f", pool layout {layout} (strides {case.k_cache.stride()})"
+            )
             what += f", Q and Out with padded heads (strides {case.q.stride()})" if padded else ""
-            diagnosis.record(f"paged_decode_kernel with {what}", (case, block_size), out, want,
-                             extra=f"; {tensor_diff(out, want)}")  # fmt: skip
+            diagnosis.record(
+                f"paged_decode_kernel with {what}", (case, block_size), out, want, extra=f"; {tensor_diff(out, want)}"
+            )
     diagnosis.raise_if_wrong()
-    return passed("position n of sequence b lives at block_tables[b, n // BLOCK_SIZE] * stride_kb + "
-                  "(n % BLOCK_SIZE) * stride_kt: the slot mapping, inside the kernel, whatever the pool's "
-                  "layout.")  # fmt: skip
+    return passed(
+        "position n of sequence b lives at block_tables[b, n // BLOCK_SIZE] * stride_kb + "
+        "(n % BLOCK_SIZE) * stride_kt: the slot mapping, inside the kernel, whatever the pool's "
+        "layout."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,8 +624,16 @@ def check_merge_splits(kernel, seed: int = 0) -> CheckResult:
         block_s = triton.next_power_of_2(num_splits)
         args = _on_kernel_device(partial, lse, torch.full((rows, MERGE_D), float("nan"), device="cpu"),
                                  torch.full((rows,), float("nan"), device="cpu"))  # fmt: skip
-        _launch("merge_splits_kernel", kernel, (rows,), *args, NUM_SPLITS=num_splits, BLOCK_S=block_s, D=MERGE_D,
-                inputs=("Partial", "Lse"))
+        _launch(
+            "merge_splits_kernel",
+            kernel,
+            (rows,),
+            *args,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=block_s,
+            D=MERGE_D,
+            inputs=("Partial", "Lse"),
+        )
         out, out_lse = on_host(args[2]), on_host(args[3])
         right = _right(out, want_out) and _right(out_lse, want_lse)
         if not right:
@@ -613,8 +644,10 @@ def check_merge_splits(kernel, seed: int = 0) -> CheckResult:
                              (partial, lse, rows, block_s), _Merged((out, out_lse)), _Merged((want_out, want_lse)),
                              extra=f"; {tensor_diff(got, want)}")  # fmt: skip
     diagnosis.raise_if_wrong()
-    return passed("each split weighs exp(lse_i - M), its share of the softmax denominator: the merge is exact, "
-                  "empty splits and all.")  # fmt: skip
+    return passed(
+        "each split weighs exp(lse_i - M), its share of the softmax denominator: the merge is exact, "
+        "empty splits and all."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -711,10 +744,12 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
         "padded rows": ((0, 1, 2, 3), 8),  # every position's D values followed by 8 unused ones
         "K and V side by side": 3,  # one [B, Hkv, S_MAX, 2, D] buffer: stride_ks = 2 * D
     }
-    cases = [(2, 16, [1, 16, 17, 47], "nan", False, "packed", False),
-             (4, 16, [33, 5, 48], "stale", True, "token-major", True),
-             (1, 8, [9, 24, 3], "nan", True, "padded rows", False),
-             (2, 8, [40, 8, 15], "stale", False, "K and V side by side", True)]  # fmt: skip
+    cases = [
+        (2, 16, [1, 16, 17, 47], "nan", False, "packed", False),
+        (4, 16, [33, 5, 48], "stale", True, "token-major", True),
+        (1, 8, [9, 24, 3], "nan", True, "padded rows", False),
+        (2, 8, [40, 8, 15], "stale", False, "K and V side by side", True),
+    ]
     cases += [(rng.choice([1, 2, 4]), rng.choice([8, 16]), [rng.randint(1, 48) for _ in range(3)],
                rng.choice(["nan", "stale"]), rng.random() < 0.5, rng.choice(list(kv_layouts)),
                rng.random() < 0.5)]  # fmt: skip
@@ -745,14 +780,17 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
         out = on_host(args[-1])
         if not _right(out, want):
             what = f"GROUP={group}, BLOCK_N={block_n}, seq_lens {lens}, {pad} padding" + (
-                ", scores rising along the sequence" if growing else "")
+                ", scores rising along the sequence" if growing else ""
+            )
             what += f", K/V layout {kv_layout} (strides {k.stride()})"
             what += f", Q and Out with padded heads (strides {q.stride()})" if padded_heads else ""
             diagnosis.record(f"tiled_decode_kernel with {what}", (q, k, v, lens, group, block_n), out, want,
                              extra=f"; {tensor_diff(out, want)}")  # fmt: skip
     diagnosis.raise_if_wrong()
-    return passed("one program per KV head reads each tile once for its whole group; the online softmax rescales "
-                  "on every new maximum, and the ragged tail is masked in the loads and in the scores.")  # fmt: skip
+    return passed(
+        "one program per KV head reads each tile once for its whole group; the online softmax rescales "
+        "on every new maximum, and the ragged tail is masked in the loads and in the scores."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -766,8 +804,9 @@ def _kv_bytes(seq_lens: list[int], num_kv_heads: int, head_dim: int, bytes_per_v
 def check_kv_bytes(fn: Callable[[list[int], int, int, int], int], seed: int = 0) -> CheckResult:
     """``fn(seq_lens, num_kv_heads, head_dim, bytes_per_value)``: bytes of K and V one layer's decode step reads."""
     if not callable(fn):
-        raise ExerciseError(f"pass your function fn(seq_lens, num_kv_heads, head_dim, bytes_per_value), "
-                            f"got {type(fn).__name__}")  # fmt: skip
+        raise ExerciseError(
+            f"pass your function fn(seq_lens, num_kv_heads, head_dim, bytes_per_value), got {type(fn).__name__}"
+        )
     rng = case_rng("ch05.check_kv_bytes", seed)
     cases = [([512], 8, 128, 2), ([100, 2000, 7], 8, 128, 2), ([4096] * 32, 8, 128, 1), ([1, 1], 3, 64, 4)]
     cases += [([rng.randint(1, 5000) for _ in range(rng.randint(2, 6))], rng.choice([1, 2, 4, 8]),
@@ -794,36 +833,64 @@ def check_kv_bytes(fn: Callable[[list[int], int, int, int], int], seed: int = 0)
     # The chapter's scenario fits on one H100 SXM (80 GB): 17.2 GB of cache and 16.1 GB of fp16 weights.
     step = 32 * _kv_bytes([4096] * 32, 8, 128, 2)
     h100 = GPU_PEAKS["H100-SXM"]
-    return passed(f"32 layers x 32 sequences x 4096 tokens of Llama-3-8B's fp16 K/V is {step / 1e9:.1f} GB a step: at "
-                  f"least {step / h100.bandwidth * 1e3:.1f} ms on an {h100.name} ({h100.bandwidth / 1e12:.2f} TB/s "
-                  f"vendor peak), whatever the kernel, before the weights are read.")  # fmt: skip
+    return passed(
+        f"32 layers x 32 sequences x 4096 tokens of Llama-3-8B's fp16 K/V is {step / 1e9:.1f} GB a step: at "
+        f"least {step / h100.bandwidth * 1e3:.1f} ms on an {h100.name} ({h100.bandwidth / 1e12:.2f} TB/s "
+        f"vendor peak), whatever the kernel, before the weights are read."
+    )
 
 
 # --- Exercise 7: the speed-up the bytes promise ----------------------------------------------------------------------
 
-def _int8_bytes_wrong(lens: list[int], hq: int, hkv: int, d: int, bs: int, *, kv_scale: float = 4,
-                      q_int8: bool = False, tables: bool = True, q_out: bool = True) -> float:
+
+def _int8_bytes_wrong(
+    lens: list[int],
+    hq: int,
+    hkv: int,
+    d: int,
+    bs: int,
+    *,
+    kv_scale: float = 4,
+    q_int8: bool = False,
+    tables: bool = True,
+    q_out: bool = True,
+) -> float:
     """fp16's bytes over int8's, counted with one typical slip."""
-    fp16 = decode_attention_bytes(lens, hq, hkv, d, kv_bytes=2, q_bytes=2 if q_out else 0,
-                                  block_size=bs if tables else None)  # fmt: skip
+    fp16 = decode_attention_bytes(
+        lens, hq, hkv, d, kv_bytes=2, q_bytes=2 if q_out else 0, block_size=bs if tables else None
+    )
     int8 = decode_attention_bytes(lens, hq, hkv, d, kv_bytes=1, q_bytes=(1 if q_int8 else 2) if q_out else 0,
                                   scale_bytes=kv_scale, block_size=bs if tables else None)  # fmt: skip
     return fp16 / int8
 
 
 _INT8_MISTAKES = [
-    ("The scales are bytes too: each token's K and V carry one fp32 scale (4 bytes) per KV head, so int8 reads "
-     "head_dim + 4 bytes where fp16 reads 2 * head_dim.", lambda *c: _int8_bytes_wrong(*c, kv_scale=0)),
-    ("Both K and V carry a scale: 4 bytes per token and KV head for K, and 4 more for V.",
-     lambda *c: _int8_bytes_wrong(*c, kv_scale=2)),
-    ("Speed-up is fp16's time over int8's: fp16's bytes divided by int8's, a number above 1.",
-     lambda *c: 1 / int8_speedup_bound(*c)),
-    ("Only the cache is int8: the query is read and the output written in fp16 by both kernels, 2 bytes a value.",
-     lambda *c: _int8_bytes_wrong(*c, q_int8=True)),
-    ("The kernels also read the fp16 query and write the fp16 output (2 bytes a value, every query head of every "
-     "sequence): at short contexts they are a large share of the bytes.", lambda *c: _int8_bytes_wrong(*c, q_out=False)),
-    ("Both kernels read the block table too: one int32 (4 bytes) per started block of each sequence.",
-     lambda *c: _int8_bytes_wrong(*c, tables=False)),
+    (
+        "The scales are bytes too: each token's K and V carry one fp32 scale (4 bytes) per KV head, so int8 reads "
+        "head_dim + 4 bytes where fp16 reads 2 * head_dim.",
+        lambda *c: _int8_bytes_wrong(*c, kv_scale=0),
+    ),
+    (
+        "Both K and V carry a scale: 4 bytes per token and KV head for K, and 4 more for V.",
+        lambda *c: _int8_bytes_wrong(*c, kv_scale=2),
+    ),
+    (
+        "Speed-up is fp16's time over int8's: fp16's bytes divided by int8's, a number above 1.",
+        lambda *c: 1 / int8_speedup_bound(*c),
+    ),
+    (
+        "Only the cache is int8: the query is read and the output written in fp16 by both kernels, 2 bytes a value.",
+        lambda *c: _int8_bytes_wrong(*c, q_int8=True),
+    ),
+    (
+        "The kernels also read the fp16 query and write the fp16 output (2 bytes a value, every query head of every "
+        "sequence): at short contexts they are a large share of the bytes.",
+        lambda *c: _int8_bytes_wrong(*c, q_out=False),
+    ),
+    (
+        "Both kernels read the block table too: one int32 (4 bytes) per started block of each sequence.",
+        lambda *c: _int8_bytes_wrong(*c, tables=False),
+    ),
 ]
 
 
@@ -836,15 +903,17 @@ def _int8_cases(rng) -> list[tuple[list[int], int, int, int, int]]:
     return cases
 
 
-def check_int8_speedup(predict_speedup: Callable[[list[int], int, int, int, int], float],
-                       seed: int = 0) -> CheckResult:
+def check_int8_speedup(predict_speedup: Callable[[list[int], int, int, int, int], float], seed: int = 0) -> CheckResult:
     """``predict_speedup(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size)``: the roofline's speed-up of the
     int8 paged decode kernel over the fp16 one, from the bytes each must move (the course's model:
     :func:`kvcourse.kernels.roofline.int8_speedup_bound`)."""
     if not callable(predict_speedup):
         raise ExerciseError(f"pass your function predict_speedup, got {type(predict_speedup).__name__}")
-    refuse_references(predict_speedup, {"int8_speedup_bound": int8_speedup_bound},
-                      "count the bytes yourself; decode_attention_bytes is allowed, the finished model is not.")  # fmt: skip
+    refuse_references(
+        predict_speedup,
+        {"int8_speedup_bound": int8_speedup_bound},
+        "count the bytes yourself; decode_attention_bytes is allowed, the finished model is not.",
+    )
     diagnosis = Diagnosis(_INT8_MISTAKES, same=lambda a, b: math.isclose(a, b, rel_tol=1e-9), default=(
         "Count each kernel's bytes: K and V of every cached token and KV head (fp16: 2 bytes a value; int8: 1 byte a "
         "value plus a 4-byte scale per token and head), the fp16 query and output, the block-table entries; divide "
@@ -860,9 +929,11 @@ def check_int8_speedup(predict_speedup: Callable[[list[int], int, int, int, int]
             diagnosis.record(case, (lens, hq, hkv, d, bs), got, want)
     diagnosis.raise_if_wrong()
     big = int8_speedup_bound([2048] * 32, 32, 8, 128, 16)
-    return passed(f"at 32 x 2,048 tokens of a Llama-3-8B layer the bytes promise int8 a {big:.2f}x speed-up, and "
-                  f"{int8_speedup_bound([1], 32, 8, 128, 16):.2f}x at one token: the roofline's bound, not a "
-                  "measurement.")  # fmt: skip
+    return passed(
+        f"at 32 x 2,048 tokens of a Llama-3-8B layer the bytes promise int8 a {big:.2f}x speed-up, and "
+        f"{int8_speedup_bound([1], 32, 8, 128, 16):.2f}x at one token: the roofline's bound, not a "
+        "measurement."
+    )
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

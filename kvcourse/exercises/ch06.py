@@ -38,7 +38,13 @@ from ._core import (
 )
 from .ch06_phases import check_schedule_running, check_schedule_waiting
 
-__all__ = ["check_chunk_size", "check_predicted_ttft", "check_schedule_running", "check_schedule_waiting", "check_victims"]
+__all__ = [
+    "check_chunk_size",
+    "check_predicted_ttft",
+    "check_schedule_running",
+    "check_schedule_waiting",
+    "check_victims",
+]
 
 
 def _same(a, b) -> bool:
@@ -56,16 +62,19 @@ def _preemptions(case: Workload, policy: Callable | None) -> tuple[list[tuple[in
     decisions do not depend on the tokens: every request makes exactly its ``max_new_tokens``).
     Returns ``([(step, request preempted), ...], tokens recomputed)``."""
     prompt_lens, max_new, num_blocks, block_size, budget = case
-    sched = Scheduler(BlockManager(num_blocks, block_size), max_num_batched_tokens=budget, watermark=0,
-                      preemption_policy=policy)  # fmt: skip
+    sched = Scheduler(
+        BlockManager(num_blocks, block_size), max_num_batched_tokens=budget, watermark=0, preemption_policy=policy
+    )
     params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
     for i, n in enumerate(prompt_lens):
         sched.add(Sequence(i, [1] * n, params))
     log, recomputed, step = [], 0, 0
     while sched.has_unfinished():
         if step == _MAX_STEPS:
-            raise ExerciseError(f"workload {case} did not finish in {_MAX_STEPS} steps: the requests keep preempting "
-                                f"each other", case=str(case))  # fmt: skip
+            raise ExerciseError(
+                f"workload {case} did not finish in {_MAX_STEPS} steps: the requests keep preempting each other",
+                case=str(case),
+            )
         out = sched.schedule()
         log += [(step, seq.seq_id) for seq in out.preempted]
         recomputed += sum(s.num_recomputed_tokens for s in out.scheduled)
@@ -81,9 +90,11 @@ def _pick_victim(candidates: list[Sequence]) -> Sequence:
 
 def _by(key, largest: bool, last_on_ties: bool) -> Callable:
     """A policy choosing by ``key`` (the first or the last of equal candidates)."""
+
     def policy(candidates):
         pool = list(reversed(candidates)) if last_on_ties else candidates
         return (max if largest else min)(pool, key=key)
+
     return policy
 
 
@@ -101,18 +112,33 @@ def _lengths(largest: bool) -> list[Callable]:
 
 
 _VICTIM_MISTAKES = [
-    ("candidates[0] is the request that asks for the block, and the oldest of them: preempting it makes the "
-     "oldest request give way to newer ones, and under steady pressure it may never finish (it starves). Keep "
-     "the arrival order: the newest running request gives way.", lambda case: _run(case, lambda c: c[0])),
-    *[("Choosing by length (the longest frees the most blocks at once) lets shorter newcomers preempt a long "
-       "request again and again, and it is the costliest to recompute. The rule is about arrival order, not size: "
-       "the newest gives way.", lambda case, f=f: _run(case, f)) for f in _lengths(largest=True)],
-    *[("Choosing the shortest, or the one that has done the least work, is not the rule: the newest request may "
-       "well have prefilled a long prompt. Preempting the newest keeps first come, first served: the oldest "
-       "request is never preempted while a newer one runs, so nobody starves.",
-       lambda case, f=f: _run(case, f))
-      for f in [*_lengths(largest=False),
-                *[_by(lambda s: s.num_computed_tokens, False, last) for last in (False, True)]]],
+    (
+        "candidates[0] is the request that asks for the block, and the oldest of them: preempting it makes the "
+        "oldest request give way to newer ones, and under steady pressure it may never finish (it starves). Keep "
+        "the arrival order: the newest running request gives way.",
+        lambda case: _run(case, lambda c: c[0]),
+    ),
+    *[
+        (
+            "Choosing by length (the longest frees the most blocks at once) lets shorter newcomers preempt a long "
+            "request again and again, and it is the costliest to recompute. The rule is about arrival order, not size: "
+            "the newest gives way.",
+            lambda case, f=f: _run(case, f),
+        )
+        for f in _lengths(largest=True)
+    ],
+    *[
+        (
+            "Choosing the shortest, or the one that has done the least work, is not the rule: the newest request may "
+            "well have prefilled a long prompt. Preempting the newest keeps first come, first served: the oldest "
+            "request is never preempted while a newer one runs, so nobody starves.",
+            lambda case, f=f: _run(case, f),
+        )
+        for f in [
+            *_lengths(largest=False),
+            *[_by(lambda s: s.num_computed_tokens, False, last) for last in (False, True)],
+        ]
+    ],
 ]
 
 
@@ -133,8 +159,6 @@ def _victim_cases(rng) -> list[Workload]:
     return cases
 
 
-
-
 _FIELDS = ("seq_id", "num_prompt_tokens", "num_tokens", "num_computed_tokens")
 
 
@@ -142,14 +166,18 @@ def _learner_policy(pick_victim: Callable) -> Callable:
     """The learner's function as the scheduler's preemption policy. It is handed each candidate as a dict of the
     Sequence's counts (plain data: the grader runs it in another process, where a Sequence cannot be lent) and
     returns one of the dicts; a crash, or anything else returned, says where."""
+
     def policy(candidates: list[Sequence]) -> Sequence:
         views = [{f: getattr(seq, f) for f in _FIELDS} for seq in candidates]
         got = call_learner("pick_victim", pick_victim, [dict(v) for v in views])  # copies: it may pop or sort them
         for seq, view in zip(candidates, views):
             if isinstance(got, dict) and got == view:
                 return seq
-        raise ExerciseError(f"pick_victim({views}) returned {describe(got)}: return one of the candidates (the dict "
-                            f"itself, not its seq_id or its position)")  # fmt: skip
+        raise ExerciseError(
+            f"pick_victim({views}) returned {describe(got)}: return one of the candidates (the dict "
+            f"itself, not its seq_id or its position)"
+        )
+
     return policy
 
 
@@ -178,14 +206,23 @@ def check_victims(pick_victim: Callable[[list[Sequence]], Sequence], model=None,
     if not callable(pick_victim):
         raise ExerciseError(f"pass your function pick_victim(candidates), got {type(pick_victim).__name__}")
     refuse_references(pick_victim, {"preempt_newest": preempt_newest}, "write the choice yourself.")
-    diagnosis = Diagnosis(_VICTIM_MISTAKES, same=_same, default=(
-        "Under vLLM's policy the newest running request gives way, whatever its size: the last of the candidates."))
+    diagnosis = Diagnosis(
+        _VICTIM_MISTAKES,
+        same=_same,
+        default=(
+            "Under vLLM's policy the newest running request gives way, whatever its size: the last of the candidates."
+        ),
+    )
     rng = case_rng("check_victims", seed)
     for case in _victim_cases(rng):
         got, want = _describe_run(*_run_trace(case, pick_victim)), _run(case, _pick_victim)
         if got != want:
-            diagnosis.record(f"preemptions in workload (prompt_lens, max_new_tokens, num_blocks, block_size, "
-                             f"budget) = {case}", (case,), got, want)
+            diagnosis.record(
+                f"preemptions in workload (prompt_lens, max_new_tokens, num_blocks, block_size, budget) = {case}",
+                (case,),
+                got,
+                want,
+            )
     diagnosis.raise_if_wrong()
 
     import kvcourse  # the real model, only once the policy is right on the traces
@@ -201,15 +238,18 @@ def check_victims(pick_victim: Callable[[list[Sequence]], Sequence], model=None,
     for i, (p, o) in enumerate(zip(prompts, outs)):
         alone = kvcourse.generate(model, p, max_new, eos_token_ids=())
         if o != alone:
-            raise ExerciseError(f"{label}: request {i}'s output differs from its solo run", case=label,
-                                expected=str(alone), got=str(o))  # fmt: skip
+            raise ExerciseError(
+                f"{label}: request {i}'s output differs from its solo run", case=label, expected=str(alone), got=str(o)
+            )
     got = ([(e.step, rid) for e in eng.events for rid, _ in e.preempted], eng.stats["recomputed_tokens"])
     want = _preemptions((tuple(map(len, prompts)), max_new, num_blocks, block_size, budget), _pick_victim)
     if got != want:
         raise ExerciseError(f"{label}: the preemptions differ from vLLM's policy", case=label,
                             expected=_describe_run(*want), got=_describe_run(*got))  # fmt: skip
-    return passed(f"in the engine on the real model: {len(want[0])} preemptions of the newest request, "
-                  f"{want[1]} tokens recomputed, every output equal to its solo run.")
+    return passed(
+        f"in the engine on the real model: {len(want[0])} preemptions of the newest request, "
+        f"{want[1]} tokens recomputed, every output equal to its solo run."
+    )
 
 
 # --- Exercise 4: a chunk size --------------------------------------------------------------------
@@ -220,14 +260,22 @@ def _chunk_size(fixed_ms: float, per_token_ms: float, num_decodes: int, tpot_ms:
 
 
 _CHUNK_MISTAKES = [
-    ("When the decodes alone miss the target, no chunk fits: return 0, not a negative number.",
-     lambda f, p, d, t: math.floor((t - f) / p) - d),
-    ("The running requests' decode tokens share the step with the chunk: subtract them.",
-     lambda f, p, d, t: max(0, math.floor((t - f) / p))),
-    ("Round down: one token more and the step misses the target.",
-     lambda f, p, d, t: max(0, math.ceil((t - f) / p) - d)),
-    ("The fixed cost is paid once per step, not per token: fixed_ms + per_token_ms * tokens.",
-     lambda f, p, d, t: max(0, math.floor(t / (f + p)) - d)),
+    (
+        "When the decodes alone miss the target, no chunk fits: return 0, not a negative number.",
+        lambda f, p, d, t: math.floor((t - f) / p) - d,
+    ),
+    (
+        "The running requests' decode tokens share the step with the chunk: subtract them.",
+        lambda f, p, d, t: max(0, math.floor((t - f) / p)),
+    ),
+    (
+        "Round down: one token more and the step misses the target.",
+        lambda f, p, d, t: max(0, math.ceil((t - f) / p) - d),
+    ),
+    (
+        "The fixed cost is paid once per step, not per token: fixed_ms + per_token_ms * tokens.",
+        lambda f, p, d, t: max(0, math.floor(t / (f + p)) - d),
+    ),
 ]
 
 
@@ -244,8 +292,11 @@ def _chunk_cases(rng) -> list[tuple[float, float, int, float]]:
 
 def check_chunk_size(chunk_size: Callable[[float, float, int, float], int], seed: int = 0) -> CheckResult:
     """``chunk_size(fixed_ms, per_token_ms, num_decodes, tpot_ms)`` -> the largest chunk (tokens, >= 0)."""
-    diagnosis = Diagnosis(_CHUNK_MISTAKES, same=_same, default=(
-        "Solve fixed_ms + per_token_ms * (num_decodes + chunk) <= tpot_ms for the largest whole chunk."))
+    diagnosis = Diagnosis(
+        _CHUNK_MISTAKES,
+        same=_same,
+        default=("Solve fixed_ms + per_token_ms * (num_decodes + chunk) <= tpot_ms for the largest whole chunk."),
+    )
     for case in _chunk_cases(case_rng("check_chunk_size", seed)):
         label = f"chunk_size{case}"
         got = call_learner("chunk_size", chunk_size, *case)
@@ -255,8 +306,10 @@ def check_chunk_size(chunk_size: Callable[[float, float, int, float], int], seed
         if got != want:
             diagnosis.record(label, case, got, want)
     diagnosis.raise_if_wrong()
-    return passed(f"with 40 ms per step plus 0.25 ms per token and 8 decodes, a 100 ms target leaves room for a "
-                  f"chunk of {_chunk_size(40.0, 0.25, 8, 100.0)} tokens.")  # fmt: skip
+    return passed(
+        f"with 40 ms per step plus 0.25 ms per token and 8 decodes, a 100 ms target leaves room for a "
+        f"chunk of {_chunk_size(40.0, 0.25, 8, 100.0)} tokens."
+    )
 
 
 # --- Exercise 5: predict a long prompt's first token ---------------------------------------------
@@ -264,12 +317,16 @@ def check_chunk_size(chunk_size: Callable[[float, float, int, float], int], seed
 PredictCase = tuple[int, int, int, float, float]
 
 
-def _predicted_ttft(prompt_len: int, num_decodes: int, budget: int, fixed_ms: float,
-                    per_token_ms: float) -> tuple[int, float]:
+def _predicted_ttft(
+    prompt_len: int, num_decodes: int, budget: int, fixed_ms: float, per_token_ms: float
+) -> tuple[int, float]:
     """The steps from a prompt's arrival to the step that computes its last prompt token, and their cost in ms,
     as the package's Scheduler schedules them beside ``num_decodes`` older requests that keep decoding."""
-    sched = Scheduler(BlockManager(num_decodes * (prompt_len // 16 + 2) + prompt_len // 16 + 2, 16),
-                      max_num_batched_tokens=budget, watermark=0)
+    sched = Scheduler(
+        BlockManager(num_decodes * (prompt_len // 16 + 2) + prompt_len // 16 + 2, 16),
+        max_num_batched_tokens=budget,
+        watermark=0,
+    )
     params = SamplingParams(max_new_tokens=prompt_len + 4, stop_token_ids=())  # decoding until the prompt is in
     for i in range(num_decodes):  # one-token prompts: decoding from their second step on
         sched.add(Sequence(f"decode {i}", [1], params))
@@ -285,8 +342,9 @@ def _predicted_ttft(prompt_len: int, num_decodes: int, budget: int, fixed_ms: fl
         sched.advance_without_model(out)
 
 
-def _predict_wrong(case: PredictCase, *, chunk_full=False, no_decodes=False, one_fixed=False, floor=False,
-                   full_steps=False) -> tuple[int, float]:
+def _predict_wrong(
+    case: PredictCase, *, chunk_full=False, no_decodes=False, one_fixed=False, floor=False, full_steps=False
+) -> tuple[int, float]:
     p, d, b, f, t = case
     chunk = b if chunk_full else b - d
     steps = max(1, p // chunk) if floor else -(-p // chunk)
@@ -299,14 +357,29 @@ def _same_prediction(got, want) -> bool:
 
 
 _PREDICT_MISTAKES = [
-    ("The decodes go first: each step, the older requests' decode tokens come out of the budget, and the prompt's "
-     "chunk gets what is left, budget - num_decodes.", lambda c: _predict_wrong(c, chunk_full=True)),
-    ("The decodes share every step with the chunk: the steps feed the prompt's tokens and num_decodes decode tokens "
-     "each, and the per-token cost counts them all.", lambda c: _predict_wrong(c, no_decodes=True)),
-    ("Every step pays the fixed cost: steps * fixed_ms, not fixed_ms once.", lambda c: _predict_wrong(c, one_fixed=True)),
-    ("A partial chunk is a step too: ceil(prompt_len / chunk) steps, not floor.", lambda c: _predict_wrong(c, floor=True)),
-    ("The last chunk is usually smaller than the others: count the tokens fed (the prompt, plus the decodes of every "
-     "step), not steps * budget.", lambda c: _predict_wrong(c, full_steps=True)),
+    (
+        "The decodes go first: each step, the older requests' decode tokens come out of the budget, and the prompt's "
+        "chunk gets what is left, budget - num_decodes.",
+        lambda c: _predict_wrong(c, chunk_full=True),
+    ),
+    (
+        "The decodes share every step with the chunk: the steps feed the prompt's tokens and num_decodes decode tokens "
+        "each, and the per-token cost counts them all.",
+        lambda c: _predict_wrong(c, no_decodes=True),
+    ),
+    (
+        "Every step pays the fixed cost: steps * fixed_ms, not fixed_ms once.",
+        lambda c: _predict_wrong(c, one_fixed=True),
+    ),
+    (
+        "A partial chunk is a step too: ceil(prompt_len / chunk) steps, not floor.",
+        lambda c: _predict_wrong(c, floor=True),
+    ),
+    (
+        "The last chunk is usually smaller than the others: count the tokens fed (the prompt, plus the decodes of every "
+        "step), not steps * budget.",
+        lambda c: _predict_wrong(c, full_steps=True),
+    ),
 ]
 
 
@@ -324,8 +397,9 @@ def _predict_cases(rng) -> list[PredictCase]:
     return cases
 
 
-def check_predicted_ttft(predict_ttft: Callable[[int, int, int, float, float], tuple[int, float]],
-                         seed: int = 0) -> CheckResult:
+def check_predicted_ttft(
+    predict_ttft: Callable[[int, int, int, float, float], tuple[int, float]], seed: int = 0
+) -> CheckResult:
     """``predict_ttft(prompt_len, num_decodes, budget, fixed_ms, per_token_ms) -> (steps, ms)``: from a prompt's
     arrival to the step that computes its last prompt token, beside ``num_decodes`` older requests that keep
     decoding, with chunked prefill under ``budget`` tokens a step, each step costing ``fixed_ms + per_token_ms *
@@ -333,23 +407,36 @@ def check_predicted_ttft(predict_ttft: Callable[[int, int, int, float, float], t
     if not callable(predict_ttft):
         raise ExerciseError(f"pass your function predict_ttft, got {type(predict_ttft).__name__}")
     refuse_references(predict_ttft, {"Scheduler": Scheduler}, "predict from the rules, without running a scheduler.")
-    diagnosis = Diagnosis(_PREDICT_MISTAKES, same=_same_prediction, default=(
-        "Each step feeds num_decodes decode tokens and a chunk of budget - num_decodes prompt tokens (the last one "
-        "smaller); count the steps, the tokens fed, and charge fixed_ms per step plus per_token_ms per token."))
+    diagnosis = Diagnosis(
+        _PREDICT_MISTAKES,
+        same=_same_prediction,
+        default=(
+            "Each step feeds num_decodes decode tokens and a chunk of budget - num_decodes prompt tokens (the last one "
+            "smaller); count the steps, the tokens fed, and charge fixed_ms per step plus per_token_ms per token."
+        ),
+    )
     for case in _predict_cases(case_rng("check_predicted_ttft", seed)):
         label = f"predict_ttft{case}"
         got = call_learner("predict_ttft", predict_ttft, *case)
-        if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], int)
-                and not isinstance(got[0], bool) and isinstance(got[1], (int, float))):
-            raise ExerciseError(f"{label} should return (steps, milliseconds): an int and a number, got "
-                                f"{describe(got)}", case=label)  # fmt: skip
+        if not (
+            isinstance(got, (tuple, list))
+            and len(got) == 2
+            and isinstance(got[0], int)
+            and not isinstance(got[0], bool)
+            and isinstance(got[1], (int, float))
+        ):
+            raise ExerciseError(
+                f"{label} should return (steps, milliseconds): an int and a number, got {describe(got)}", case=label
+            )
         want = _predicted_ttft(*case)
         if not _same_prediction(got, want):
             diagnosis.record(label, (case,), tuple(got), want)
     diagnosis.raise_if_wrong()
     steps, ms = _predicted_ttft(1024, 4, 128, 56.0, 1.45)
-    return passed(f"a 1,024-token prompt beside 4 decodes with a budget of 128 takes {steps} steps: "
-                  f"{ms / 1e3:.2f} s at 56 ms + 1.45 ms per token.")
+    return passed(
+        f"a 1,024-token prompt beside 4 decodes with a budget of 128 takes {steps} steps: "
+        f"{ms / 1e3:.2f} s at 56 ms + 1.45 ms per token."
+    )
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -21,7 +21,17 @@ from collections.abc import Callable
 from ..paged import BlockManager, NoFreeBlocksError
 from ..sequence import SamplingParams, Sequence
 from ..serving.scheduler import Scheduler, SchedulerOutput
-from ._core import call_learner, case_rng, CheckResult, describe, Diagnosis, ExerciseError, passed, refuse_references, wrap_checks
+from ._core import (
+    call_learner,
+    case_rng,
+    CheckResult,
+    describe,
+    Diagnosis,
+    ExerciseError,
+    passed,
+    refuse_references,
+    wrap_checks,
+)
 
 __all__ = ["check_schedule_running", "check_schedule_waiting"]
 
@@ -54,12 +64,15 @@ class _Running(_LearnerPhase):
         bm = self.block_manager
         views = [dict(seq_id=s.seq_id, num_tokens=s.num_tokens, num_computed_tokens=s.num_computed_tokens,
                       num_blocks=len(bm.block_table(s.seq_id))) for s in self.running]  # fmt: skip
-        shown = f"schedule_running({views}, budget={budget}, free_blocks={bm.num_free_blocks}, " \
-                f"block_size={bm.block_size})"
+        shown = (
+            f"schedule_running({views}, budget={budget}, free_blocks={bm.num_free_blocks}, block_size={bm.block_size})"
+        )
         got = self.decide([dict(v) for v in views], budget, bm.num_free_blocks, bm.block_size)
         if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(isinstance(x, list) for x in got)):
-            raise ExerciseError(f"{shown} returned {describe(got)}: return a tuple (scheduled, preempted) of two "
-                                f"lists, [(seq_id, num_tokens), ...] and [seq_id, ...]")  # fmt: skip
+            raise ExerciseError(
+                f"{shown} returned {describe(got)}: return a tuple (scheduled, preempted) of two "
+                f"lists, [(seq_id, num_tokens), ...] and [seq_id, ...]"
+            )
         scheduled, preempted = got
         by_id = {s.seq_id: s for s in self.running}
         if len(set(preempted)) != len(preempted) or not all(p in by_id for p in preempted):
@@ -68,11 +81,14 @@ class _Running(_LearnerPhase):
         for seq_id, n in pairs:
             seq = by_id.get(seq_id)
             if seq is None or seq_id in preempted or sum(1 for s, _ in pairs if s == seq_id) > 1:
-                raise ExerciseError(f"{shown}: scheduled {scheduled} must name running sequences that were not "
-                                    f"preempted, each once")  # fmt: skip
+                raise ExerciseError(
+                    f"{shown}: scheduled {scheduled} must name running sequences that were not preempted, each once"
+                )
             if not 1 <= n <= seq.num_uncomputed_tokens:
-                raise ExerciseError(f"{shown}: sequence {seq_id} was given {n} tokens; it has "
-                                    f"{seq.num_uncomputed_tokens} not computed yet")  # fmt: skip
+                raise ExerciseError(
+                    f"{shown}: sequence {seq_id} was given {n} tokens; it has "
+                    f"{seq.num_uncomputed_tokens} not computed yet"
+                )
         for seq_id in preempted:  # in the order they gave way: the last one ends up at the head of the queue
             seq = by_id[seq_id]
             self.running.remove(seq)
@@ -82,10 +98,12 @@ class _Running(_LearnerPhase):
             try:
                 self.block_manager.append_slots(seq_id, n)
             except NoFreeBlocksError:
-                raise _Refused(f"sequence {seq_id} was given {n} new tokens, which need "
-                               f"{self.block_manager.blocks_to_append(seq_id, n)} more blocks, but after the "
-                               f"preemptions {preempted} only {self.block_manager.num_free_blocks} were free: count "
-                               f"the blocks it needs, and preempt until they are free") from None  # fmt: skip
+                raise _Refused(
+                    f"sequence {seq_id} was given {n} new tokens, which need "
+                    f"{self.block_manager.blocks_to_append(seq_id, n)} more blocks, but after the "
+                    f"preemptions {preempted} only {self.block_manager.num_free_blocks} were free: count "
+                    f"the blocks it needs, and preempt until they are free"
+                ) from None
             out.scheduled.append(self._scheduled(by_id[seq_id], n))
         return budget - sum(n for _, n in pairs)
 
@@ -97,8 +115,10 @@ class _Waiting(_LearnerPhase):
         bm = self.block_manager
         views = [dict(seq_id=s.seq_id, num_tokens=s.num_tokens) for s in self.waiting]
         seats = self.max_num_seqs - len(self.running)
-        shown = f"schedule_waiting({views}, budget={budget}, free_blocks={bm.num_free_blocks}, " \
-                f"block_size={bm.block_size}, seats={seats})"
+        shown = (
+            f"schedule_waiting({views}, budget={budget}, free_blocks={bm.num_free_blocks}, "
+            f"block_size={bm.block_size}, seats={seats})"
+        )
         got = self.decide([dict(v) for v in views], budget, bm.num_free_blocks, bm.block_size, seats)
         if not isinstance(got, list):
             raise ExerciseError(f"{shown} returned {describe(got)}: return a list [(seq_id, num_tokens), ...]")
@@ -113,20 +133,25 @@ class _Waiting(_LearnerPhase):
             try:
                 bm.allocate(seq_id, n)
             except NoFreeBlocksError:
-                raise _Refused(f"sequence {seq_id} was admitted with {n} tokens, which need {bm.blocks_needed(n)} "
-                               f"blocks, but only {bm.num_free_blocks} were free: check the blocks before "
-                               f"admitting") from None  # fmt: skip
+                raise _Refused(
+                    f"sequence {seq_id} was admitted with {n} tokens, which need {bm.blocks_needed(n)} "
+                    f"blocks, but only {bm.num_free_blocks} were free: check the blocks before "
+                    f"admitting"
+                ) from None
             self.waiting.remove(seq)
             self._start(seq, out.admitted)
             out.scheduled.append(self._scheduled(seq, n))
 
 
 def _pairs(pairs: object, shown: str) -> list[tuple[object, int]]:
-    ok = isinstance(pairs, list) and all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[1], int)
-                                         and not isinstance(p[1], bool) for p in pairs)  # fmt: skip
+    ok = isinstance(pairs, list) and all(
+        isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[1], int) and not isinstance(p[1], bool)
+        for p in pairs
+    )
     if not ok:
-        raise ExerciseError(f"{shown}: scheduled tokens must be a list of (seq_id, num_tokens) pairs, got "
-                            f"{describe(pairs)}")  # fmt: skip
+        raise ExerciseError(
+            f"{shown}: scheduled tokens must be a list of (seq_id, num_tokens) pairs, got {describe(pairs)}"
+        )
     return [(p[0], p[1]) for p in pairs]
 
 
@@ -146,16 +171,24 @@ def _log(trace: Trace, cls: type | None = None, decide: Callable | None = None) 
     sched, log = _scheduler(trace, cls, decide), []
     while sched.has_unfinished():
         if len(log) == _MAX_STEPS:
-            raise ExerciseError(f"trace {trace} did not finish in {_MAX_STEPS} steps: some step schedules nothing, "
-                                f"or the requests keep preempting each other", case=str(trace))  # fmt: skip
+            raise ExerciseError(
+                f"trace {trace} did not finish in {_MAX_STEPS} steps: some step schedules nothing, "
+                f"or the requests keep preempting each other",
+                case=str(trace),
+            )
         try:
             out = sched.schedule()
         except _Refused as refused:  # the learner's decision did not fit the pool: the trace ends here
             log.append(("refused", str(refused)))
             break
-        log.append(([(s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled],
-                    [s.seq_id for s in out.admitted], [s.seq_id for s in out.preempted],
-                    sched.block_manager.num_free_blocks))
+        log.append(
+            (
+                [(s.seq.seq_id, s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled],
+                [s.seq_id for s in out.admitted],
+                [s.seq_id for s in out.preempted],
+                sched.block_manager.num_free_blocks,
+            )
+        )
         if not out.scheduled and not out.preempted:  # nothing moves: every later step would be the same
             break
         sched.advance_without_model(out)
@@ -199,13 +232,28 @@ def _compare(name: str, decide: Callable, cls: type, traces: list[Trace], diagno
             step = run.step
             diagnosis.record(
                 f"trace (prompt_lens, max_new_tokens, num_blocks, block_size, budget, max_num_seqs) = {trace}, "
-                f"step {step}", (trace,), run, _show(step, want[step] if step < len(want) else None))
+                f"step {step}",
+                (trace,),
+                run,
+                _show(step, want[step] if step < len(want) else None),
+            )
     diagnosis.raise_if_wrong()
 
 
 # --- Exercise: phase 1, the running sequences' slots ------------------------------------------------
-def _running(running, budget, free_blocks, block_size, *, min_budget=True, newest_first=False, one_token=False,
-             victim_asks=False, victim_frees=True, fresh_blocks=False):
+def _running(
+    running,
+    budget,
+    free_blocks,
+    block_size,
+    *,
+    min_budget=True,
+    newest_first=False,
+    one_token=False,
+    victim_asks=False,
+    victim_frees=True,
+    fresh_blocks=False,
+):
     """Phase 1 as vLLM and the package do it (every flag False/True as given), or a typical mistake."""
     order = list(reversed(running)) if newest_first else list(running)
     scheduled, preempted, gone = [], [], set()
@@ -216,8 +264,11 @@ def _running(running, budget, free_blocks, block_size, *, min_budget=True, newes
             continue
         left = seq["num_tokens"] - seq["num_computed_tokens"]
         n = 1 if one_token else min(left, budget) if min_budget else left
-        need = _ceil(n, block_size) if fresh_blocks else \
-            max(0, _ceil(seq["num_computed_tokens"] + n, block_size) - seq["num_blocks"])
+        need = (
+            _ceil(n, block_size)
+            if fresh_blocks
+            else max(0, _ceil(seq["num_computed_tokens"] + n, block_size) - seq["num_blocks"])
+        )
         while need > free_blocks:
             rest = [s for s in order[i:] if s["seq_id"] not in gone]
             victim = rest[0] if victim_asks else rest[-1]
@@ -239,22 +290,37 @@ def _running_wrong(**flags) -> Callable[[Trace], list[tuple]]:
 
 
 _RUNNING_MISTAKES = [
-    ("A chunk past the budget: a sequence gets min(its uncomputed tokens, budget left), never more. A running "
-     "request still prefilling a long prompt would otherwise feed all of it in one step, past "
-     "max_num_batched_tokens, and every decode behind it would wait for that long step (decodes starved by a "
-     "long prefill).", _running_wrong(min_budget=False)),
-    ("Oldest first: walk the running sequences in their order (the oldest first), so an old request is never "
-     "squeezed out of the budget by newer ones.", _running_wrong(newest_first=True)),
-    ("Not every running sequence is decoding: one admitted with a chunk of its prompt still has prompt tokens to "
-     "compute. Give each min(its uncomputed tokens, budget left), not one token.", _running_wrong(one_token=True)),
-    ("The victim is the newest running sequence (the last one still in the list), not the one that asks for the "
-     "block: preempting the one that asks lets newer requests push older ones out, and the oldest may starve.",
-     _running_wrong(victim_asks=True)),
-    ("A preempted sequence gives its blocks back: add its num_blocks to the free blocks before you check again.",
-     _running_wrong(victim_frees=False)),
-    ("The last block a sequence holds may be partly empty: its new tokens fill it first. It needs "
-     "ceil((num_computed_tokens + n) / block_size) - num_blocks new blocks, not ceil(n / block_size).",
-     _running_wrong(fresh_blocks=True)),
+    (
+        "A chunk past the budget: a sequence gets min(its uncomputed tokens, budget left), never more. A running "
+        "request still prefilling a long prompt would otherwise feed all of it in one step, past "
+        "max_num_batched_tokens, and every decode behind it would wait for that long step (decodes starved by a "
+        "long prefill).",
+        _running_wrong(min_budget=False),
+    ),
+    (
+        "Oldest first: walk the running sequences in their order (the oldest first), so an old request is never "
+        "squeezed out of the budget by newer ones.",
+        _running_wrong(newest_first=True),
+    ),
+    (
+        "Not every running sequence is decoding: one admitted with a chunk of its prompt still has prompt tokens to "
+        "compute. Give each min(its uncomputed tokens, budget left), not one token.",
+        _running_wrong(one_token=True),
+    ),
+    (
+        "The victim is the newest running sequence (the last one still in the list), not the one that asks for the "
+        "block: preempting the one that asks lets newer requests push older ones out, and the oldest may starve.",
+        _running_wrong(victim_asks=True),
+    ),
+    (
+        "A preempted sequence gives its blocks back: add its num_blocks to the free blocks before you check again.",
+        _running_wrong(victim_frees=False),
+    ),
+    (
+        "The last block a sequence holds may be partly empty: its new tokens fill it first. It needs "
+        "ceil((num_computed_tokens + n) / block_size) - num_blocks new blocks, not ceil(n / block_size).",
+        _running_wrong(fresh_blocks=True),
+    ),
 ]
 
 
@@ -282,21 +348,42 @@ def check_schedule_running(schedule_running: Callable, seed: int = 0) -> CheckRe
     and compared with ``Scheduler.schedule()`` step by step on hidden traces."""
     if not callable(schedule_running):
         raise ExerciseError(f"pass your function schedule_running, got {type(schedule_running).__name__}")
-    refuse_references(schedule_running, {"Scheduler": Scheduler, "BlockManager": BlockManager},
-                      "do the block arithmetic yourself.")
-    diagnosis = Diagnosis(_RUNNING_MISTAKES, same=_same_run, default=(
-        "Walk the running sequences oldest first: each gets min(its uncomputed tokens, budget left) and needs "
-        "ceil((num_computed_tokens + n) / block_size) - num_blocks new blocks; while they are not free, the newest "
-        "still running gives way (its blocks come back), and if that is the sequence itself, it is skipped."))
+    refuse_references(
+        schedule_running, {"Scheduler": Scheduler, "BlockManager": BlockManager}, "do the block arithmetic yourself."
+    )
+    diagnosis = Diagnosis(
+        _RUNNING_MISTAKES,
+        same=_same_run,
+        default=(
+            "Walk the running sequences oldest first: each gets min(its uncomputed tokens, budget left) and needs "
+            "ceil((num_computed_tokens + n) / block_size) - num_blocks new blocks; while they are not free, the newest "
+            "still running gives way (its blocks come back), and if that is the sequence itself, it is skipped."
+        ),
+    )
     traces = _running_traces(case_rng("check_schedule_running", seed))
     _compare("schedule_running", schedule_running, _Running, traces, diagnosis)
-    return passed(f"phase 1 made the package's decisions at every step of {len(traces)} hidden traces: oldest first, "
-                  f"min(uncomputed, budget left), and the newest gave way when the blocks ran out.")
+    return passed(
+        f"phase 1 made the package's decisions at every step of {len(traces)} hidden traces: oldest first, "
+        f"min(uncomputed, budget left), and the newest gave way when the blocks ran out."
+    )
 
 
 # --- Exercise: phase 2, admission -------------------------------------------------------------------
-def _waiting(waiting, budget, free_blocks, block_size, seats, *, overtake=False, chunked=True, whole=False,
-             prompt_blocks=False, seat_cap=True, round_down=False, reserve=0):
+def _waiting(
+    waiting,
+    budget,
+    free_blocks,
+    block_size,
+    seats,
+    *,
+    overtake=False,
+    chunked=True,
+    whole=False,
+    prompt_blocks=False,
+    seat_cap=True,
+    round_down=False,
+    reserve=0,
+):
     """Admission as vLLM and the package do it with chunked prefill, or a typical mistake."""
     admitted = []
     for seq in waiting:
@@ -306,8 +393,11 @@ def _waiting(waiting, budget, free_blocks, block_size, seats, *, overtake=False,
         if whole and total > budget:
             break  # no chunked prefill: the whole prompt or nothing
         n = min(total, budget) if chunked else total
-        need = (total if prompt_blocks else n) // block_size if round_down else \
-            _ceil(total if prompt_blocks else n, block_size)
+        need = (
+            (total if prompt_blocks else n) // block_size
+            if round_down
+            else _ceil(total if prompt_blocks else n, block_size)
+        )
         if need > free_blocks - reserve:
             if overtake:
                 continue
@@ -322,24 +412,41 @@ def _waiting_wrong(**flags) -> Callable[[Trace], list[tuple]]:
 
 
 _WAITING_MISTAKES = [
-    ("A waiting request admitted before an older one: when the request at the head does not fit, admission stops. "
-     "A smaller request behind it must not overtake, or a big request could wait forever.",
-     _waiting_wrong(overtake=True)),
-    ("A chunk past the budget: a request is admitted with min(its tokens, budget left) tokens, never more; the "
-     "budget is what the running sequences left, not the whole max_num_batched_tokens.",
-     _waiting_wrong(chunked=False)),
-    ("Chunked prefill: a prompt longer than the budget left is admitted with a chunk of the budget left; the rest of "
-     "it runs in later steps. Stopping at it wastes the step's budget.", _waiting_wrong(whole=True)),
-    ("The chunk needs blocks for its own tokens only, ceil(n / block_size): the rest of the prompt gets its blocks "
-     "when its later chunks run.", _waiting_wrong(prompt_blocks=True)),
-    ("Seats: each admitted request takes one of the seats left (max_num_seqs less the running sequences); stop "
-     "when none is left.", _waiting_wrong(seat_cap=False)),
-    ("Blocks are whole: n tokens need ceil(n / block_size) blocks, the last one partly empty.",
-     _waiting_wrong(round_down=True)),
+    (
+        "A waiting request admitted before an older one: when the request at the head does not fit, admission stops. "
+        "A smaller request behind it must not overtake, or a big request could wait forever.",
+        _waiting_wrong(overtake=True),
+    ),
+    (
+        "A chunk past the budget: a request is admitted with min(its tokens, budget left) tokens, never more; the "
+        "budget is what the running sequences left, not the whole max_num_batched_tokens.",
+        _waiting_wrong(chunked=False),
+    ),
+    (
+        "Chunked prefill: a prompt longer than the budget left is admitted with a chunk of the budget left; the rest of "
+        "it runs in later steps. Stopping at it wastes the step's budget.",
+        _waiting_wrong(whole=True),
+    ),
+    (
+        "The chunk needs blocks for its own tokens only, ceil(n / block_size): the rest of the prompt gets its blocks "
+        "when its later chunks run.",
+        _waiting_wrong(prompt_blocks=True),
+    ),
+    (
+        "Seats: each admitted request takes one of the seats left (max_num_seqs less the running sequences); stop "
+        "when none is left.",
+        _waiting_wrong(seat_cap=False),
+    ),
+    (
+        "Blocks are whole: n tokens need ceil(n / block_size) blocks, the last one partly empty.",
+        _waiting_wrong(round_down=True),
+    ),
     # the exercise states the watermark (none); a learner who keeps one back anyway is told so
-    ("No watermark here: the check runs the scheduler with watermark=0, so a request may take every free block "
-     "(it fits when its blocks <= free_blocks). Keeping blocks back admits fewer requests than the scheduler does.",
-     _waiting_wrong(reserve=1)),
+    (
+        "No watermark here: the check runs the scheduler with watermark=0, so a request may take every free block "
+        "(it fits when its blocks <= free_blocks). Keeping blocks back admits fewer requests than the scheduler does.",
+        _waiting_wrong(reserve=1),
+    ),
 ]
 
 
@@ -354,8 +461,9 @@ def _waiting_traces(rng) -> list[Trace]:
         k, bs, max_new = rng.randint(3, 7), rng.choice([2, 4, 8]), rng.randint(2, 10)
         lens = tuple(rng.randint(1, 60) for _ in range(k))
         need = _ceil(max(lens) + max_new - 1, bs)
-        traces.append((lens, max_new, rng.randint(need, 2 * need + 4), bs, rng.choice([8, 16, 32, 64]),
-                       rng.randint(2, 6)))  # fmt: skip
+        traces.append(
+            (lens, max_new, rng.randint(need, 2 * need + 4), bs, rng.choice([8, 16, 32, 64]), rng.randint(2, 6))
+        )
     return traces
 
 
@@ -368,15 +476,23 @@ def check_schedule_waiting(schedule_waiting: Callable, seed: int = 0) -> CheckRe
     ``Scheduler.schedule()`` step by step on hidden traces."""
     if not callable(schedule_waiting):
         raise ExerciseError(f"pass your function schedule_waiting, got {type(schedule_waiting).__name__}")
-    refuse_references(schedule_waiting, {"Scheduler": Scheduler, "BlockManager": BlockManager},
-                      "walk the queue yourself.")
-    diagnosis = Diagnosis(_WAITING_MISTAKES, same=_same_run, default=(
-        "Walk the queue head first while budget and seats are left: each request gets n = min(its tokens, budget "
-        "left) and needs ceil(n / block_size) free blocks; the first that does not fit stops admission."))
+    refuse_references(
+        schedule_waiting, {"Scheduler": Scheduler, "BlockManager": BlockManager}, "walk the queue yourself."
+    )
+    diagnosis = Diagnosis(
+        _WAITING_MISTAKES,
+        same=_same_run,
+        default=(
+            "Walk the queue head first while budget and seats are left: each request gets n = min(its tokens, budget "
+            "left) and needs ceil(n / block_size) free blocks; the first that does not fit stops admission."
+        ),
+    )
     traces = _waiting_traces(case_rng("check_schedule_waiting", seed))
     _compare("schedule_waiting", schedule_waiting, _Waiting, traces, diagnosis)
-    return passed(f"admission made the package's decisions at every step of {len(traces)} hidden traces: head first, "
-                  f"a chunk when the budget is short, no overtaking.")
+    return passed(
+        f"admission made the package's decisions at every step of {len(traces)} hidden traces: head first, "
+        f"a chunk when the budget is short, no overtaking."
+    )
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

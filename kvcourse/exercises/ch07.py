@@ -17,5 +17,10 @@ from .ch07_offload import check_replay
 from .ch07_predict import check_predicted_prefix_ttft
 from .ch07_prefix import check_block_hashes, check_lru_takes, check_prefix_lookup
 
-__all__ = ["check_block_hashes", "check_lru_takes", "check_predicted_prefix_ttft", "check_prefix_lookup",
-           "check_replay"]
+__all__ = [
+    "check_block_hashes",
+    "check_lru_takes",
+    "check_predicted_prefix_ttft",
+    "check_prefix_lookup",
+    "check_replay",
+]

@@ -52,23 +52,38 @@ def _replay(device, host, transfers, *, order="recorded", swap_roles=False, gath
     return device, host
 
 
-_ROLES = ("(\"to_host\", src, dst) copies device block src into host block dst; (\"to_device\", src, dst) copies host "
-          "block src into device block dst.")
+_ROLES = (
+    '("to_host", src, dst) copies device block src into host block dst; ("to_device", src, dst) copies host '
+    "block src into device block dst."
+)
 
 _MISTAKES = [
-    ("Replay the moves in the order they were decided, not all copies to the host first: a device block evicted to "
-     "the host can be handed to a swap-in later in the same step, and a host block freed by one move can be filled "
-     "by the next.", lambda d, h, t: _replay(d, h, t, order="out_first")),
-    ("Replay the moves in the order they were decided, not all copies to the device first: a host block read by a "
-     "swap-in may be filled by an eviction decided after it.", lambda d, h, t: _replay(d, h, t, order="in_first")),
-    ("The list is in the order the block manager decided the moves: replay it front to back.",
-     lambda d, h, t: _replay(d, h, t, order="reversed")),
+    (
+        "Replay the moves in the order they were decided, not all copies to the host first: a device block evicted to "
+        "the host can be handed to a swap-in later in the same step, and a host block freed by one move can be filled "
+        "by the next.",
+        lambda d, h, t: _replay(d, h, t, order="out_first"),
+    ),
+    (
+        "Replay the moves in the order they were decided, not all copies to the device first: a host block read by a "
+        "swap-in may be filled by an eviction decided after it.",
+        lambda d, h, t: _replay(d, h, t, order="in_first"),
+    ),
+    (
+        "The list is in the order the block manager decided the moves: replay it front to back.",
+        lambda d, h, t: _replay(d, h, t, order="reversed"),
+    ),
     (_ROLES, lambda d, h, t: _replay(d, h, t, swap_roles=True)),
-    ("Each move reads its source as the moves before it left it: reading every source first and writing after is "
-     "a batched copy that ignores a block filled earlier in the same step.",
-     lambda d, h, t: _replay(d, h, t, gather_first=True)),
-    ("Copy into device and host themselves (in place): the runner's pools are those tensors, and a new tensor you "
-     "return is thrown away.", lambda d, h, t: (d.clone(), h.clone())),
+    (
+        "Each move reads its source as the moves before it left it: reading every source first and writing after is "
+        "a batched copy that ignores a block filled earlier in the same step.",
+        lambda d, h, t: _replay(d, h, t, gather_first=True),
+    ),
+    (
+        "Copy into device and host themselves (in place): the runner's pools are those tensors, and a new tensor you "
+        "return is thrown away.",
+        lambda d, h, t: (d.clone(), h.clone()),
+    ),
 ]
 
 
@@ -93,8 +108,10 @@ def _cases(rng) -> list[tuple[torch.Tensor, torch.Tensor, list[tuple[str, int, i
     ]
     for _ in range(25):
         nd, nh = rng.randint(1, 5), rng.randint(1, 5)
-        moves = [(rng.choice(["to_host", "to_device"]), rng.randrange(nd), rng.randrange(nh))
-                 for _ in range(rng.randint(1, 10))]  # fmt: skip
+        moves = [
+            (rng.choice(["to_host", "to_device"]), rng.randrange(nd), rng.randrange(nh))
+            for _ in range(rng.randint(1, 10))
+        ]
         moves = [(d, a, b) if d == "to_host" else (d, b, a) for d, a, b in moves]  # src/dst in their pools
         cases.append((*pools(nd, nh), moves))
     return cases
@@ -114,8 +131,9 @@ def check_replay(replay: Callable, seed: int = 0, *, device: torch.device | str 
         "For each (direction, src, dst) in order: host[dst] = device[src] for 'to_host', device[dst] = host[src] for "
         "'to_device', writing into the tensors you were given."))  # fmt: skip
     for device_pool, host_pool, transfers in _cases(case_rng("check_replay", seed)):
-        label = (f"replay(device {tuple(device_pool.shape)}, host {tuple(host_pool.shape)}, "
-                 f"{describe(transfers, limit=6)})")  # fmt: skip
+        label = (
+            f"replay(device {tuple(device_pool.shape)}, host {tuple(host_pool.shape)}, {describe(transfers, limit=6)})"
+        )
         want = _replay(device_pool, host_pool, transfers)
         got_device, got_host = handed(device_pool, pool_device), host_pool.clone()
         try:
@@ -128,8 +146,9 @@ def check_replay(replay: Callable, seed: int = 0, *, device: torch.device | str 
         if not _same(got, want):
             diagnosis.record(label, (device_pool, host_pool, transfers), got, want)
     diagnosis.raise_if_wrong()
-    return passed("every move reads what the moves before it left, so a block reused within a step holds the "
-                  "right data.")
+    return passed(
+        "every move reads what the moves before it left, so a block reused within a step holds the right data."
+    )
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -13,8 +13,17 @@ from collections.abc import Callable
 
 from ..serving.load import StepCost
 from ..serving.prefix_ttft import predicted_ttft_s, prefix_hit_tokens
-from ._core import (CheckResult, Diagnosis, ExerciseError, call_learner, case_rng, fail, passed, refuse_references,
-                    wrap_checks)
+from ._core import (
+    CheckResult,
+    Diagnosis,
+    ExerciseError,
+    call_learner,
+    case_rng,
+    fail,
+    passed,
+    refuse_references,
+    wrap_checks,
+)
 
 __all__ = ["check_predicted_prefix_ttft"]
 
@@ -31,17 +40,26 @@ def _fed_wrong(c: Case, hit: int) -> float:
 
 
 _MISTAKES: list[tuple[str, Callable[..., float]]] = [
-    ("The last prompt token is always fed, even when every block is cached: its logits give the first output "
-     "token. A prompt that ends exactly on a cached block boundary reuses one block fewer.",
-     lambda *c: _fed_wrong(c, min(c[1], c[0]) // c[2] * c[2])),
-    ("The cache reuses whole blocks: a cached prefix that ends inside a block saves only the full blocks before "
-     "it (round down to a multiple of block_size).", lambda *c: _fed_wrong(c, min(c[1], c[0] - 1))),
-    ("The cache reuses whole blocks, and never the last prompt token's: round the cached prefix down to whole "
-     "blocks, and keep at least the last token to feed.", lambda *c: _fed_wrong(c, min(c[1], c[0]))),
-    ("A hit skips the cached tokens' work: charge per_token_ms only for the tokens the step still feeds.",
-     lambda *c: _fed_wrong(c, 0)),
-    ("The step's fixed cost is paid whatever it feeds: add fixed_ms once.",
-     lambda *c: _ttft_ms(*c) - c[3]),
+    (
+        "The last prompt token is always fed, even when every block is cached: its logits give the first output "
+        "token. A prompt that ends exactly on a cached block boundary reuses one block fewer.",
+        lambda *c: _fed_wrong(c, min(c[1], c[0]) // c[2] * c[2]),
+    ),
+    (
+        "The cache reuses whole blocks: a cached prefix that ends inside a block saves only the full blocks before "
+        "it (round down to a multiple of block_size).",
+        lambda *c: _fed_wrong(c, min(c[1], c[0] - 1)),
+    ),
+    (
+        "The cache reuses whole blocks, and never the last prompt token's: round the cached prefix down to whole "
+        "blocks, and keep at least the last token to feed.",
+        lambda *c: _fed_wrong(c, min(c[1], c[0])),
+    ),
+    (
+        "A hit skips the cached tokens' work: charge per_token_ms only for the tokens the step still feeds.",
+        lambda *c: _fed_wrong(c, 0),
+    ),
+    ("The step's fixed cost is paid whatever it feeds: add fixed_ms once.", lambda *c: _ttft_ms(*c) - c[3]),
 ]
 
 
@@ -57,15 +75,19 @@ def _cases(rng) -> list[Case]:
     return cases
 
 
-def check_predicted_prefix_ttft(predict_ttft_ms: Callable[[int, int, int, float, float], float],
-                                seed: int = 0) -> CheckResult:
+def check_predicted_prefix_ttft(
+    predict_ttft_ms: Callable[[int, int, int, float, float], float], seed: int = 0
+) -> CheckResult:
     """``predict_ttft_ms(prompt_len, cached_tokens, block_size, fixed_ms, per_token_ms)``: the time to first token,
     in ms, of one request alone whose first ``cached_tokens`` prompt tokens are in the prefix cache (stored in blocks
     of ``block_size``), its prompt prefilled in one step costing ``fixed_ms + per_token_ms * tokens fed``."""
     if not callable(predict_ttft_ms):
         raise ExerciseError(f"pass your function predict_ttft_ms, got {type(predict_ttft_ms).__name__}")
-    refuse_references(predict_ttft_ms, {"predicted_ttft_s": predicted_ttft_s, "prefix_hit_tokens": prefix_hit_tokens},
-                      "predict from the rules of the cache, without the course's model.")  # fmt: skip
+    refuse_references(
+        predict_ttft_ms,
+        {"predicted_ttft_s": predicted_ttft_s, "prefix_hit_tokens": prefix_hit_tokens},
+        "predict from the rules of the cache, without the course's model.",
+    )
     diagnosis = Diagnosis(_MISTAKES, same=lambda a, b: math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9), default=(
         "Count the hit tokens (whole cached blocks, never the block of the last prompt token), then charge "
         "fixed_ms plus per_token_ms for each token the step still feeds."))  # fmt: skip
@@ -79,9 +101,11 @@ def check_predicted_prefix_ttft(predict_ttft_ms: Callable[[int, int, int, float,
             diagnosis.record(label, case, got, want)
     diagnosis.raise_if_wrong()
     hit = prefix_hit_tokens(107, 94, 16)
-    return passed(f"a 107-token prompt with 94 tokens cached in blocks of 16 reuses {hit} and feeds {107 - hit}: "
-                  f"{_ttft_ms(107, 94, 16, 50.0, 1.0):.0f} ms at 50 ms + 1 ms per token, against "
-                  f"{_ttft_ms(107, 0, 16, 50.0, 1.0):.0f} ms cold.")  # fmt: skip
+    return passed(
+        f"a 107-token prompt with 94 tokens cached in blocks of 16 reuses {hit} and feeds {107 - hit}: "
+        f"{_ttft_ms(107, 94, 16, 50.0, 1.0):.0f} ms at 50 ms + 1 ms per token, against "
+        f"{_ttft_ms(107, 0, 16, 50.0, 1.0):.0f} ms cold."
+    )
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

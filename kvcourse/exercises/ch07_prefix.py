@@ -47,8 +47,18 @@ def _readable_hash(parent, token_ids, extra_keys) -> tuple:
     return ("h", parent, tuple(token_ids), tuple(extra_keys))
 
 
-def _block_hashes(token_ids, block_size, cache_salt, hash_fn, *, chain=True, partial=False, salt_everywhere=False,
-                  salt_none_key=False, salt_forgotten=False) -> list:
+def _block_hashes(
+    token_ids,
+    block_size,
+    cache_salt,
+    hash_fn,
+    *,
+    chain=True,
+    partial=False,
+    salt_everywhere=False,
+    salt_none_key=False,
+    salt_forgotten=False,
+) -> list:
     """The reference (every flag off), and the typical mistakes (one flag on)."""
     hashes, parent = [], None
     end = -(-len(token_ids) // block_size) if partial else len(token_ids) // block_size
@@ -66,17 +76,27 @@ def _block_hashes(token_ids, block_size, cache_salt, hash_fn, *, chain=True, par
 
 
 _HASH_MISTAKES = [
-    ("Chain the hashes: block i's hash takes block i-1's hash as its parent (None only for block 0), so it stands "
-     "for the whole prefix; the same tokens after a different prefix have different K/V.",
-     lambda *case: _block_hashes(*case, chain=False)),
-    ("Only full blocks get a hash: a partly filled last block is still being written, and cannot be shared.",
-     lambda *case: _block_hashes(*case, partial=True)),
-    ("The salt goes into the first block's extra keys only: every later hash inherits it through the chain.",
-     lambda *case: _block_hashes(*case, salt_everywhere=True)),
-    ("Without a salt the extra keys are empty, (), not (None,).",
-     lambda *case: _block_hashes(*case, salt_none_key=True)),
-    ("Put cache_salt into the first block's extra keys, (cache_salt,): without it two tenants share blocks.",
-     lambda *case: _block_hashes(*case, salt_forgotten=True)),
+    (
+        "Chain the hashes: block i's hash takes block i-1's hash as its parent (None only for block 0), so it stands "
+        "for the whole prefix; the same tokens after a different prefix have different K/V.",
+        lambda *case: _block_hashes(*case, chain=False),
+    ),
+    (
+        "Only full blocks get a hash: a partly filled last block is still being written, and cannot be shared.",
+        lambda *case: _block_hashes(*case, partial=True),
+    ),
+    (
+        "The salt goes into the first block's extra keys only: every later hash inherits it through the chain.",
+        lambda *case: _block_hashes(*case, salt_everywhere=True),
+    ),
+    (
+        "Without a salt the extra keys are empty, (), not (None,).",
+        lambda *case: _block_hashes(*case, salt_none_key=True),
+    ),
+    (
+        "Put cache_salt into the first block's extra keys, (cache_salt,): without it two tenants share blocks.",
+        lambda *case: _block_hashes(*case, salt_forgotten=True),
+    ),
 ]
 
 
@@ -90,16 +110,20 @@ def _hash_cases(rng) -> list[tuple[list[int], int, str | None]]:
     ]
     for _ in range(25):
         bs = rng.choice([1, 2, 4, 16])
-        cases.append(([rng.randrange(50_000) for _ in range(rng.randint(0, 5 * bs))], bs,
-                      rng.choice([None, "alice", "bob"])))  # fmt: skip
+        cases.append(
+            ([rng.randrange(50_000) for _ in range(rng.randint(0, 5 * bs))], bs, rng.choice([None, "alice", "bob"]))
+        )
     return cases
 
 
 def check_block_hashes(block_hashes: Callable, seed: int = 0) -> CheckResult:
     """``block_hashes(token_ids, block_size, cache_salt, hash_fn)`` -> one hash per full block, in order,
     each ``hash_fn(parent_block_hash, block_token_ids, extra_keys)``."""
-    refuse_references(block_hashes, {"PrefixCachingBlockManager": PrefixCachingBlockManager,
-                                     "hash_block_tokens": hash_block_tokens}, "chain the hashes yourself.")  # fmt: skip
+    refuse_references(
+        block_hashes,
+        {"PrefixCachingBlockManager": PrefixCachingBlockManager, "hash_block_tokens": hash_block_tokens},
+        "chain the hashes yourself.",
+    )
     diagnosis = Diagnosis(_HASH_MISTAKES, same=_same, default=(
         "For each full block i: hash_fn(hash of block i-1 or None, its block_size tokens, (cache_salt,) for block 0 "
         "with a salt, else ())."))  # fmt: skip
@@ -107,8 +131,9 @@ def check_block_hashes(block_hashes: Callable, seed: int = 0) -> CheckResult:
         label = f"block_hashes({describe(tokens, limit=6)}, block_size={bs}, cache_salt={salt!r})"
         got = call_learner("block_hashes", block_hashes, list(tokens), bs, salt, _readable_hash)
         if not isinstance(got, list):
-            raise ExerciseError(f"{label} should return a list (one hash per full block), got {describe(got)}",
-                                case=label)  # fmt: skip
+            raise ExerciseError(
+                f"{label} should return a list (one hash per full block), got {describe(got)}", case=label
+            )
         want = _block_hashes(tokens, bs, salt, _readable_hash)
         if got != want:
             diagnosis.record(label, (tokens, bs, salt, _readable_hash), got, want)
@@ -166,14 +191,26 @@ def _lru_queue(num_blocks, ops, *, hit="remove", free="tail", take="head") -> tu
 _LRU_POLICIES = [dict(hit="keep"), dict(hit="touch"), dict(free="head"), dict(take="tail")]
 
 _LRU_MISTAKES = [
-    ("A hit takes the block out of the free queue: it is in use now, and a block in use must never be handed out "
-     "(its owner's K/V would be overwritten).", lambda n, ops: _lru_wrong(n, ops, hit="keep")),
-    ("A hit does not move the block to the recently used end: it leaves the queue until its owners free it, and "
-     "only then goes to the tail.", lambda n, ops: _lru_wrong(n, ops, hit="touch")),
-    ("Evict from the head (least recently used) and free to the tail: taking the most recently freed block throws "
-     "away the prefix most likely to be asked for again.", lambda n, ops: _lru_wrong(n, ops, free="head")),
-    ("Evict from the head (least recently used) and free to the tail: taking the most recently freed block throws "
-     "away the prefix most likely to be asked for again.", lambda n, ops: _lru_wrong(n, ops, take="tail")),
+    (
+        "A hit takes the block out of the free queue: it is in use now, and a block in use must never be handed out "
+        "(its owner's K/V would be overwritten).",
+        lambda n, ops: _lru_wrong(n, ops, hit="keep"),
+    ),
+    (
+        "A hit does not move the block to the recently used end: it leaves the queue until its owners free it, and "
+        "only then goes to the tail.",
+        lambda n, ops: _lru_wrong(n, ops, hit="touch"),
+    ),
+    (
+        "Evict from the head (least recently used) and free to the tail: taking the most recently freed block throws "
+        "away the prefix most likely to be asked for again.",
+        lambda n, ops: _lru_wrong(n, ops, free="head"),
+    ),
+    (
+        "Evict from the head (least recently used) and free to the tail: taking the most recently freed block throws "
+        "away the prefix most likely to be asked for again.",
+        lambda n, ops: _lru_wrong(n, ops, take="tail"),
+    ),
 ]
 
 
@@ -220,9 +257,11 @@ def check_lru_takes(lru_takes: Callable, seed: int = 0) -> CheckResult:
     The queue starts as ``0, 1, ..., num_blocks - 1``; ops are ``("take",)``, ``("free", block)``,
     ``("hit", block)``.
     """
-    refuse_references(lru_takes, {"FreeBlockQueue": FreeBlockQueue,
-                                  "PrefixCachingBlockManager": PrefixCachingBlockManager},
-                      "keep the queue yourself (an OrderedDict or a list will do).")  # fmt: skip
+    refuse_references(
+        lru_takes,
+        {"FreeBlockQueue": FreeBlockQueue, "PrefixCachingBlockManager": PrefixCachingBlockManager},
+        "keep the queue yourself (an OrderedDict or a list will do).",
+    )
     diagnosis = Diagnosis(_LRU_MISTAKES, same=_same, default=(
         "Keep the free blocks in order: take from the head, put a freed block at the tail, and remove a hit block "
         "from wherever it is."))  # fmt: skip
@@ -268,17 +307,29 @@ def _explain_lru_crash(lru_takes: Callable, n: int, ops: list[tuple], label: str
                  if _lru_queue(n, before, **flags)[0] == got and block not in _lru_queue(n, before, **flags)[1]),
                 "Keep the free blocks in order: take from the head, put a freed block at the tail, and remove a hit "
                 "block from wherever it is.")  # fmt: skip
-    message = (f"{label}: your lru_takes raised {type(crash.__cause__).__name__} at op {stop}, {ops[stop]}: block "
-               f"{block} was not in your free queue. Under the rules it is there: every hit in these ops names a "
-               f"block in the free queue (freed, still holding its K/V, not taken since), so your queue went wrong "
-               f"before that op.\nHint: {hint}")
+    message = (
+        f"{label}: your lru_takes raised {type(crash.__cause__).__name__} at op {stop}, {ops[stop]}: block "
+        f"{block} was not in your free queue. Under the rules it is there: every hit in these ops names a "
+        f"block in the free queue (freed, still holding its K/V, not taken since), so your queue went wrong "
+        f"before that op.\nHint: {hint}"
+    )
     raise ExerciseError(message, case=label, got=f"{type(crash.__cause__).__name__} at op {stop}", hint=hint) from crash
 
 
-
 # --- Exercise 3: the lookup the engine admits with -----------------------------------------------
-def _find_longest_cache_hit(token_ids, block_size, cache_salt, hash_fn, get_cached_block, *, short="token",
-                            chain=True, salt="first", at_miss="break", partial=False) -> list:
+def _find_longest_cache_hit(
+    token_ids,
+    block_size,
+    cache_salt,
+    hash_fn,
+    get_cached_block,
+    *,
+    short="token",
+    chain=True,
+    salt="first",
+    at_miss="break",
+    partial=False,
+) -> list:
     """The reference (defaults), and the typical mistakes (one keyword changed).
 
     ``short``: how far short of the end the walk stops ("token": the reference, "none", "block": a whole block);
@@ -315,32 +366,52 @@ class _PartialBlock(Exception):
 
 def _strict_hash(block_size: int):
     """The check's hash function: readable (see :func:`_readable_hash`), and only for full blocks."""
+
     def hash_fn(parent, token_ids, extra_keys=()):
         if len(token_ids) != block_size:
             raise _PartialBlock(len(token_ids))
         return _readable_hash(parent, token_ids, extra_keys)
+
     return hash_fn
 
 
 _LOOKUP_MISTAKES = [
-    ("Stop one token short: look up the full blocks of token_ids[:-1]. When the prompt is an exact number of cached "
-     "blocks, the last token must still be computed, because its logits give the first output token.",
-     lambda *case: _lookup_case(case, short="none")),
-    ("Stop one *token* short, not one block: when the last block is partly filled, every full block can be a hit "
-     "((len(token_ids) - 1) // block_size of them).", lambda *case: _lookup_case(case, short="block")),
-    ("Put cache_salt in the first block's extra keys, (cache_salt,): the blocks were cached under the salted chain, "
-     "and without it a tenant would read another tenant's blocks.", lambda *case: _lookup_case(case, salt="none")),
-    ("The salt goes into the first block's extra keys only: later blocks inherit it through the chain, and were "
-     "cached with extra keys ().", lambda *case: _lookup_case(case, salt="every")),
-    ("Chain the hashes: block i is looked up by hash_fn(hash of block i-1, its tokens, extra keys), the hash the "
-     "cache stored it under. A block's own tokens alone do not say what came before them.",
-     lambda *case: _lookup_case(case, chain=False)),
+    (
+        "Stop one token short: look up the full blocks of token_ids[:-1]. When the prompt is an exact number of cached "
+        "blocks, the last token must still be computed, because its logits give the first output token.",
+        lambda *case: _lookup_case(case, short="none"),
+    ),
+    (
+        "Stop one *token* short, not one block: when the last block is partly filled, every full block can be a hit "
+        "((len(token_ids) - 1) // block_size of them).",
+        lambda *case: _lookup_case(case, short="block"),
+    ),
+    (
+        "Put cache_salt in the first block's extra keys, (cache_salt,): the blocks were cached under the salted chain, "
+        "and without it a tenant would read another tenant's blocks.",
+        lambda *case: _lookup_case(case, salt="none"),
+    ),
+    (
+        "The salt goes into the first block's extra keys only: later blocks inherit it through the chain, and were "
+        "cached with extra keys ().",
+        lambda *case: _lookup_case(case, salt="every"),
+    ),
+    (
+        "Chain the hashes: block i is looked up by hash_fn(hash of block i-1, its tokens, extra keys), the hash the "
+        "cache stored it under. A block's own tokens alone do not say what came before them.",
+        lambda *case: _lookup_case(case, chain=False),
+    ),
     ("Without a salt the extra keys are (), not (None,).", lambda *case: _lookup_case(case, salt="nonekey")),
-    ("Stop at the first miss: a block after a missing one cannot be used (its K/V assume the missing block's), and "
-     "the hits must be the prompt's first blocks, in order.", lambda *case: _lookup_case(case, at_miss="continue")),
+    (
+        "Stop at the first miss: a block after a missing one cannot be used (its K/V assume the missing block's), and "
+        "the hits must be the prompt's first blocks, in order.",
+        lambda *case: _lookup_case(case, at_miss="continue"),
+    ),
 ]
-_PARTIAL_HINT = ("Only full blocks are cached, so only full blocks have a hash: walk (len(token_ids) - 1) // "
-                 "block_size blocks, never a partly filled last one.")
+_PARTIAL_HINT = (
+    "Only full blocks are cached, so only full blocks have a hash: walk (len(token_ids) - 1) // "
+    "block_size blocks, never a partly filled last one."
+)
 
 
 def _lookup_case(case, **mistake) -> list:
@@ -402,23 +473,31 @@ def check_prefix_lookup(find_longest_cache_hit: Callable, model=None, seed: int 
     share prefixes (some an exact number of blocks, some with tenants' salts) through the real
     :class:`~kvcourse.serving.Engine`, which admits every request with your lookup.
     """
-    refuse_references(find_longest_cache_hit, {"PrefixCachingBlockManager": PrefixCachingBlockManager,
-                                               "hash_block_tokens": hash_block_tokens},
-                      "walk the blocks yourself.")  # fmt: skip
+    refuse_references(
+        find_longest_cache_hit,
+        {"PrefixCachingBlockManager": PrefixCachingBlockManager, "hash_block_tokens": hash_block_tokens},
+        "walk the blocks yourself.",
+    )
     diagnosis = Diagnosis(_LOOKUP_MISTAKES, same=_same, default=(
         "For each full block of token_ids[:-1]: chain its hash from the previous one (salt in the first block's extra "
         "keys), ask get_cached_block, and stop at the first None."))  # fmt: skip
     rng = case_rng("check_prefix_lookup", seed)
     for tokens, bs, salt, cache in _fixed_lookup_cases() + _lookup_cases(rng):
-        label = (f"find_longest_cache_hit({describe(tokens, limit=6)}, block_size={bs}, cache_salt={salt!r}) "
-                 f"with {len(cache)} blocks cached")  # fmt: skip
+        label = (
+            f"find_longest_cache_hit({describe(tokens, limit=6)}, block_size={bs}, cache_salt={salt!r}) "
+            f"with {len(cache)} blocks cached"
+        )
         try:
             got = call_learner("find_longest_cache_hit", find_longest_cache_hit, list(tokens), bs, salt,
                                _strict_hash(bs), dict(cache).get)  # fmt: skip
         except ExerciseError as exc:
             if isinstance(exc.__cause__, _PartialBlock):
-                fail(label, expected="hashes of full blocks only",
-                     got=f"hash_fn called with a block of {exc.__cause__.args[0]} tokens", hint=_PARTIAL_HINT)
+                fail(
+                    label,
+                    expected="hashes of full blocks only",
+                    got=f"hash_fn called with a block of {exc.__cause__.args[0]} tokens",
+                    hint=_PARTIAL_HINT,
+                )
             raise
         if not isinstance(got, list):
             raise ExerciseError(f"{label} should return a list of block ids, got {describe(got)}", case=label)
@@ -428,10 +507,14 @@ def check_prefix_lookup(find_longest_cache_hit: Callable, model=None, seed: int 
     diagnosis.raise_if_wrong()
     if model is not None:
         _lookup_in_the_engine(find_longest_cache_hit, model, seed)
-        return passed("the engine admitted every request on the blocks your lookup found: the same hits as kvcourse's "
-                      "own lookup, and the same tokens as each prompt run alone.")  # fmt: skip
-    return passed("the longest run of cached full blocks, chained and salted, stopping at the first miss and one "
-                  "token short of the end.")  # fmt: skip
+        return passed(
+            "the engine admitted every request on the blocks your lookup found: the same hits as kvcourse's "
+            "own lookup, and the same tokens as each prompt run alone."
+        )
+    return passed(
+        "the longest run of cached full blocks, chained and salted, stopping at the first miss and one "
+        "token short of the end."
+    )
 
 
 # Token ids (SmolLM2's tokenizer) of a library help desk's instruction and four questions: natural text, so no two
@@ -471,9 +554,15 @@ def _serve(model, rounds, lookup) -> tuple[list[list[int]], list[tuple[int, int]
                  enable_prefix_caching=True)  # fmt: skip
     # The engine hands the lookup its own hash and block getter (a PrefixCachingBlockManager's, which the check
     # refuses as an answer): lent by the check, so the learner's calls of them are not refused.
-    eng.block_manager.find_longest_cache_hit = None if lookup is None else (
-        lambda token_ids, block_size, cache_salt, hash_fn, get_cached_block:
-        _lookup_watched(lookup, token_ids, block_size, cache_salt, lend(hash_fn), lend(get_cached_block)))
+    eng.block_manager.find_longest_cache_hit = (
+        None
+        if lookup is None
+        else (
+            lambda token_ids, block_size, cache_salt, hash_fn, get_cached_block: _lookup_watched(
+                lookup, token_ids, block_size, cache_salt, lend(hash_fn), lend(get_cached_block)
+            )
+        )
+    )
     outs = []
     for prompts, salt in rounds:
         outs += eng.generate(prompts, max_new_tokens=3, cache_salt=salt)

@@ -53,6 +53,7 @@ __all__ = ["check_absorbed_decode", "check_quantizer", "check_ring_slot", "check
 
 # --- Exercise 1: a quantizer ---------------------------------------------------------------------
 
+
 def _fake_quant(x: torch.Tensor, bits: int) -> torch.Tensor:
     """The right answer: per-row min-max quantization to ``bits``-bit codes, then back (fp32 scale)."""
     levels = 2**bits - 1
@@ -89,17 +90,31 @@ def _codes_only(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 _QUANT_MISTAKES = [
-    ("With b bits the codes run from 0 to 2**b - 1: that is 2**b - 1 steps from the row's minimum to its maximum, "
-     "so scale = (max - min) / (2**b - 1). Dividing by 2**b leaves the largest value short.",
-     lambda x, bits: _with_levels(x, bits, 2**bits)),
-    ("Round to the nearest code (torch.round) instead of truncating: truncation doubles the worst error and pulls "
-     "every value down.", lambda x, bits: _with_levels(x, bits, 2**bits - 1, torch.floor)),
-    ("One scale and zero point per row: take the minimum and maximum along the last axis (keepdim=True), not over "
-     "the whole tensor.", lambda x, bits: _with_levels(x, bits, 2**bits - 1, per_row=False)),
-    ("Subtract the zero point (the row's minimum) before dividing by the scale, and add it back after: otherwise "
-     "the negative values fall below code 0.", _no_zero_point),
-    ("That is symmetric quantization (codes around 0, scale from the largest |x|). Here the codes are unsigned, "
-     "0 .. 2**b - 1, with the row's minimum as zero point.", _symmetric),
+    (
+        "With b bits the codes run from 0 to 2**b - 1: that is 2**b - 1 steps from the row's minimum to its maximum, "
+        "so scale = (max - min) / (2**b - 1). Dividing by 2**b leaves the largest value short.",
+        lambda x, bits: _with_levels(x, bits, 2**bits),
+    ),
+    (
+        "Round to the nearest code (torch.round) instead of truncating: truncation doubles the worst error and pulls "
+        "every value down.",
+        lambda x, bits: _with_levels(x, bits, 2**bits - 1, torch.floor),
+    ),
+    (
+        "One scale and zero point per row: take the minimum and maximum along the last axis (keepdim=True), not over "
+        "the whole tensor.",
+        lambda x, bits: _with_levels(x, bits, 2**bits - 1, per_row=False),
+    ),
+    (
+        "Subtract the zero point (the row's minimum) before dividing by the scale, and add it back after: otherwise "
+        "the negative values fall below code 0.",
+        _no_zero_point,
+    ),
+    (
+        "That is symmetric quantization (codes around 0, scale from the largest |x|). Here the codes are unsigned, "
+        "0 .. 2**b - 1, with the row's minimum as zero point.",
+        _symmetric,
+    ),
     ("Return the values the codes stand for (code * scale + zero point), not the codes.", _codes_only),
 ]
 
@@ -115,8 +130,9 @@ def _same_codes(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, bits: in
     return bool((close | (tie & (diff <= step * 1.001))).all())
 
 
-def check_quantizer(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int = 0, *,
-                    device: torch.device | str | None = None) -> CheckResult:
+def check_quantizer(
+    fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int = 0, *, device: torch.device | str | None = None
+) -> CheckResult:
     """``fn(x, bits)`` -> the values ``x`` comes back as after ``bits``-bit asymmetric quantization of each row.
 
     Every row (the last axis) is one group: zero point = the row's minimum, scale = its range over
@@ -136,9 +152,11 @@ def check_quantizer(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int =
         if rng.random() < 0.5:
             x[..., rng.randrange(shape[-1])] *= 8  # an outlier in some rows
         cases.append((x, bits))
-    diagnosis = Diagnosis(_QUANT_MISTAKES, "Per row: scale = (max - min) / (2**bits - 1), code = round((x - min) / "
-                          "scale), value = code * scale + min.",
-                          lambda got, wrong: torch.allclose(got.float(), wrong.float(), rtol=1e-4, atol=1e-4))  # fmt: skip
+    diagnosis = Diagnosis(
+        _QUANT_MISTAKES,
+        "Per row: scale = (max - min) / (2**bits - 1), code = round((x - min) / scale), value = code * scale + min.",
+        lambda got, wrong: torch.allclose(got.float(), wrong.float(), rtol=1e-4, atol=1e-4),
+    )
     for x, bits in cases:
         case = f"quantize-dequantize({describe(x)}, bits={bits})"
         want = _fake_quant(x, bits)
@@ -155,11 +173,14 @@ def check_quantizer(fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int =
         fail("quantize-dequantize of a constant row [1.5, 1.5, ...], bits=4", expected=flat, got=got,
              hint="max - min is 0 for a constant row: guard the division (any nonzero scale works there, "
                   "every code is 0 and the row comes back as its minimum).")  # fmt: skip
-    return passed("every value comes back within half a step (scale / 2) of itself, and the step is the row's "
-                  "range over 2**bits - 1.")  # fmt: skip
+    return passed(
+        "every value comes back within half a step (scale / 2) of itself, and the step is the row's "
+        "range over 2**bits - 1."
+    )
 
 
 # --- Exercise 2: the ring buffer with attention sinks ---------------------------------------------
+
 
 def _held(slot_for: Callable[[int, int, int], int], num_tokens: int, num_sinks: int, window: int) -> list[int]:
     slots = [-1] * (num_sinks + window)
@@ -173,12 +194,20 @@ def _expected_held(num_tokens: int, num_sinks: int, window: int) -> list[int]:
 
 
 _RING_MISTAKES = [
-    ("The sinks were overwritten: the ring turns over the window's slots only. Positions below num_sinks keep "
-     "their slots for good.", lambda p, s, w: p % (s + w)),
-    ("The ring ignores the sinks: slot p % window lands on a sink's slot. The ring's slots come after the sinks.",
-     lambda p, s, w: p % w if p >= s else p),
-    ("Once the cache is full, a ring buffer overwrites its *oldest* token (the one window positions back), not "
-     "its newest.", lambda p, s, w: min(p, s + w - 1)),
+    (
+        "The sinks were overwritten: the ring turns over the window's slots only. Positions below num_sinks keep "
+        "their slots for good.",
+        lambda p, s, w: p % (s + w),
+    ),
+    (
+        "The ring ignores the sinks: slot p % window lands on a sink's slot. The ring's slots come after the sinks.",
+        lambda p, s, w: p % w if p >= s else p,
+    ),
+    (
+        "Once the cache is full, a ring buffer overwrites its *oldest* token (the one window positions back), not "
+        "its newest.",
+        lambda p, s, w: min(p, s + w - 1),
+    ),
 ]
 
 
@@ -190,8 +219,11 @@ def check_ring_slot(slot_for: Callable[[int, int, int], int], model=None, seed: 
     """
     if not callable(slot_for):
         raise ExerciseError(f"pass your function slot_for(pos, num_sinks, window), got {type(slot_for).__name__}")
-    refuse_references(slot_for, {"ring_slot": _window.ring_slot, "SinkKVCache": _window.SinkKVCache},
-                      "write the slot formula yourself.")  # fmt: skip
+    refuse_references(
+        slot_for,
+        {"ring_slot": _window.ring_slot, "SinkKVCache": _window.SinkKVCache},
+        "write the slot formula yourself.",
+    )
     rng = case_rng("ch08.check_ring_slot", seed)
     pairs = [(4, 4), (0, 3), (1, 1), (2, 5)] + [(rng.randint(0, 4), rng.randint(1, 6)) for _ in range(6)]
     diagnosis = Diagnosis([(hint, (lambda m: lambda n, s, w: sorted(p for p in _held(m, n, s, w) if p >= 0))(m))
@@ -219,8 +251,10 @@ def check_ring_slot(slot_for: Callable[[int, int, int], int], model=None, seed: 
     diagnosis.raise_if_wrong()
     if model is not None:
         _ring_on_the_model(slot_for, model)
-    return passed("each token overwrites the one that came window positions earlier, and the sinks stay: memory is "
-                  "bounded at num_sinks + window tokens.")  # fmt: skip
+    return passed(
+        "each token overwrites the one that came window positions earlier, and the sinks stay: memory is "
+        "bounded at num_sinks + window tokens."
+    )
 
 
 def _ring_on_the_model(slot_for: Callable[[int, int, int], int], model) -> None:
@@ -233,33 +267,40 @@ def _ring_on_the_model(slot_for: Callable[[int, int, int], int], model) -> None:
     ids = [1, 504, 3458, 282, 4649, 314, 17, 30, 2045, 1099, 28, 253, 1183, 314, 16, 4, 2116, 18]
     num_sinks, window = 2, 5
     want = on_host(_window.simulate_window_logits(model, ids, window, num_sinks))
-    cache = LearnerRing.for_model(model.config, window=window, num_sinks=num_sinks, dtype=model.dtype,
-                                  device=model.device)  # fmt: skip
+    cache = LearnerRing.for_model(
+        model.config, window=window, num_sinks=num_sinks, dtype=model.dtype, device=model.device
+    )
     got = on_host(torch.cat([model(torch.tensor([[i]], device=model.device), cache=cache)[0] for i in ids]).float())
     scale = float(want.abs().max())
     if not torch.allclose(got, want, rtol=0, atol=1e-4 * scale):
-        fail(f"decoding {len(ids)} tokens on the real model through your ring (num_sinks={num_sinks}, "
-             f"window={window})", expected="the logits of exact sliding-window attention with sinks",
-             got=tensor_diff(got, want), hint="The positions held look right; check the slot is an int for every "
-             "position and that nothing else writes into the sinks.")  # fmt: skip
+        fail(
+            f"decoding {len(ids)} tokens on the real model through your ring (num_sinks={num_sinks}, window={window})",
+            expected="the logits of exact sliding-window attention with sinks",
+            got=tensor_diff(got, want),
+            hint="The positions held look right; check the slot is an int for every "
+            "position and that nothing else writes into the sinks.",
+        )
 
 
 # --- Exercise 3: SnapKV's scores ------------------------------------------------------------------
+
 
 def _attention_probs(gen: torch.Generator, num_heads: int, seq_len: int) -> torch.Tensor:
     """Causal attention weights ``[num_heads, seq_len, seq_len]`` that look like a prefill's: a sink at
     position 0, a few keys every head's queries favour, and noise."""
     logits = torch.randn(num_heads, seq_len, seq_len, generator=gen, device="cpu")
     hot = torch.randint(0, seq_len, (num_heads, 4), generator=gen, device="cpu")
-    logits.scatter_add_(-1, hot[:, None].expand(num_heads, seq_len, 4), torch.full((num_heads, seq_len, 4), 3.0,
-                                                                                     device="cpu"))  # fmt: skip
+    logits.scatter_add_(
+        -1, hot[:, None].expand(num_heads, seq_len, 4), torch.full((num_heads, seq_len, 4), 3.0, device="cpu")
+    )
     logits[..., 0] += 2.0  # an attention sink
     future = torch.ones(seq_len, seq_len, dtype=torch.bool, device="cpu").triu(1)
     return torch.softmax(logits.masked_fill(future, float("-inf")), -1)
 
 
-def _snapkv_votes(probs: torch.Tensor, num_kv_heads: int, window: int, *, all_queries: bool = False,
-                  interleaved: bool = False) -> torch.Tensor:
+def _snapkv_votes(
+    probs: torch.Tensor, num_kv_heads: int, window: int, *, all_queries: bool = False, interleaved: bool = False
+) -> torch.Tensor:
     """``[num_kv_heads, S]``: the attention each prompt token gets from the observation window's queries,
     summed over the query heads that share a KV head (or, as mistakes, from every query / the wrong heads)."""
     h, s, _ = probs.shape
@@ -313,8 +354,9 @@ def _same_keep(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor) -> b
         return False
     if got.min() < 0 or got.max() >= scores.shape[-1]:
         return False
-    return torch.allclose(scores.gather(-1, got).sort(-1).values, scores.gather(-1, want).sort(-1).values,
-                          rtol=1e-5, atol=1e-7)
+    return torch.allclose(
+        scores.gather(-1, got).sort(-1).values, scores.gather(-1, want).sort(-1).values, rtol=1e-5, atol=1e-7
+    )
 
 
 def _mostly_same(got: torch.Tensor, wrong: torch.Tensor) -> bool:
@@ -338,23 +380,33 @@ def _snapkv_ranked(probs, num_kv_heads, window, kernel) -> torch.Tensor:
 
 
 _SNAPKV_MISTAKES = [
-    ("Score with the observation window's queries only, the last `window` rows of probs: summing every query's "
-     "attention is H2O's heavy-hitter score, not SnapKV's.",
-     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, all_queries=True, ranked=True)),
-    ("Max-pool the scores along the tokens (kernel `kernel`, stride 1, padding kernel // 2) before choosing: a "
-     "token next to a hit is kept with it, so phrases survive whole.",
-     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, pool=False, ranked=True)),
-    ("Keep the observation window's own `window` tokens whatever their score, and give the rest of the budget to "
-     "the best pooled scores.",
-     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, keep_window=False, ranked=True)),
-    ("KV head j serves query heads j * group ... (j + 1) * group - 1 (group = num_heads // num_kv_heads), "
-     "consecutive heads as `repeat_interleave` lays them out, not heads j, j + num_kv_heads, ...",
-     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, interleaved=True, ranked=True)),
+    (
+        "Score with the observation window's queries only, the last `window` rows of probs: summing every query's "
+        "attention is H2O's heavy-hitter score, not SnapKV's.",
+        lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, all_queries=True, ranked=True),
+    ),
+    (
+        "Max-pool the scores along the tokens (kernel `kernel`, stride 1, padding kernel // 2) before choosing: a "
+        "token next to a hit is kept with it, so phrases survive whole.",
+        lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, pool=False, ranked=True),
+    ),
+    (
+        "Keep the observation window's own `window` tokens whatever their score, and give the rest of the budget to "
+        "the best pooled scores.",
+        lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, keep_window=False, ranked=True),
+    ),
+    (
+        "KV head j serves query heads j * group ... (j + 1) * group - 1 (group = num_heads // num_kv_heads), "
+        "consecutive heads as `repeat_interleave` lays them out, not heads j, j + num_kv_heads, ...",
+        lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, interleaved=True, ranked=True),
+    ),
     # issue 47: the paper's code, which the exercise text now rules out in so many words
-    ("Pool all S scores, the observation window's own tokens included, as DroppingKVCache does: a prefix token "
-     "within kernel // 2 of the window takes the pooled maximum over window tokens too. SnapKV's own code pools "
-     "the prefix alone (probs[:, -window:, :-window]); this exercise does not.",
-     lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, prefix_pool=True, ranked=True)),
+    (
+        "Pool all S scores, the observation window's own tokens included, as DroppingKVCache does: a prefix token "
+        "within kernel // 2 of the window takes the pooled maximum over window tokens too. SnapKV's own code pools "
+        "the prefix alone (probs[:, -window:, :-window]); this exercise does not.",
+        lambda probs, g, b, w, k: _snapkv_keep(probs, g, b, w, k, prefix_pool=True, ranked=True),
+    ),
 ]
 
 
@@ -364,8 +416,10 @@ def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
     for head, (g, w) in enumerate(zip(got.tolist(), want.tolist())):
         for i, (a, b) in enumerate(zip(g, w)):
             if a != b:
-                return (f"; first difference at [{head}, {i}]: expected position {b}, got {a} "
-                        f"(KV head {head} keeps {sorted(set(g) - set(w))} instead of {sorted(set(w) - set(g))})")
+                return (
+                    f"; first difference at [{head}, {i}]: expected position {b}, got {a} "
+                    f"(KV head {head} keeps {sorted(set(g) - set(w))} instead of {sorted(set(w) - set(g))})"
+                )
     return ""
 
 
@@ -375,8 +429,11 @@ def check_snapkv_keep(snapkv_keep: Callable, seed: int = 0, *, device: torch.dev
     ``probs [num_heads, S, S]`` (handed to it on ``device``, default_device() by default); compared with what
     :class:`~kvcourse.compression.DroppingKVCache` keeps."""
     device = learner_device(device)
-    refuse_references(snapkv_keep, {"select_tokens": select_tokens, "DroppingKVCache": DroppingKVCache},
-                      "score and choose the tokens yourself.")  # fmt: skip
+    refuse_references(
+        snapkv_keep,
+        {"select_tokens": select_tokens, "DroppingKVCache": DroppingKVCache},
+        "score and choose the tokens yourself.",
+    )
     rng, gen = case_rng("ch08.check_snapkv_keep", seed), case_generator("ch08.check_snapkv_keep", seed)
     cases = []
     for num_heads, num_kv_heads in [(4, 2), (6, 3), (9, 3), (6, 2), (4, 1), (8, 4)]:
@@ -384,9 +441,14 @@ def check_snapkv_keep(snapkv_keep: Callable, seed: int = 0, *, device: torch.dev
         window, kernel = rng.choice([4, 8, 16]), rng.choice([3, 5, 7])
         budget = rng.randint(window + 4, s - 8)
         cases.append((_attention_probs(gen, num_heads, s), num_kv_heads, budget, window, kernel))
-    diagnosis = Diagnosis(_SNAPKV_MISTAKES, same=_like_mistake, default=(
-        "Per query head: sum probs over the last `window` queries; add up the heads of each KV head's group; "
-        "max-pool along the tokens; force the last `window` tokens in; keep the top `budget`; sort the positions."))
+    diagnosis = Diagnosis(
+        _SNAPKV_MISTAKES,
+        same=_like_mistake,
+        default=(
+            "Per query head: sum probs over the last `window` queries; add up the heads of each KV head's group; "
+            "max-pool along the tokens; force the last `window` tokens in; keep the top `budget`; sort the positions."
+        ),
+    )
     for probs, g, b, w, k in cases:
         label = f"snapkv_keep(probs {list(probs.shape)}, num_kv_heads={g}, budget={b}, window={w}, kernel={k})"
         want = _package_keep(probs, g, b, w, k)
@@ -394,8 +456,12 @@ def check_snapkv_keep(snapkv_keep: Callable, seed: int = 0, *, device: torch.dev
         expect_tensor(label, got, (g, b), what="(per KV head, the kept positions)")
         got = on_host(got).long()
         if not bool((got[:, 1:] > got[:, :-1]).all()):
-            fail(label, expected="positions in ascending order, each once", got=got,
-                 hint="Sort each KV head's kept positions (topk returns them by score), e.g. .sort(-1).values.")
+            fail(
+                label,
+                expected="positions in ascending order, each once",
+                got=got,
+                hint="Sort each KV head's kept positions (topk returns them by score), e.g. .sort(-1).values.",
+            )
         if not _same_keep(got, want, _snapkv_ranked(probs, g, w, k)):
             diagnosis.record(label, (probs, g, b, w, k), got, want, extra=_first_difference(got, want))
     diagnosis.raise_if_wrong()
@@ -404,8 +470,10 @@ def check_snapkv_keep(snapkv_keep: Callable, seed: int = 0, *, device: torch.dev
 
 # --- Exercise 4: MLA's weight absorption ----------------------------------------------------------
 
-def _absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, rope=True, scaled=True, softmax_dim=-1,
-              swap=False) -> torch.Tensor:
+
+def _absorbed(
+    q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, rope=True, scaled=True, softmax_dim=-1, swap=False
+) -> torch.Tensor:
     """One decode step in latent space (every flag default: right; one flag changed: a typical mistake)."""
     w_k, w_v = (w_uv, w_uk) if swap else (w_uk, w_uv)
     q_latent = torch.einsum("hn,hnc->hc", q_nope, w_k)  # W_uk absorbed into the query
@@ -415,16 +483,24 @@ def _absorbed(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale, *, rope=True, s
 
 
 _MLA_MISTAKES = [
-    ("Add the RoPE part of the score, q_rope @ k_rope.T: RoPE depends on the key's position, so it cannot be "
-     "absorbed into the latent and MLA caches that small key beside it.",
-     lambda *case: _absorbed(*case, rope=False)),
-    ("Multiply the scores by `scale` (1 / sqrt of the whole query head, nope + rope) before the softmax.",
-     lambda *case: _absorbed(*case, scaled=False)),
-    ("Take the softmax over the cached tokens (the last axis of the [heads, tokens] scores), not over the heads.",
-     lambda *case: _absorbed(*case, softmax_dim=0)),
-    ("The keys come from W_uk (absorb it into the query) and the values from W_uv (absorb it into the output); "
-     "they are swapped.",
-     lambda *case: _absorbed(*case, swap=True)),
+    (
+        "Add the RoPE part of the score, q_rope @ k_rope.T: RoPE depends on the key's position, so it cannot be "
+        "absorbed into the latent and MLA caches that small key beside it.",
+        lambda *case: _absorbed(*case, rope=False),
+    ),
+    (
+        "Multiply the scores by `scale` (1 / sqrt of the whole query head, nope + rope) before the softmax.",
+        lambda *case: _absorbed(*case, scaled=False),
+    ),
+    (
+        "Take the softmax over the cached tokens (the last axis of the [heads, tokens] scores), not over the heads.",
+        lambda *case: _absorbed(*case, softmax_dim=0),
+    ),
+    (
+        "The keys come from W_uk (absorb it into the query) and the values from W_uv (absorb it into the output); "
+        "they are swapped.",
+        lambda *case: _absorbed(*case, swap=True),
+    ),
 ]
 
 
@@ -447,8 +523,14 @@ def _mla_case(rng, gen, seed: int):
     """A random MLA layer, a prompt prefilled into its latent cache, and one decode step: the learner's
     arguments, and the per-head output of the expanded form (:meth:`MultiHeadLatentAttention.expanded_kv`)."""
     heads, head_dim, rope_dim = rng.choice([2, 3, 4]), rng.choice([8, 16]), rng.choice([4, 6])
-    config = MLAConfig(hidden_size=rng.choice([48, 64]), num_heads=heads, qk_nope_head_dim=head_dim,
-                       qk_rope_head_dim=rope_dim, v_head_dim=head_dim, kv_lora_rank=rng.choice([20, 24, 40]))
+    config = MLAConfig(
+        hidden_size=rng.choice([48, 64]),
+        num_heads=heads,
+        qk_nope_head_dim=head_dim,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=head_dim,
+        kv_lora_rank=rng.choice([20, 24, 40]),
+    )
     mla = MultiHeadLatentAttention(config, seed=seed, device="cpu")
     # Every size distinct, so that a tensor's shape says what it holds (the check looks for per-head K or V).
     sizes = {heads, head_dim, rope_dim, config.kv_lora_rank, config.hidden_size, heads * head_dim}
@@ -469,31 +551,43 @@ def _mla_case(rng, gen, seed: int):
     return mla, args, want, layer_out
 
 
-def check_absorbed_decode(absorbed_decode: Callable, seed: int = 0, *,
-                          device: torch.device | str | None = None) -> CheckResult:
+def check_absorbed_decode(
+    absorbed_decode: Callable, seed: int = 0, *, device: torch.device | str | None = None
+) -> CheckResult:
     """``absorbed_decode(q_nope, q_rope, latent, k_rope, w_uk, w_uv, scale)`` -> the new token's attention
     output per head ``[heads, v_head_dim]``, computed on the cached latents (``W_uk`` absorbed into the query,
     ``W_uv`` into the output) and compared with attention over the per-head K and V that
     :meth:`kvcourse.mla.MultiHeadLatentAttention.expanded_kv` rebuilds. The tensors are handed to it on
     ``device`` (the chapter's device, default_device(), by default)."""
     device = learner_device(device)
-    refuse_references(absorbed_decode, {"MultiHeadLatentAttention": MultiHeadLatentAttention},
-                      "compute the step in latent space yourself.")  # fmt: skip
+    refuse_references(
+        absorbed_decode,
+        {"MultiHeadLatentAttention": MultiHeadLatentAttention},
+        "compute the step in latent space yourself.",
+    )
     rng, gen = case_rng("ch08.check_absorbed_decode", seed), case_generator("ch08.check_absorbed_decode", seed)
-    diagnosis = Diagnosis(_MLA_MISTAKES, same=lambda got, wrong: torch.allclose(got, wrong, rtol=1e-4, atol=1e-5),
-                          default="q_latent = q_nope through W_uk (per head: q_nope[h] @ w_uk[h]); scores = "
-                                  "(q_latent @ latent.T + q_rope @ k_rope.T) * scale; softmax over the tokens; "
-                                  "context = probs @ latent; output = context through W_uv (per head: "
-                                  "w_uv[h] @ context[h]).")  # fmt: skip
+    diagnosis = Diagnosis(
+        _MLA_MISTAKES,
+        same=lambda got, wrong: torch.allclose(got, wrong, rtol=1e-4, atol=1e-5),
+        default="q_latent = q_nope through W_uk (per head: q_nope[h] @ w_uk[h]); scores = "
+        "(q_latent @ latent.T + q_rope @ k_rope.T) * scale; softmax over the tokens; "
+        "context = probs @ latent; output = context through W_uv (per head: "
+        "w_uv[h] @ context[h]).",
+    )
     for i in range(6):
         mla, args, want, layer_out = _mla_case(rng, gen, seed * 100 + i)
         q_nope, _, latent, _, w_uk, _, _ = args
-        label = (f"absorbed_decode(heads={q_nope.shape[0]}, head_dim={q_nope.shape[1]}, kv_lora_rank="
-                 f"{latent.shape[1]}, {latent.shape[0]} cached tokens)")
+        label = (
+            f"absorbed_decode(heads={q_nope.shape[0]}, head_dim={q_nope.shape[1]}, kv_lora_rank="
+            f"{latent.shape[1]}, {latent.shape[0]} cached tokens)"
+        )
         recorder = _ShapeRecorder()
         with recorder:
-            got = call_learner("absorbed_decode", absorbed_decode, *(handed(a, device) if isinstance(a, torch.Tensor)
-                                                                      else a for a in args))  # fmt: skip
+            got = call_learner(
+                "absorbed_decode",
+                absorbed_decode,
+                *(handed(a, device) if isinstance(a, torch.Tensor) else a for a in args),
+            )
         expect_tensor(label, got, tuple(want.shape), what="(heads, v_head_dim)")
         got = on_host(got)
         if not torch.allclose(got.float(), want, rtol=1e-4, atol=1e-5):
@@ -508,14 +602,26 @@ def check_absorbed_decode(absorbed_decode: Callable, seed: int = 0, *,
                       "Absorb instead: move the query into latent space through W_uk, attend over the latents, "
                       "and apply W_uv to the latent context.")  # fmt: skip
     diagnosis.raise_if_wrong()
-    return passed("attention over the latents, W_uk in the query and W_uv in the output, equals attention over "
-                  "the expanded per-head K and V, and never builds them.")
+    return passed(
+        "attention over the latents, W_uk in the query and W_uv in the output, equals attention over "
+        "the expanded per-head K and V, and never builds them."
+    )
 
 
 # --- Exercise 5: the error a quantizer should give, before it runs ---------------------------------------------------
 
-def _mse_wrong(x: torch.Tensor, bits: int, dim: int, *, levels: int | None = None, per: float = 12,
-               whole: bool = False, squared: bool = True, mean_step: bool = False) -> float:
+
+def _mse_wrong(
+    x: torch.Tensor,
+    bits: int,
+    dim: int,
+    *,
+    levels: int | None = None,
+    per: float = 12,
+    whole: bool = False,
+    squared: bool = True,
+    mean_step: bool = False,
+) -> float:
     """The rounding-noise model with one typical slip."""
     xf = x.float()
     lo = xf.amin() if whole else xf.amin(dim, keepdim=True)
@@ -531,31 +637,48 @@ def _other_axis(x: torch.Tensor, dim: int) -> int:
 
 
 _MSE_MISTAKES = [
-    ("b bits give 2**b codes, so 2**b - 1 steps between the group's min and max.",
-     lambda x, b, d: _mse_wrong(x, b, d, levels=2**b)),
-    ("Half a step is the largest error, not the typical one: an error spread evenly over [-step/2, step/2] has a "
-     "mean square of step**2 / 12, not step**2 / 4.", lambda x, b, d: _mse_wrong(x, b, d, per=4)),
-    ("Each group has its own range: min and max along dim, one step per group, not one for the whole tensor.",
-     lambda x, b, d: _mse_wrong(x, b, d, whole=True)),
-    ("The groups run along dim: reduce min and max over dim (keepdim), not over the other axis.",
-     lambda x, b, d: _mse_wrong(x, b, _other_axis(x, d))),
-    ("Square the step: a mean squared error is in squared units, step**2 / 12.",
-     lambda x, b, d: _mse_wrong(x, b, d, squared=False)),
-    ("Average the squared steps, not the steps: groups with a wide range weigh in squared.",
-     lambda x, b, d: _mse_wrong(x, b, d, mean_step=True)),
+    (
+        "b bits give 2**b codes, so 2**b - 1 steps between the group's min and max.",
+        lambda x, b, d: _mse_wrong(x, b, d, levels=2**b),
+    ),
+    (
+        "Half a step is the largest error, not the typical one: an error spread evenly over [-step/2, step/2] has a "
+        "mean square of step**2 / 12, not step**2 / 4.",
+        lambda x, b, d: _mse_wrong(x, b, d, per=4),
+    ),
+    (
+        "Each group has its own range: min and max along dim, one step per group, not one for the whole tensor.",
+        lambda x, b, d: _mse_wrong(x, b, d, whole=True),
+    ),
+    (
+        "The groups run along dim: reduce min and max over dim (keepdim), not over the other axis.",
+        lambda x, b, d: _mse_wrong(x, b, _other_axis(x, d)),
+    ),
+    (
+        "Square the step: a mean squared error is in squared units, step**2 / 12.",
+        lambda x, b, d: _mse_wrong(x, b, d, squared=False),
+    ),
+    (
+        "Average the squared steps, not the steps: groups with a wide range weigh in squared.",
+        lambda x, b, d: _mse_wrong(x, b, d, mean_step=True),
+    ),
 ]
 
 
-def check_rounding_mse(fn: Callable[[torch.Tensor, int, int], float], seed: int = 0, *,
-                       device: torch.device | str | None = None) -> CheckResult:
+def check_rounding_mse(
+    fn: Callable[[torch.Tensor, int, int], float], seed: int = 0, *, device: torch.device | str | None = None
+) -> CheckResult:
     """``fn(x, bits, dim)`` -> the mean squared error ``bits``-bit asymmetric quantization of ``x`` in groups along
     ``dim`` should give, from the groups' ranges (the rounding-noise model,
     :func:`kvcourse.compression.quantization.rounding_mse`). ``x`` is handed to ``fn`` on ``device``."""
     device = learner_device(device)
     if not callable(fn):
         raise ExerciseError(f"pass your function fn(x, bits, dim), got {type(fn).__name__}")
-    refuse_references(fn, {"rounding_mse": rounding_mse, "fake_quantize": fake_quantize},
-                      "predict from the ranges, without quantizing.")  # fmt: skip
+    refuse_references(
+        fn,
+        {"rounding_mse": rounding_mse, "fake_quantize": fake_quantize},
+        "predict from the ranges, without quantizing.",
+    )
     rng = case_rng("ch08.check_rounding_mse", seed)
     gen = case_generator("ch08.check_rounding_mse", seed)
     cases = []
@@ -564,9 +687,11 @@ def check_rounding_mse(fn: Callable[[torch.Tensor, int, int], float], seed: int 
         x = torch.randn(*shape, generator=gen, device="cpu") * rng.uniform(0.5, 3)
         x[..., rng.randrange(shape[-1])] *= 10  # an outlier channel, as keys have
         cases.append((x, bits, dim))
-    diagnosis = Diagnosis(_MSE_MISTAKES, "Per group (along dim): step = (max - min) / (2**bits - 1); predict "
-                          "step**2 / 12 for each value and average.",
-                          lambda got, wrong: abs(got - wrong) <= 1e-5 * abs(wrong) + 1e-12)  # fmt: skip
+    diagnosis = Diagnosis(
+        _MSE_MISTAKES,
+        "Per group (along dim): step = (max - min) / (2**bits - 1); predict step**2 / 12 for each value and average.",
+        lambda got, wrong: abs(got - wrong) <= 1e-5 * abs(wrong) + 1e-12,
+    )
     for x, bits, dim in cases:
         case = f"rounding_mse({describe(x)}, bits={bits}, dim={dim})"
         got = call_learner("your prediction", fn, handed(x, device), bits, dim)
@@ -580,8 +705,10 @@ def check_rounding_mse(fn: Callable[[torch.Tensor, int, int], float], seed: int 
     diagnosis.raise_if_wrong()
     x, _, _ = cases[0]
     measured = float((fake_quantize(x, "int4") - x).pow(2).mean())
-    return passed(f"the ranges predict {rounding_mse(x, 4):.4f} for int4 on the first case, and quantizing it "
-                  f"measures {measured:.4f}: rounding noise, step**2 / 12.")
+    return passed(
+        f"the ranges predict {rounding_mse(x, 4):.4f} for int4 on the first case, and quantizing it "
+        f"measures {measured:.4f}: rounding noise, step**2 / 12."
+    )
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -36,10 +36,12 @@ __all__ = ["check_gpu_floor", "check_overlap_gain", "check_step_bytes"]
 
 def _close(got, want) -> bool:
     if isinstance(want, tuple):
-        return (isinstance(got, (tuple, list)) and len(got) == len(want)
-                and all(_close(g, w) for g, w in zip(got, want)))  # fmt: skip
-    return (isinstance(got, (int, float)) and not isinstance(got, bool)
-            and math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9))  # fmt: skip
+        return isinstance(got, (tuple, list)) and len(got) == len(want) and all(_close(g, w) for g, w in zip(got, want))
+    return (
+        isinstance(got, (int, float))
+        and not isinstance(got, bool)
+        and math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9)
+    )
 
 
 # --- Exercise 1: the bytes of a decode step ------------------------------------------------------
@@ -49,8 +51,9 @@ def _step_bytes(num_parameters: int, config: dict, seq_lens: list[int], dtype_by
     return num_parameters * dtype_bytes + per_token * sum(seq_lens)
 
 
-def _bytes_wrong(p, cfg, lens, b, *, no_v=False, q_heads=False, per_seq=False, no_weights=False, no_layers=False,
-                 no_dtype=False):  # fmt: skip
+def _bytes_wrong(
+    p, cfg, lens, b, *, no_v=False, q_heads=False, per_seq=False, no_weights=False, no_layers=False, no_dtype=False
+):
     heads = cfg["num_attention_heads"] if q_heads else cfg["num_key_value_heads"]
     per_token = (1 if no_v else 2) * (1 if no_layers else cfg["num_hidden_layers"]) * heads * cfg["head_dim"]
     per_token *= 1 if no_dtype else b
@@ -59,17 +62,30 @@ def _bytes_wrong(p, cfg, lens, b, *, no_v=False, q_heads=False, per_seq=False, n
 
 
 _BYTES_MISTAKES = [
-    ("The cache holds K and V: two tensors per layer and KV head, so 2 * layers * kv_heads * head_dim * bytes per "
-     "token.", lambda *c: _bytes_wrong(*c, no_v=True)),
-    ("With grouped-query attention the cache has num_key_value_heads heads, not num_attention_heads: the query "
-     "heads share them.", lambda *c: _bytes_wrong(*c, q_heads=True)),
-    ("A step reads every weight once, whatever the batch: the sequences share the read (that is why batching "
-     "pays), so the weights count once, not once per sequence.", lambda *c: _bytes_wrong(*c, per_seq=True)),
-    ("The weights are read every step too: num_parameters * dtype_bytes, on top of the cache.",
-     lambda *c: _bytes_wrong(*c, no_weights=True)),
+    (
+        "The cache holds K and V: two tensors per layer and KV head, so 2 * layers * kv_heads * head_dim * bytes per "
+        "token.",
+        lambda *c: _bytes_wrong(*c, no_v=True),
+    ),
+    (
+        "With grouped-query attention the cache has num_key_value_heads heads, not num_attention_heads: the query "
+        "heads share them.",
+        lambda *c: _bytes_wrong(*c, q_heads=True),
+    ),
+    (
+        "A step reads every weight once, whatever the batch: the sequences share the read (that is why batching "
+        "pays), so the weights count once, not once per sequence.",
+        lambda *c: _bytes_wrong(*c, per_seq=True),
+    ),
+    (
+        "The weights are read every step too: num_parameters * dtype_bytes, on top of the cache.",
+        lambda *c: _bytes_wrong(*c, no_weights=True),
+    ),
     ("Every layer has its own K and V: multiply by num_hidden_layers.", lambda *c: _bytes_wrong(*c, no_layers=True)),
-    ("Count bytes, not elements: multiply the cache's elements by dtype_bytes.",
-     lambda *c: _bytes_wrong(*c, no_dtype=True)),
+    (
+        "Count bytes, not elements: multiply the cache's elements by dtype_bytes.",
+        lambda *c: _bytes_wrong(*c, no_dtype=True),
+    ),
 ]
 
 _SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
@@ -90,11 +106,17 @@ def _bytes_cases(rng) -> list[tuple]:
 
 def check_step_bytes(step_bytes: Callable[[int, dict, list, int], int], seed: int = 0) -> CheckResult:
     """``step_bytes(num_parameters, config, seq_lens, dtype_bytes)`` -> the bytes one decode step reads."""
-    refuse_references(step_bytes, {"step_budget.step_bytes": step_budget.step_bytes},
-                      "count the bytes yourself, from the config.")  # fmt: skip
-    diagnosis = Diagnosis(_BYTES_MISTAKES, same=_close, default=(
-        "A decode step reads num_parameters * dtype_bytes of weights once, and for every token of every sequence "
-        "2 * num_hidden_layers * num_key_value_heads * head_dim * dtype_bytes of K and V."))
+    refuse_references(
+        step_bytes, {"step_budget.step_bytes": step_budget.step_bytes}, "count the bytes yourself, from the config."
+    )
+    diagnosis = Diagnosis(
+        _BYTES_MISTAKES,
+        same=_close,
+        default=(
+            "A decode step reads num_parameters * dtype_bytes of weights once, and for every token of every sequence "
+            "2 * num_hidden_layers * num_key_value_heads * head_dim * dtype_bytes of K and V."
+        ),
+    )
     for case in _bytes_cases(case_rng("check_step_bytes", seed)):
         p, cfg, lens, b = case
         label = f"step_bytes({p:,}, {cfg}, <{len(lens)} sequences, {sum(lens):,} tokens>, {b})"
@@ -106,8 +128,10 @@ def check_step_bytes(step_bytes: Callable[[int, dict, list, int], int], seed: in
             diagnosis.record(label, case, got, want)
     diagnosis.raise_if_wrong()
     smol = _step_bytes(*_bytes_cases(case_rng("check_step_bytes", seed))[0])
-    return passed(f"a SmolLM2-135M step of 64 sequences of 600 tokens in bf16 reads {smol / 1e9:.2f} GB: "
-                  f"{smol / 3.35e12 * 1e3:.2f} ms at an H100's 3.35 TB/s.")
+    return passed(
+        f"a SmolLM2-135M step of 64 sequences of 600 tokens in bf16 reads {smol / 1e9:.2f} GB: "
+        f"{smol / 3.35e12 * 1e3:.2f} ms at an H100's 3.35 TB/s."
+    )
 
 
 # --- Exercise 2: what a graph cannot remove ------------------------------------------------------
@@ -119,14 +143,25 @@ def _gpu_floor(num_bytes: float, bandwidth: float, kernels: int, kernel_us: floa
 # The first mistake that explains every failing case names it. A kernel floor left out (or made 1,000 times too
 # small) fails only where the kernels dominate, where "the smaller of the two" gives the same numbers: it goes first.
 _FLOOR_MISTAKES = [
-    ("The two floors overlap: the kernels move the bytes. The step takes at least the longer of the two, not their "
-     "sum.", lambda n, bw, k, us: 1e3 * n / bw + k * us / 1e3),
-    ("The kernels set a floor too, whatever bytes they move: kernels * kernel_us microseconds, which is "
-     "kernels * kernel_us / 1e3 milliseconds.", lambda n, bw, k, us: 1e3 * n / bw),
-    ("Milliseconds: bytes / bandwidth is in seconds (times 1e3), kernels * kernel_us in microseconds (divided by "
-     "1e3).", lambda n, bw, k, us: max(n / bw, k * us)),
-    ("Both floors hold at once: take the larger (max), not the smaller.",
-     lambda n, bw, k, us: min(1e3 * n / bw, k * us / 1e3)),
+    (
+        "The two floors overlap: the kernels move the bytes. The step takes at least the longer of the two, not their "
+        "sum.",
+        lambda n, bw, k, us: 1e3 * n / bw + k * us / 1e3,
+    ),
+    (
+        "The kernels set a floor too, whatever bytes they move: kernels * kernel_us microseconds, which is "
+        "kernels * kernel_us / 1e3 milliseconds.",
+        lambda n, bw, k, us: 1e3 * n / bw,
+    ),
+    (
+        "Milliseconds: bytes / bandwidth is in seconds (times 1e3), kernels * kernel_us in microseconds (divided by "
+        "1e3).",
+        lambda n, bw, k, us: max(n / bw, k * us),
+    ),
+    (
+        "Both floors hold at once: take the larger (max), not the smaller.",
+        lambda n, bw, k, us: min(1e3 * n / bw, k * us / 1e3),
+    ),
 ]
 
 
@@ -143,9 +178,14 @@ def check_gpu_floor(gpu_floor_ms: Callable[[float, float, int, float], float], s
     refuse_references(gpu_floor_ms, {"step_budget.bytes_floor_ms": step_budget.bytes_floor_ms,
                                      "step_budget.kernel_floor_ms": step_budget.kernel_floor_ms},
                       "write the two floors yourself.")  # fmt: skip
-    diagnosis = Diagnosis(_FLOOR_MISTAKES, same=_close, default=(
-        "The GPU needs step_bytes / bandwidth seconds to read the bytes, and at least kernel_us per kernel: the "
-        "floor is the larger of the two, in milliseconds."))
+    diagnosis = Diagnosis(
+        _FLOOR_MISTAKES,
+        same=_close,
+        default=(
+            "The GPU needs step_bytes / bandwidth seconds to read the bytes, and at least kernel_us per kernel: the "
+            "floor is the larger of the two, in milliseconds."
+        ),
+    )
     for case in _floor_cases(case_rng("check_gpu_floor", seed)):
         label = f"gpu_floor_ms{case}"
         got = call_learner("gpu_floor_ms", gpu_floor_ms, *case)
@@ -156,8 +196,10 @@ def check_gpu_floor(gpu_floor_ms: Callable[[float, float, int, float], float], s
             diagnosis.record(label, case, got, want)
     diagnosis.raise_if_wrong()
     floor = _gpu_floor(1_153_766_016, 3.35e12, 343, 1.4)
-    return passed(f"343 kernels of at least 1.4 µs bound a step at {floor:.2f} ms, above its bytes' floor: kernels, "
-                  "not bytes, set this small model's step.")
+    return passed(
+        f"343 kernels of at least 1.4 µs bound a step at {floor:.2f} ms, above its bytes' floor: kernels, "
+        "not bytes, set this small model's step."
+    )
 
 
 # --- Exercise 3: the gain bound of overlap -------------------------------------------------------
@@ -168,14 +210,23 @@ def _overlap(step_ms: float, host_ms: float, gpu_ms: float) -> tuple[float, floa
 
 
 _OVERLAP_MISTAKES = [
-    ("Overlapped, the host and the GPU still each do their own work: a step takes the longer of the two, max(host, "
-     "gpu), not the shorter.", lambda s, h, g: (min(h, g), s / min(h, g))),
-    ("Overlap hides the shorter part inside the longer one; the step does not shrink to their difference.",
-     lambda s, h, g: (abs(h - g), s / abs(h - g) if h != g else math.inf)),
-    ("The speed-up is the old step over the new one, step_ms / best_ms (above 1).",
-     lambda s, h, g: (max(h, g), max(h, g) / s)),
-    ("Overlap cannot remove the GPU's own work: the best step is max(host_ms, gpu_ms), not step_ms - host_ms.",
-     lambda s, h, g: (s - h, s / (s - h)) if s > h else None),
+    (
+        "Overlapped, the host and the GPU still each do their own work: a step takes the longer of the two, max(host, "
+        "gpu), not the shorter.",
+        lambda s, h, g: (min(h, g), s / min(h, g)),
+    ),
+    (
+        "Overlap hides the shorter part inside the longer one; the step does not shrink to their difference.",
+        lambda s, h, g: (abs(h - g), s / abs(h - g) if h != g else math.inf),
+    ),
+    (
+        "The speed-up is the old step over the new one, step_ms / best_ms (above 1).",
+        lambda s, h, g: (max(h, g), max(h, g) / s),
+    ),
+    (
+        "Overlap cannot remove the GPU's own work: the best step is max(host_ms, gpu_ms), not step_ms - host_ms.",
+        lambda s, h, g: (s - h, s / (s - h)) if s > h else None,
+    ),
 ]
 
 
@@ -189,15 +240,22 @@ def _overlap_cases(rng) -> list[tuple]:
     return cases
 
 
-def check_overlap_gain(overlap_gain: Callable[[float, float, float], tuple[float, float]],
-                       seed: int = 0) -> CheckResult:
+def check_overlap_gain(
+    overlap_gain: Callable[[float, float, float], tuple[float, float]], seed: int = 0
+) -> CheckResult:
     """``overlap_gain(step_ms, host_ms, gpu_ms)`` -> ``(best_ms, speedup)``: the step with the host's work
     overlapped with the GPU's, and the old step over it."""
-    refuse_references(overlap_gain, {"step_budget.overlap_bound": step_budget.overlap_bound},
-                      "bound the gain yourself.")  # fmt: skip
-    diagnosis = Diagnosis(_OVERLAP_MISTAKES, same=_close, default=(
-        "With the host preparing the next step while the GPU runs this one, a step takes max(host_ms, gpu_ms); "
-        "the speed-up is step_ms over that."))
+    refuse_references(
+        overlap_gain, {"step_budget.overlap_bound": step_budget.overlap_bound}, "bound the gain yourself."
+    )
+    diagnosis = Diagnosis(
+        _OVERLAP_MISTAKES,
+        same=_close,
+        default=(
+            "With the host preparing the next step while the GPU runs this one, a step takes max(host_ms, gpu_ms); "
+            "the speed-up is step_ms over that."
+        ),
+    )
     for case in _overlap_cases(case_rng("check_overlap_gain", seed)):
         label = f"overlap_gain{case}"
         got = call_learner("overlap_gain", overlap_gain, *case)
@@ -208,8 +266,10 @@ def check_overlap_gain(overlap_gain: Callable[[float, float, float], tuple[float
             diagnosis.record(label, case, tuple(got), want)
     diagnosis.raise_if_wrong()
     best, speedup = _overlap(2.42, 1.11, 1.79)
-    return passed(f"a 2.42 ms step with 1.11 ms of host work and a 1.79 ms GPU span could take {best:.2f} ms "
-                  f"overlapped: {speedup:.2f}x, and no more.")
+    return passed(
+        f"a 2.42 ms step with 1.11 ms of host work and a 1.79 ms GPU span could take {best:.2f} ms "
+        f"overlapped: {speedup:.2f}x, and no more."
+    )
 
 
 wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -21,4 +21,13 @@ from .grade import NotebookResult, Row, grade_directory, grade_notebook
 from .notebook import Exercise, find_exercises
 from .student import make_stub, student_copy
 
-__all__ = ["Exercise", "NotebookResult", "Row", "find_exercises", "grade_directory", "grade_notebook", "make_stub", "student_copy"]
+__all__ = [
+    "Exercise",
+    "NotebookResult",
+    "Row",
+    "find_exercises",
+    "grade_directory",
+    "grade_notebook",
+    "make_stub",
+    "student_copy",
+]

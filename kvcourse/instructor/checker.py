@@ -136,8 +136,13 @@ def references_of(check) -> list[list[str]]:
     return found
 
 
-def grade_exercise(spec: ExerciseSpec, cells: list[list[str]], timeout: float = 300,
-                   chapter_names: dict[str, str] | None = None, isolation: bool | None = None) -> Verdict:
+def grade_exercise(
+    spec: ExerciseSpec,
+    cells: list[list[str]],
+    timeout: float = 300,
+    chapter_names: dict[str, str] | None = None,
+    isolation: bool | None = None,
+) -> Verdict:
     """Run ``cells`` (``[kind, name, source]``, the solution last) in a sandbox and ``spec``'s check on them.
 
     ``chapter_names`` (:func:`.grade.chapter_names`): where the chapter defines the names the sandbox does not
@@ -161,21 +166,39 @@ def _explain_missing_name(verdict: Verdict, chapter_names: dict[str, str]) -> Ve
     if not found or found[1] not in chapter_names:
         return verdict
     name = found[1]
-    advice = (f"`{name}` is {chapter_names[name]} The answer cell is graded alone, with the chapter's imports: "
-              f"define what your answer needs from `{name}` inside the answer cell, or take it as an argument.")
-    return Verdict(False, f"{verdict.message} {advice}", verdict.case, verdict.expected, verdict.got,
-                   f"{verdict.hint} {advice}".strip())
+    advice = (
+        f"`{name}` is {chapter_names[name]} The answer cell is graded alone, with the chapter's imports: "
+        f"define what your answer needs from `{name}` inside the answer cell, or take it as an argument."
+    )
+    return Verdict(
+        False,
+        f"{verdict.message} {advice}",
+        verdict.case,
+        verdict.expected,
+        verdict.got,
+        f"{verdict.hint} {advice}".strip(),
+    )
 
 
-def _grade(spec: ExerciseSpec, cells: list[list[str]], timeout: float, chapter_names: dict[str, str],
-           isolation: bool) -> Verdict:
+def _grade(
+    spec: ExerciseSpec, cells: list[list[str]], timeout: float, chapter_names: dict[str, str], isolation: bool
+) -> Verdict:
     check = load_check(spec)
-    given = list(dict.fromkeys([*spec.given, *(["model"] if MODEL in spec.args else [])]))  # the cell's check call names it
+    given = list(
+        dict.fromkeys([*spec.given, *(["model"] if MODEL in spec.args else [])])
+    )  # the cell's check call names it
     context = _sandboxes(isolation)
     workdir = _workdir(_sandbox_root() if isolation else None)
-    job = {"label": spec.label, "answers": list(spec.answers), "given": given, "cells": cells,
-           "forbidden": references_of(check), "references_in_cells": spec.references_in_cells, "workdir": workdir,
-           "chapter_names": chapter_names}
+    job = {
+        "label": spec.label,
+        "answers": list(spec.answers),
+        "given": given,
+        "cells": cells,
+        "forbidden": references_of(check),
+        "references_in_cells": spec.references_in_cells,
+        "workdir": workdir,
+        "chapter_names": chapter_names,
+    }
     ours, theirs = context.Pipe()
     process = context.Process(target=_sandbox_main, args=(theirs, job), daemon=True)
     deadline = time.monotonic() + timeout
@@ -189,8 +212,9 @@ def _grade(spec: ExerciseSpec, cells: list[list[str]], timeout: float, chapter_n
             return Verdict(False, str(header.get("message", "the solution could not run"))[:2000])
         if header.get("kind") != "ready" or type(header.get("answers")) is not dict:
             return Verdict(False, "the grading sandbox sent something unexpected")
-        answers = {name: endpoint.decode(tree, buffers) for name, tree in header["answers"].items()
-                   if name in spec.answers}
+        answers = {
+            name: endpoint.decode(tree, buffers) for name, tree in header["answers"].items() if name in spec.answers
+        }
         args = [_MODEL.get() if a == MODEL else answers[a] for a in spec.args]
         shown = io.StringIO()
         from ..exercises import ExerciseError
@@ -206,8 +230,10 @@ def _grade(spec: ExerciseSpec, cells: list[list[str]], timeout: float, chapter_n
     except GradingTimeout:
         return Verdict(False, f"timed out: the answer took longer than {timeout:g} s to check")
     except PeerGone:
-        return Verdict(False, "the process running your answer ended before the check was done "
-                              "(os._exit, a crash, or too much memory)")
+        return Verdict(
+            False,
+            "the process running your answer ended before the check was done (os._exit, a crash, or too much memory)",
+        )
     except WireError as exc:
         return Verdict(False, f"your answer could not be checked: {exc}")
     except Exception as exc:  # the check choked on what came back: a wrong answer, reported as such

@@ -31,9 +31,17 @@ def autograding_result(rows: list[dict[str, str]]) -> dict:
     tests = []
     for row in rows:
         passed = row["passed"] == "1"
-        tests.append({"name": f"{row['notebook']}: {row['exercise']}", "status": "pass" if passed else "fail",
-                      "message": "" if passed else row["message"], "line_no": 0, "filename": row["notebook"],
-                      "test_code": f"python -m kvcourse.instructor grade ({row['exercise']})", "score": int(passed)})
+        tests.append(
+            {
+                "name": f"{row['notebook']}: {row['exercise']}",
+                "status": "pass" if passed else "fail",
+                "message": "" if passed else row["message"],
+                "line_no": 0,
+                "filename": row["notebook"],
+                "test_code": f"python -m kvcourse.instructor grade ({row['exercise']})",
+                "score": int(passed),
+            }
+        )
     status = "pass" if all(t["status"] == "pass" for t in tests) else "fail"
     return {"version": 1, "status": status, "max_score": len(tests), "tests": tests}
 

@@ -32,9 +32,22 @@ from pathlib import Path
 from ..exercises.catalog import EXERCISES
 from .notebook import Exercise, cell_source, find_exercises
 
-__all__ = ["Row", "NotebookResult", "grade_notebook", "grade_directory", "write_csv", "exercise_cells", "rows_of",
-           "submissions", "notebooks_under", "chapter_names", "default_jobs", "thread_budget", "budget_threads",
-           "finite_seconds"]
+__all__ = [
+    "Row",
+    "NotebookResult",
+    "grade_notebook",
+    "grade_directory",
+    "write_csv",
+    "exercise_cells",
+    "rows_of",
+    "submissions",
+    "notebooks_under",
+    "chapter_names",
+    "default_jobs",
+    "thread_budget",
+    "budget_threads",
+    "finite_seconds",
+]
 
 _WORKER_BYTES = 4 * 2**30  # a grading worker: its notebook's kernel, the checker, a sandbox server (model in each)
 
@@ -108,7 +121,8 @@ def _isolated_kernels(private: str, readable: list[str]):
     import shutil
 
     fonts = os.environ.get("MPLCONFIGDIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser(os.path.join("~", ".cache")), "matplotlib")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser(os.path.join("~", ".cache")), "matplotlib"
+    )
     for found in glob.glob(os.path.join(fonts, "fontlist-*.json")):
         shutil.copy(found, home)
 
@@ -140,8 +154,15 @@ def _run(nb, path: Path, timeout: float, isolation: bool) -> list[str]:
     config.KernelManager.connection_file = os.path.join(sockets.name, "kernel.json")  # readable inside
     folder = str(path.parent.resolve())
     kernels = {"kernel_manager_class": _isolated_kernels(sockets.name, [folder])} if isolation else {}
-    client = NotebookClient(nb, timeout=int(timeout), kernel_name="python3", allow_errors=True, config=config,
-                            resources={"metadata": {"path": folder}}, **kernels)
+    client = NotebookClient(
+        nb,
+        timeout=int(timeout),
+        kernel_name="python3",
+        allow_errors=True,
+        config=config,
+        resources={"metadata": {"path": folder}},
+        **kernels,
+    )
     deadline = time.monotonic() + timeout
     index = -1
     notes: list[str] = []
@@ -251,8 +272,11 @@ def chapter_names(nb: dict, label: str, exercises: list[Exercise] | None = None)
             first = first.splitlines()[0] if first else ""
             first = first if len(first) <= 80 else first[:77] + "..."
             for name in _bound_names(statement):
-                found.setdefault(name, f"a variable of the chapter's {where} (`{first}`), which the grader does not "
-                                       "run with this exercise.")
+                found.setdefault(
+                    name,
+                    f"a variable of the chapter's {where} (`{first}`), which the grader does not "
+                    "run with this exercise.",
+                )
     return found
 
 
@@ -283,9 +307,16 @@ def _first_of_each(exercises: list[Exercise]) -> dict[str, Exercise]:
     return by_label
 
 
-def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, expected: list[str] | None = None,
-                   run: bool = True, check_timeout: float = 300, threads: int | None = None,
-                   isolation: bool | None = None) -> NotebookResult:
+def grade_notebook(
+    path: Path,
+    name: str | None = None,
+    timeout: float = 1800,
+    expected: list[str] | None = None,
+    run: bool = True,
+    check_timeout: float = 300,
+    threads: int | None = None,
+    isolation: bool | None = None,
+) -> NotebookResult:
     """Run and grade one submitted notebook. ``expected``: the exercise labels the reference chapter has.
 
     ``threads``: this worker's share of the cores (:func:`thread_budget`), for the notebook's kernel and the checks.
@@ -322,22 +353,47 @@ def grade_notebook(path: Path, name: str | None = None, timeout: float = 1800, e
     run_seconds = time.perf_counter() - start if run else 0.0
     by_label = _first_of_each(exercises)
     counts = Counter(e.label for e in exercises)
-    notes += [f"exercise {label} appears {n} times in the notebook: the first one was graded"
-              for label, n in counts.items() if n > 1]
+    notes += [
+        f"exercise {label} appears {n} times in the notebook: the first one was graded"
+        for label, n in counts.items()
+        if n > 1
+    ]
     rows = []
     for label in labels:
         if label not in by_label:
             rows.append(Row(name, label, False, "this exercise is missing from the notebook"))
         elif label not in EXERCISES:
-            rows.append(Row(name, label, False, "no check is registered for this exercise in "
-                                                "kvcourse.exercises.catalog: tell your instructor"))
+            rows.append(
+                Row(
+                    name,
+                    label,
+                    False,
+                    "no check is registered for this exercise in kvcourse.exercises.catalog: tell your instructor",
+                )
+            )
         else:
             start = time.perf_counter()
-            verdict = grade_exercise(EXERCISES[label], exercise_cells(submitted, label, exercises), check_timeout,
-                                     chapter_names(submitted, label, exercises), isolation=isolation)
+            verdict = grade_exercise(
+                EXERCISES[label],
+                exercise_cells(submitted, label, exercises),
+                check_timeout,
+                chapter_names(submitted, label, exercises),
+                isolation=isolation,
+            )
             message = "ok" if verdict.passed else _one_line(verdict.message)
-            rows.append(Row(name, label, verdict.passed, message, verdict.case, verdict.expected, verdict.got,
-                            verdict.hint, time.perf_counter() - start))
+            rows.append(
+                Row(
+                    name,
+                    label,
+                    verdict.passed,
+                    message,
+                    verdict.case,
+                    verdict.expected,
+                    verdict.got,
+                    verdict.hint,
+                    time.perf_counter() - start,
+                )
+            )
     return NotebookResult(name, rows, notes, run_seconds)
 
 
@@ -349,8 +405,12 @@ def submissions(directory: Path) -> list[Path]:
 
 
 def notebooks_under(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts
-                  and not any(part.startswith(".") for part in p.relative_to(directory).parts))
+    return sorted(
+        p
+        for p in directory.rglob("*.ipynb")
+        if ".ipynb_checkpoints" not in p.parts
+        and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    )
 
 
 def default_jobs(tasks: int) -> int:
@@ -366,9 +426,17 @@ def default_jobs(tasks: int) -> int:
     return max(1, min(os.cpu_count() or 1, by_memory, tasks))
 
 
-def grade_directory(directory: Path, book: Path | None = None, timeout: float = 1800, jobs: int | None = None,
-                    run: bool = True, check_timeout: float = 300, progress: bool = False,
-                    chapters: list[str] | None = None, isolation: bool | None = None) -> list[NotebookResult]:
+def grade_directory(
+    directory: Path,
+    book: Path | None = None,
+    timeout: float = 1800,
+    jobs: int | None = None,
+    run: bool = True,
+    check_timeout: float = 300,
+    progress: bool = False,
+    chapters: list[str] | None = None,
+    isolation: bool | None = None,
+) -> list[NotebookResult]:
     """Grade every submission under ``directory`` against the reference list, ``jobs`` notebooks at a time.
 
     The list is every chapter of ``book`` (else of the course), or the ``chapters`` named (``["03"]``):
@@ -379,8 +447,15 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
     from .isolation import require
 
     isolation = require(isolation)
-    from .integrity import (changed, load_checks, package_dir, recorded_hashes, snapshot, unrecorded_changes,
-                            writable_installation)
+    from .integrity import (
+        changed,
+        load_checks,
+        package_dir,
+        recorded_hashes,
+        snapshot,
+        unrecorded_changes,
+        writable_installation,
+    )
 
     reference = reference_chapters(book, chapters)
     load_checks()
@@ -389,16 +464,22 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
     if tampered:
         from .integrity import InstallationChanged
 
-        raise InstallationChanged(f"kvcourse's files differ from what its installer recorded: {', '.join(tampered)}. "
-                                  "Reinstall kvcourse before grading.")
+        raise InstallationChanged(
+            f"kvcourse's files differ from what its installer recorded: {', '.join(tampered)}. "
+            "Reinstall kvcourse before grading."
+        )
     writable = [] if isolation else writable_installation()  # isolated, graded code cannot write there
     if writable:
         import warnings
 
         shown = ", ".join(writable[:3]) + (f" and {len(writable) - 3} more" if len(writable) > 3 else "")
-        warnings.warn(f"kvcourse is installed where the graded code could write ({shown} in {package_dir()}): "
-                      "grade as a user who cannot write there, or in a throwaway container; the grader stops if "
-                      "the files change", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"kvcourse is installed where the graded code could write ({shown} in {package_dir()}): "
+            "grade as a user who cannot write there, or in a throwaway container; the grader stops if "
+            "the files change",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     tasks: list[tuple[Path, str, list[str] | None]] = []
     extra: dict[str, list[str]] = {}  # notes for a graded notebook: the copies of its chapter that were not
     untouched: list[NotebookResult] = []  # chapters nobody handed in, notebooks that are no chapter
@@ -409,19 +490,33 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
             tasks.append((path, rel(path), list(reference[number].labels)))
             if number in found.duplicates:
                 copies = ", ".join(rel(p) for p in found.duplicates[number])
-                extra[rel(path)] = [f"chapter {number} was handed in more than once: graded {rel(path)}; "
-                                    f"not graded: {copies}"]
+                extra[rel(path)] = [
+                    f"chapter {number} was handed in more than once: graded {rel(path)}; not graded: {copies}"
+                ]
         for number in found.missing:
             name = rel(folder / reference[number].notebook)
-            untouched.append(NotebookResult(name, [Row(name, label, False, "notebook missing from the submission")
-                                                   for label in reference[number].labels]))
+            untouched.append(
+                NotebookResult(
+                    name,
+                    [
+                        Row(name, label, False, "notebook missing from the submission")
+                        for label in reference[number].labels
+                    ],
+                )
+            )
         for path in found.strays:
-            untouched.append(NotebookResult(rel(path), [], [f"not graded: {path.name} is no chapter of the course "
-                                                            f"(chapters {', '.join(reference)})"]))
+            untouched.append(
+                NotebookResult(
+                    rel(path),
+                    [],
+                    [f"not graded: {path.name} is no chapter of the course (chapters {', '.join(reference)})"],
+                )
+            )
     jobs = default_jobs(len(tasks)) if jobs is None else max(1, min(jobs, len(tasks) or 1))
     threads = thread_budget(jobs)
     results: dict[str, NotebookResult] = {}
     bar = _progress(len(tasks), progress)
+
     def verify(name: str) -> None:
         touched = changed(installed)
         if touched:
@@ -430,7 +525,8 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
             raise InstallationChanged(
                 f"kvcourse's files changed while {name} was graded{'' if jobs == 1 else ' (with others side by side)'}: "
                 f"{', '.join(touched)}. Graded code wrote into the installation; reinstall kvcourse before grading "
-                "again, as a user who cannot write there.")
+                "again, as a user who cannot write there."
+            )
 
     if jobs == 1:
         for path, name, expected in tasks:
@@ -442,18 +538,22 @@ def grade_directory(directory: Path, book: Path | None = None, timeout: float = 
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(grade_notebook, path, name, timeout, expected, run, check_timeout, threads,
-                                     isolation):
-                       (name, expected)
-                       for path, name, expected in tasks}
+            futures = {
+                pool.submit(grade_notebook, path, name, timeout, expected, run, check_timeout, threads, isolation): (
+                    name,
+                    expected,
+                )
+                for path, name, expected in tasks
+            }
             for future in as_completed(futures):
                 name, expected = futures[future]
                 try:
                     results[name] = future.result()
                 except Exception as exc:  # a worker died: its notebook gets rows saying so
                     reason = f"grading failed: {type(exc).__name__}: {exc}"
-                    results[name] = NotebookResult(name, [Row(name, label, False, reason)
-                                                          for label in expected or ["(notebook)"]])
+                    results[name] = NotebookResult(
+                        name, [Row(name, label, False, reason) for label in expected or ["(notebook)"]]
+                    )
                 try:
                     verify(name)
                 except Exception:
@@ -495,8 +595,16 @@ def write_csv(rows: list[Row], out: Path, run_seconds: dict[str, float] | None =
         writer = csv.writer(f)
         writer.writerow(["notebook", "exercise", "passed", "message", "check_s", "notebook_s"])
         for row in rows:
-            writer.writerow([row.notebook, row.exercise, int(row.passed), row.message, f"{row.seconds:.1f}",
-                             f"{run_seconds.get(row.notebook, 0.0):.1f}"])
+            writer.writerow(
+                [
+                    row.notebook,
+                    row.exercise,
+                    int(row.passed),
+                    row.message,
+                    f"{row.seconds:.1f}",
+                    f"{run_seconds.get(row.notebook, 0.0):.1f}",
+                ]
+            )
 
 
 def finite_seconds(text: str) -> float:

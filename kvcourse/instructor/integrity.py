@@ -30,8 +30,16 @@ import importlib.metadata
 import os
 from pathlib import Path
 
-__all__ = ["InstallationChanged", "changed", "load_checks", "package_dir", "recorded_hashes", "snapshot",
-           "unrecorded_changes", "writable_installation"]
+__all__ = [
+    "InstallationChanged",
+    "changed",
+    "load_checks",
+    "package_dir",
+    "recorded_hashes",
+    "snapshot",
+    "unrecorded_changes",
+    "writable_installation",
+]
 
 
 class InstallationChanged(RuntimeError):
@@ -62,8 +70,11 @@ def load_checks() -> list[str]:
 def snapshot(root: Path | None = None) -> dict[str, str]:
     """SHA-256 of every ``.py`` file under ``root`` (the installed package), by relative path."""
     root = package_dir() if root is None else root
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*.py")) if "__pycache__" not in p.parts}  # fmt: skip
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*.py"))
+        if "__pycache__" not in p.parts
+    }
 
 
 def changed(before: dict[str, str], root: Path | None = None) -> list[str]:
@@ -79,7 +90,9 @@ def writable_installation(root: Path | None = None) -> list[str]:
     return [("." if p == root else p.relative_to(root).as_posix()) for p in places if os.access(p, os.W_OK)]
 
 
-def recorded_hashes(dist: importlib.metadata.Distribution | None = None, package: str = "kvcourse") -> dict[str, str] | None:
+def recorded_hashes(
+    dist: importlib.metadata.Distribution | None = None, package: str = "kvcourse"
+) -> dict[str, str] | None:
     """The SHA-256 (hex) the installer recorded for each ``.py`` file of the package, by path relative to it;
     None when it recorded none (an editable install or a source checkout)."""
     dist = importlib.metadata.distribution(package) if dist is None else dist

@@ -45,14 +45,27 @@ def private_env(folder: str) -> dict[str, str]:
     there rather than rebuilt in every kernel."""
     from ..loader import _cache_dir
 
-    env = {name: folder for name in ("HOME", "TMPDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME",
-                                     "MPLCONFIGDIR", "TRITON_CACHE_DIR", "IPYTHONDIR", "JUPYTER_RUNTIME_DIR")}
+    env = {
+        name: folder
+        for name in (
+            "HOME",
+            "TMPDIR",
+            "XDG_CACHE_HOME",
+            "XDG_CONFIG_HOME",
+            "XDG_DATA_HOME",
+            "MPLCONFIGDIR",
+            "TRITON_CACHE_DIR",
+            "IPYTHONDIR",
+            "JUPYTER_RUNTIME_DIR",
+        )
+    }
     env["KVCOURSE_CACHE"] = str(_cache_dir())
     return env
 
 
-def command(argv: list[str], writable: list[str], env: dict[str, str] | None = None,
-            readable: list[str] = ()) -> list[str]:
+def command(
+    argv: list[str], writable: list[str], env: dict[str, str] | None = None, readable: list[str] = ()
+) -> list[str]:
     """``argv`` as run under bwrap: a read-only view of everything but the folders in ``writable``.
 
     ``readable``: files and folders under ``/tmp`` it must still see (read-only), e.g. the notebook's folder."""
@@ -97,7 +110,7 @@ def _installation_under_tmp() -> list[str]:
     for place in places:
         real = os.path.realpath(place) if place else ""
         if real.startswith(tmp):
-            tops.add(tmp + real[len(tmp):].split(os.sep)[0])
+            tops.add(tmp + real[len(tmp) :].split(os.sep)[0])
     return sorted(t for t in tops if os.path.exists(t))
 
 
@@ -108,9 +121,16 @@ def unavailable() -> str | None:
         return "bubblewrap (bwrap) is not installed (Debian: apt-get install bubblewrap)"
     folder = tempfile.mkdtemp(prefix="kvcourse-isolation-")
     try:
-        probe = command([sys.executable, "-c", "import os, sys; open(sys.argv[1], 'w').write('ok');"
-                         "sys.exit(0 if not os.access('/usr', os.W_OK) else 3)", os.path.join(folder, "probe")],
-                        [folder])
+        probe = command(
+            [
+                sys.executable,
+                "-c",
+                "import os, sys; open(sys.argv[1], 'w').write('ok');"
+                "sys.exit(0 if not os.access('/usr', os.W_OK) else 3)",
+                os.path.join(folder, "probe"),
+            ],
+            [folder],
+        )
         done = subprocess.run(probe, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
         if done.returncode != 0 or not os.path.exists(os.path.join(folder, "probe")):
             reason = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
@@ -133,9 +153,11 @@ def require(isolation: bool | None) -> bool:
         raise TypeError(f"isolation must be True, False or None, got {isolation!r}")
     reason = unavailable() if isolation else None
     if reason:
-        raise IsolationUnavailable(f"graded code cannot be isolated: {reason}; graded cells could write into the "
-                                   "Python installation and your home. Install bubblewrap, or pass --no-isolation "
-                                   "to grade anyway (in a throwaway container)")
+        raise IsolationUnavailable(
+            f"graded code cannot be isolated: {reason}; graded cells could write into the "
+            "Python installation and your home. Install bubblewrap, or pass --no-isolation "
+            "to grade anyway (in a throwaway container)"
+        )
     return isolation
 
 

@@ -50,33 +50,47 @@ def _student_markdown(student: str, results: list[NotebookResult]) -> str:
             text = "<br>".join(f"**{k}:** {_cell(v)}" for k, v in _feedback(row))
             lines.append(f"| `{row.exercise}` | {'yes' if row.passed else 'no'} | {text} |")
         if res.notes:
-            lines += ["", "Notes (from running the notebook top to bottom, and from grading):", ""] + [f"- {n}" for n in res.notes]
+            lines += ["", "Notes (from running the notebook top to bottom, and from grading):", ""] + [
+                f"- {n}" for n in res.notes
+            ]
         lines.append("")
     return "\n".join(lines)
 
 
 def _student_html(student: str, results: list[NotebookResult]) -> str:
     rows = [r for res in results for r in res.rows]
-    body = [f"<h1>Feedback for {html.escape(student)}</h1>",
-            f"<p>{sum(r.passed for r in rows)} of {len(rows)} exercises passed.</p>"]
+    body = [
+        f"<h1>Feedback for {html.escape(student)}</h1>",
+        f"<p>{sum(r.passed for r in rows)} of {len(rows)} exercises passed.</p>",
+    ]
     for res in results:
-        body.append(f"<h2>{html.escape(res.notebook)}</h2><table><tr><th>Exercise</th><th>Passed</th>"
-                    "<th>Feedback</th></tr>")
+        body.append(
+            f"<h2>{html.escape(res.notebook)}</h2><table><tr><th>Exercise</th><th>Passed</th><th>Feedback</th></tr>"
+        )
         for row in res.rows:
             text = "".join(f"<p><b>{k}:</b> <pre>{html.escape(v)}</pre></p>" for k, v in _feedback(row))
             mark = "yes" if row.passed else "no"
-            body.append(f"<tr class='{mark}'><td><code>{html.escape(row.exercise)}</code></td><td>{mark}</td>"
-                        f"<td>{text}</td></tr>")
+            body.append(
+                f"<tr class='{mark}'><td><code>{html.escape(row.exercise)}</code></td><td>{mark}</td>"
+                f"<td>{text}</td></tr>"
+            )
         body.append("</table>")
         if res.notes:
-            body.append("<p>Notes (from running the notebook top to bottom, and from grading):</p><ul>"
-                        + "".join(f"<li>{html.escape(n)}</li>" for n in res.notes) + "</ul>")
-    style = ("body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse;width:100%}"
-             "td,th{border:1px solid #ccc;padding:.3em;vertical-align:top;text-align:left}"
-             "tr.yes td:nth-child(2){color:#176f2c}tr.no td:nth-child(2){color:#b3261e}"
-             "pre{white-space:pre-wrap;margin:0}")
-    return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>Feedback for "
-            f"{html.escape(student)}</title><style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
+            body.append(
+                "<p>Notes (from running the notebook top to bottom, and from grading):</p><ul>"
+                + "".join(f"<li>{html.escape(n)}</li>" for n in res.notes)
+                + "</ul>"
+            )
+    style = (
+        "body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse;width:100%}"
+        "td,th{border:1px solid #ccc;padding:.3em;vertical-align:top;text-align:left}"
+        "tr.yes td:nth-child(2){color:#176f2c}tr.no td:nth-child(2){color:#b3261e}"
+        "pre{white-space:pre-wrap;margin:0}"
+    )
+    return (
+        f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>Feedback for "
+        f"{html.escape(student)}</title><style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
 
 
 def _by_student(results: list[NotebookResult], flat_name: str) -> dict[str, list[NotebookResult]]:
@@ -118,11 +132,26 @@ def write_class_summary(results: list[NotebookResult], out: Path, flat_name: str
     out.mkdir(parents=True, exist_ok=True)
     rates = _rates(results)
     students = _by_student(results, flat_name)
-    lines = ["# Class summary", "", f"{len(students)} students, {sum(len(r.rows) for r in results)} graded exercises.",
-             "", "## Pass rate per exercise", "", "| Exercise | Passed | Graded | Rate |", "| --- | ---: | ---: | ---: |"]
+    lines = [
+        "# Class summary",
+        "",
+        f"{len(students)} students, {sum(len(r.rows) for r in results)} graded exercises.",
+        "",
+        "## Pass rate per exercise",
+        "",
+        "| Exercise | Passed | Graded | Rate |",
+        "| --- | ---: | ---: | ---: |",
+    ]
     lines += [f"| `{label}` | {p} | {n} | {100 * p / n:.0f}% |" for label, p, n in rates]
-    lines += ["", "![Pass rate per exercise](pass_rates.png)", "", "## Per student", "",
-              "| Student | Passed | Exercises | Notebooks run (s) | Checks (s) |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "",
+        "![Pass rate per exercise](pass_rates.png)",
+        "",
+        "## Per student",
+        "",
+        "| Student | Passed | Exercises | Notebooks run (s) | Checks (s) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for student, theirs in sorted(students.items()):
         rows = [r for res in theirs for r in res.rows]
         run, checks = sum(res.run_seconds for res in theirs), sum(r.seconds for r in rows)

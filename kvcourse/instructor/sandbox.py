@@ -121,8 +121,10 @@ def _neuter(obj: Any, label: str, shown: str, done: set[int], files: set[str]) -
     if id(obj) in done:
         return
     done.add(id(obj))
-    message = (f"{label}: kvcourse's {shown} is what this exercise's check compares against, so it is not available "
-               f"while the exercise is graded: write your own.")
+    message = (
+        f"{label}: kvcourse's {shown} is what this exercise's check compares against, so it is not available "
+        f"while the exercise is graded: write your own."
+    )
     if isinstance(obj, types.FunctionType):
         module = sys.modules.get(obj.__module__)
         if getattr(module, "__file__", None):
@@ -229,8 +231,12 @@ def _python(source: str) -> str:
     return TransformerManager().transform_cell(source)
 
 
-def _run_cells(cells: list[list[str]], namespace: dict, chapter_names: dict[str, str] | None = None,
-               stopped: list[str] | None = None) -> str | None:
+def _run_cells(
+    cells: list[list[str]],
+    namespace: dict,
+    chapter_names: dict[str, str] | None = None,
+    stopped: list[str] | None = None,
+) -> str | None:
     """Run ``[kind, name, source]`` cells in order; the message of the solution cell's failure, if any.
 
     The solution cell runs one top-level statement at a time. A statement that needs a variable of one of the
@@ -251,8 +257,9 @@ def _run_cells(cells: list[list[str]], namespace: dict, chapter_names: dict[str,
     return None
 
 
-def _run_solution(name: str, source: str, namespace: dict, chapter_names: dict[str, str],
-                  stopped: list[str] | None) -> str | None:
+def _run_solution(
+    name: str, source: str, namespace: dict, chapter_names: dict[str, str], stopped: list[str] | None
+) -> str | None:
     import ast
     import traceback
 
@@ -270,8 +277,10 @@ def _run_solution(name: str, source: str, namespace: dict, chapter_names: dict[s
             missing = getattr(exc, "name", None) if type(exc) is NameError else None
             if missing in chapter_names and missing not in namespace:
                 if stopped is not None:
-                    stopped.append(f"the grader stopped your solution cell at line {line}, which uses `{missing}`: "
-                                   f"{chapter_names[missing]}")
+                    stopped.append(
+                        f"the grader stopped your solution cell at line {line}, which uses `{missing}`: "
+                        f"{chapter_names[missing]}"
+                    )
                 return None
             return f"your solution cell raised {type(exc).__name__} at line {line}: {exc}"
     return None
@@ -351,9 +360,11 @@ def main(conn, job: dict) -> None:
             names = ", ".join(f"`{n}`" for n in missing)
             problem = f"your solution cell does not define {names}"
             if stopped:  # the answer came after the follow-up: say what to move
-                problem += (f": {stopped[0]} The grader runs the answer cell alone, with the chapter's imports, and "
-                            f"grades what it defines before such a line: define {names} above it, using only what "
-                            "the cell itself defines.")
+                problem += (
+                    f": {stopped[0]} The grader runs the answer cell alone, with the chapter's imports, and "
+                    f"grades what it defines before such a line: define {names} above it, using only what "
+                    "the cell itself defines."
+                )
         if job["references_in_cells"]:
             guard.neuter(job["forbidden"])  # the cells may compare with the reference; the answer may not use it
         if problem:

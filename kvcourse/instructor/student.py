@@ -96,10 +96,12 @@ def _answer_names(node: ast.stmt, assigned: set[str]) -> list[str]:
 def make_stub(source: str, label: str, hint: str | None = None) -> str:
     """The student's starting point for a solution cell ``source`` of exercise ``label``."""
     hint = f"{label}: {hint}" if hint else f"{label}: write your answer here (see the exercise above)"
-    header = (f"# Exercise {label}: replace each NotImplementedError (or NotImplemented) with your code, then run this cell.\n"
-              # where the graded part ends (kvcourse.instructor.sandbox._run_cells), said where the learner writes
-              "# Graded: what this cell defines, run on its own with the chapter's imports. A follow-up line that\n"
-              "# uses this page's other variables runs here, but grading stops at it: put it after your answer.\n")
+    header = (
+        f"# Exercise {label}: replace each NotImplementedError (or NotImplemented) with your code, then run this cell.\n"
+        # where the graded part ends (kvcourse.instructor.sandbox._run_cells), said where the learner writes
+        "# Graded: what this cell defines, run on its own with the chapter's imports. A follow-up line that\n"
+        "# uses this page's other variables runs here, but grading stops at it: put it after your answer.\n"
+    )
     try:
         tree = ast.parse(source)
     except SyntaxError:  # IPython magics or the like: keep only the checks
@@ -162,7 +164,9 @@ def student_copy(nb: dict, name: str = "") -> dict:
     label_of = {i: e.label for e in exercises for i in e.code_cells}
     exercise_cells = {e.markdown_index for e in exercises}
     cells = nb["cells"]
-    drop = {i for i in range(len(cells) - 1) if is_solution(cells[i + 1]) and _is_old_answer_cell(cells[i], cells[i + 1])}
+    drop = {
+        i for i in range(len(cells) - 1) if is_solution(cells[i + 1]) and _is_old_answer_cell(cells[i], cells[i + 1])
+    }
     out = []
     for index, cell in enumerate(cells):
         if index in drop:
@@ -182,6 +186,10 @@ def student_copy(nb: dict, name: str = "") -> dict:
             new["outputs"], new["execution_count"] = [], None
         out.append(new)
     meta = {k: v for k, v in nb.get("metadata", {}).items() if k in ("kernelspec", "language_info")}
-    stripped = {"cells": out, "metadata": meta, "nbformat": nb.get("nbformat", 4),
-                "nbformat_minor": nb.get("nbformat_minor", 5)}
+    stripped = {
+        "cells": out,
+        "metadata": meta,
+        "nbformat": nb.get("nbformat", 4),
+        "nbformat_minor": nb.get("nbformat_minor", 5),
+    }
     return reader_copy(stripped, name, glue=glue)

@@ -35,8 +35,20 @@ _MIRROR_LIMIT = 64 * 2**20  # a tensor whose storage is larger travels as a comp
 # The mirrors this side keeps, at most (least recently used dropped first): the student's side decides how many
 # storages it sends, so the bound lives here. A storage dropped and sent again arrives as a new mirror.
 MIRROR_BUDGET = 256 * 2**20
-_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
-           "complex64", "complex128")
+_DTYPES = (
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "bool",
+    "complex64",
+    "complex128",
+)
 
 
 class WireError(Exception):
@@ -181,12 +193,17 @@ class Endpoint:
         if isinstance(obj, complex):
             return {"C": [obj.real, obj.imag]}
         if isinstance(obj, (list, tuple, set, frozenset)) and not isinstance(obj, type):
-            tag = {list: "L", tuple: "T", set: "S", frozenset: "F"}[next(t for t in (tuple, list, frozenset, set)
-                                                                          if isinstance(obj, t))]
+            tag = {list: "L", tuple: "T", set: "S", frozenset: "F"}[
+                next(t for t in (tuple, list, frozenset, set) if isinstance(obj, t))
+            ]
             return {tag: [self.encode(x, buffers, tensors, depth + 1) for x in obj]}
         if isinstance(obj, dict):
-            return {"D": [[self.encode(k, buffers, tensors, depth + 1), self.encode(v, buffers, tensors, depth + 1)]
-                          for k, v in obj.items()]}
+            return {
+                "D": [
+                    [self.encode(k, buffers, tensors, depth + 1), self.encode(v, buffers, tensors, depth + 1)]
+                    for k, v in obj.items()
+                ]
+            }
         if isinstance(obj, float):  # a float subclass
             return self.encode(float(obj), buffers, tensors, depth + 1)
         if isinstance(obj, int):  # an int subclass (IntEnum, ...)
@@ -219,17 +236,26 @@ class Endpoint:
             host = self._host_copies.get(storage.data_ptr())
             if host is None:
                 host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu")
-                host.copy_(torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),),
-                                                                                    (1,)))  # fmt: skip
+                host.copy_(
+                    torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
+                )
                 self._host_copies[storage.data_ptr()] = host
-            t = torch.empty(0, dtype=t.dtype, device="cpu").set_(host.untyped_storage(), t.storage_offset(),
-                                                                 t.shape, t.stride())  # fmt: skip
+            t = torch.empty(0, dtype=t.dtype, device="cpu").set_(
+                host.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+            )
             storage = t.untyped_storage()
         self._kept[storage.data_ptr()] = storage
         raw = torch.empty(0, dtype=torch.uint8, device="cpu").set_(storage, 0, (storage.nbytes(),), (1,))
         buffers.append(raw.numpy().tobytes())
-        return [str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()), t.storage_offset(),
-                storage.data_ptr(), storage.nbytes(), len(buffers) - 1]
+        return [
+            str(t.dtype).removeprefix("torch."),
+            list(t.shape),
+            list(t.stride()),
+            t.storage_offset(),
+            storage.data_ptr(),
+            storage.nbytes(),
+            len(buffers) - 1,
+        ]
 
     def decode(self, tree: Any, buffers: list[bytes], tensors: list | None = None, depth: int = 0) -> Any:
         if depth > 100:
@@ -238,7 +264,7 @@ class Endpoint:
             return tree
         if type(tree) is not dict or len(tree) != 1:
             raise WireError("malformed message")
-        (tag, body), = tree.items()
+        ((tag, body),) = tree.items()
         sub = lambda x: self.decode(x, buffers, tensors, depth + 1)  # noqa: E731
         if tag == "f":
             return float(body) if body in ("nan", "inf", "-inf") else _malformed()
@@ -371,8 +397,15 @@ class Endpoint:
         ident = self._next_request
         buffers: list[bytes] = []
         sent: list = []
-        body = {"kind": "req", "id": ident, "op": op, "target": target, "name": name,
-                "args": self.encode(list(args), buffers, sent), "kwargs": self.encode(dict(kwargs or {}), buffers, sent)}
+        body = {
+            "kind": "req",
+            "id": ident,
+            "op": op,
+            "target": target,
+            "name": name,
+            "args": self.encode(list(args), buffers, sent),
+            "kwargs": self.encode(dict(kwargs or {}), buffers, sent),
+        }
         self.send(body, buffers)
         while True:
             header, buffers = self.receive()
@@ -447,8 +480,12 @@ def describe_exception(exc: BaseException, depth: int = 0) -> dict:
     except Exception:
         where = ""
     cause = exc.__cause__
-    return {"types": types, "message": message, "traceback": where,
-            "cause": describe_exception(cause, depth + 1) if cause is not None and depth < 3 else None}
+    return {
+        "types": types,
+        "message": message,
+        "traceback": where,
+        "cause": describe_exception(cause, depth + 1) if cause is not None and depth < 3 else None,
+    }
 
 
 def _exception(info: Any, depth: int = 0) -> BaseException:

@@ -18,8 +18,15 @@ import torch
 from .int8 import _float_view, absmax_scales, check_int8_pool, check_paged_int8, dequantized_decode_ref
 from .reference import check_reshape_and_cache
 
-__all__ = ["FP8", "FP8_MAX", "check_fp8_pool", "dequantize_fp8", "paged_decode_attention_fp8_ref", "quantize_fp8",
-           "reshape_and_cache_fp8_ref"]
+__all__ = [
+    "FP8",
+    "FP8_MAX",
+    "check_fp8_pool",
+    "dequantize_fp8",
+    "paged_decode_attention_fp8_ref",
+    "quantize_fp8",
+    "reshape_and_cache_fp8_ref",
+]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -81,7 +81,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_torch(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next norm in one step: ``h = x + residual``; returns ``(rms_norm(h), h)``.
 
     Every layer but the first starts this way; fusing them reads ``h`` once instead of three times.

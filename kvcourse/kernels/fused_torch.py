@@ -30,8 +30,10 @@ def _norm_constants(device: torch.device, hidden: int, eps: float) -> tuple[torc
     """``1 / hidden`` and ``eps`` as fp32 tensors on ``device``, made once (as ordinary tensors, even when
     first asked for under ``torch.inference_mode``, so that code tracked by autograd may use them too)."""
     with torch.inference_mode(False):
-        return (torch.tensor([1.0 / hidden], dtype=torch.float32, device=device),
-                torch.tensor([eps], dtype=torch.float32, device=device))  # fmt: skip
+        return (
+            torch.tensor([1.0 / hidden], dtype=torch.float32, device=device),
+            torch.tensor([eps], dtype=torch.float32, device=device),
+        )
 
 
 def add_rms_norm_torch(

@@ -52,13 +52,17 @@ def absmax_scales(x: object, qmax: float) -> tuple[torch.Tensor, torch.Tensor, t
     """``x [..., D]`` checked and in fp32, its per-vector scales ``max|x| / qmax``, and those scales with 1 for 0 (to
     divide by: an all-zero vector stores zeros). Shared by int8 and fp8 (:mod:`.fp8`)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point torch.Tensor [..., D], got {getattr(x, 'dtype', type(x).__name__)}")
+        raise TypeError(
+            f"x must be a floating-point torch.Tensor [..., D], got {getattr(x, 'dtype', type(x).__name__)}"
+        )
     if x.ndim == 0:
         raise ValueError("x must have at least one dimension [..., D]")
     x = x.to(torch.float32)
     if not bool(torch.isfinite(x).all()):  # an inf makes the scale inf: all D values would decode to NaN
-        raise ValueError(f"x has {int((~torch.isfinite(x)).sum())} non-finite values (inf or NaN): a vector's scale "
-                         "would be inf or NaN and all D of its values would decode to NaN")  # fmt: skip
+        raise ValueError(
+            f"x has {int((~torch.isfinite(x)).sum())} non-finite values (inf or NaN): a vector's scale "
+            "would be inf or NaN and all D of its values would decode to NaN"
+        )
     amax = x.abs().amax(dim=-1)
     # Divided by a tensor, not the number: CUDA torch turns division by a number into a multiply by
     # its reciprocal, one rounding off IEEE division (what the CPU and the Triton kernel's div_rn do).
@@ -88,7 +92,10 @@ def empty_int8_pool(
 
 
 def check_int8_pool(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
     dtype: torch.dtype = torch.int8,
 ) -> None:
     """Validate an int8 pool: int8 ``[num_blocks, block_size, Hkv, D]`` and fp32 scales ``[num_blocks, block_size, Hkv]``.
@@ -98,13 +105,17 @@ def check_int8_pool(
     _check_int("k_cache", k_cache, 4, doc, dtypes=(dtype,))
     _check_int("v_cache", v_cache, 4, doc, dtypes=(dtype,))
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         _check_float(name, t, 3, "[num_blocks, block_size, Hkv]")
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {t.dtype}")
         if t.shape != k_cache.shape[:3]:
-            raise ValueError(f"{name} must have shape {list(k_cache.shape[:3])} (the cache's without D), got {list(t.shape)}")
+            raise ValueError(
+                f"{name} must have shape {list(k_cache.shape[:3])} (the cache's without D), got {list(t.shape)}"
+            )
     for name, t in (("v_cache", v_cache), ("k_scale", k_scale), ("v_scale", v_scale)):
         if t.device != k_cache.device:
             raise ValueError(f"{name} is on {t.device} but k_cache is on {k_cache.device}")
@@ -174,8 +185,13 @@ def paged_decode_attention_int8_ref(
 
 
 def dequantized_decode_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    lens: list[int], scale: float | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    lens: list[int],
+    scale: float | None,
 ) -> torch.Tensor:
     """The float reference on a dequantized fp32 pool ``k, v``, inputs already checked; ``[B, Hq, D]`` in q's dtype."""
     scale = _default_scale(scale, q.shape[-1])

@@ -58,7 +58,9 @@ def online_softmax_attention(
         acc = alpha[:, None] * acc + p @ v[start : start + tile]
         m = m_new
         if trace is not None:
-            trace.append(dict(start=start, tile_max=float(s[0].max()), m=float(m[0]), alpha=float(alpha[0]), l=float(l[0])))
+            trace.append(
+                dict(start=start, tile_max=float(s[0].max()), m=float(m[0]), alpha=float(alpha[0]), l=float(l[0]))
+            )
     if k.shape[0] == 0:
         return acc, m  # nothing seen: 0 and -inf
     return acc / l[:, None], m + torch.log(l)
@@ -72,7 +74,9 @@ def merge_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     (``lse = -inf``) weigh 0; at least one split must be non-empty.
     """
     if outs.shape[:-1] != lses.shape:
-        raise ValueError(f"outs [splits, ..., D] and lses [splits, ...] disagree: {list(outs.shape)}, {list(lses.shape)}")
+        raise ValueError(
+            f"outs [splits, ..., D] and lses [splits, ...] disagree: {list(outs.shape)}, {list(lses.shape)}"
+        )
     if lses.device != outs.device:
         raise ValueError(f"outs and lses must be on one device, got {outs.device} and {lses.device}")
     if bool(torch.isneginf(lses).all(dim=0).any()):

@@ -169,9 +169,7 @@ def check_block_tables(
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but q is on {device}; they must be on one device")
     if seq_lens.shape[0] != block_tables.shape[0]:
-        raise ValueError(
-            f"seq_lens has {seq_lens.shape[0]} entries but block_tables has {block_tables.shape[0]} rows"
-        )
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries but block_tables has {block_tables.shape[0]} rows")
     lens = seq_lens.tolist()
     tables = block_tables.tolist()
     max_blocks = block_tables.shape[1]
@@ -265,8 +263,10 @@ def position_masked_attention(
     if q_positions.shape != (t,):
         raise ValueError(f"q_positions must have shape [T] = [{t}], got {tuple(q_positions.shape)}")
     if k_positions.shape not in ((s,), (b, hkv, s)):
-        raise ValueError(f"k_positions must have shape [S] = [{s}] or [B, Hkv, S] = [{b}, {hkv}, {s}], "
-                         f"got {tuple(k_positions.shape)}")  # fmt: skip
+        raise ValueError(
+            f"k_positions must have shape [S] = [{s}] or [B, Hkv, S] = [{b}, {hkv}, {s}], "
+            f"got {tuple(k_positions.shape)}"
+        )
     visible = k_positions[..., None, :] <= q_positions[:, None]  # [T, S] or [B, Hkv, T, S]
     if not bool(visible.any(-1).all()):
         raise ValueError("a query sees no key: k_positions must include each query's own position")
@@ -435,8 +435,14 @@ def paged_prefill_attention_ref(
     out = torch.empty_like(q)
     for b, (lo, hi) in enumerate(zip(starts, starts[1:])):
         out[lo:hi] = paged_attention(
-            q[None, lo:hi], positions[None, lo:hi].to(torch.int64), k_cache, v_cache,
-            block_tables[b : b + 1], seq_lens[b : b + 1], scale, lens[b],
+            q[None, lo:hi],
+            positions[None, lo:hi].to(torch.int64),
+            k_cache,
+            v_cache,
+            block_tables[b : b + 1],
+            seq_lens[b : b + 1],
+            scale,
+            lens[b],
         )[0]
     return out
 
@@ -463,7 +469,9 @@ def slot_mapping(block_table: Sequence[int], positions: Sequence[int] | range, b
     return slots_of(table_row, torch.zeros_like(pos), pos, block_size).tolist()
 
 
-def slots_of(block_tables: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+def slots_of(
+    block_tables: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """:func:`slot_mapping` for many sequences at once, in tensor ops: token ``i`` of sequence
     ``seq_idx[i]`` at ``positions[i]``, read through ``block_tables [B, M]``. Unchecked."""
     blocks = block_tables[seq_idx, positions // block_size].to(torch.int64)

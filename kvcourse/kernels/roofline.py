@@ -45,8 +45,12 @@ class GpuPeak:
 GPU_PEAKS: dict[str, GpuPeak] = {
     "T4": GpuPeak("NVIDIA T4", 320e9, 65e12, 40, "NVIDIA T4 datasheet: 320 GB/s GDDR6, 65 TFLOPS fp16"),
     "A100-40GB": GpuPeak("NVIDIA A100 40GB", 1555e9, 312e12, 108, "NVIDIA A100 datasheet: 1,555 GB/s, 312 TFLOPS fp16"),
-    "A100-80GB": GpuPeak("NVIDIA A100 80GB SXM", 2039e9, 312e12, 108, "NVIDIA A100 datasheet: 2,039 GB/s, 312 TFLOPS fp16"),
-    "H100-SXM": GpuPeak("NVIDIA H100 SXM", 3.35e12, 989e12, 132, "NVIDIA H100 datasheet: 3.35 TB/s, 989 TFLOPS fp16 dense"),
+    "A100-80GB": GpuPeak(
+        "NVIDIA A100 80GB SXM", 2039e9, 312e12, 108, "NVIDIA A100 datasheet: 2,039 GB/s, 312 TFLOPS fp16"
+    ),
+    "H100-SXM": GpuPeak(
+        "NVIDIA H100 SXM", 3.35e12, 989e12, 132, "NVIDIA H100 datasheet: 3.35 TB/s, 989 TFLOPS fp16 dense"
+    ),
     "H200": GpuPeak("NVIDIA H200", 4.8e12, 989e12, 132, "NVIDIA H200 datasheet: 4.8 TB/s, 989 TFLOPS fp16 dense"),
 }
 
@@ -92,10 +96,12 @@ def int8_speedup_bound(
     of :mod:`kvcourse.kernels.int8`). A bandwidth-bound kernel's time follows its bytes, so this is the speed-up the
     roofline promises, and an upper bound on what the bytes alone can give.
     """
-    fp16 = decode_attention_bytes(seq_lens, num_q_heads, num_kv_heads, head_dim, kv_bytes=2, q_bytes=2,
-                                  block_size=block_size)  # fmt: skip
-    int8 = decode_attention_bytes(seq_lens, num_q_heads, num_kv_heads, head_dim, kv_bytes=1, q_bytes=2,
-                                  scale_bytes=4, block_size=block_size)  # fmt: skip
+    fp16 = decode_attention_bytes(
+        seq_lens, num_q_heads, num_kv_heads, head_dim, kv_bytes=2, q_bytes=2, block_size=block_size
+    )
+    int8 = decode_attention_bytes(
+        seq_lens, num_q_heads, num_kv_heads, head_dim, kv_bytes=1, q_bytes=2, scale_bytes=4, block_size=block_size
+    )
     return fp16 / int8
 
 

@@ -54,10 +54,14 @@ def plan_capacity(lanes: int, num_kv_heads: int, num_sms: int | None) -> int:
 
 
 def _check_lens(seq_lens_host: Sequence[int]) -> list[int]:
-    if isinstance(seq_lens_host, torch.Tensor) or isinstance(seq_lens_host, (str, bytes)) or not isinstance(
-        seq_lens_host, Sequence
+    if (
+        isinstance(seq_lens_host, torch.Tensor)
+        or isinstance(seq_lens_host, (str, bytes))
+        or not isinstance(seq_lens_host, Sequence)
     ):  # a device tensor would need a read-back: the plan is made from host copies only
-        raise TypeError(f"seq_lens_host must be a list or tuple of ints (host copies), got {type(seq_lens_host).__name__}")
+        raise TypeError(
+            f"seq_lens_host must be a list or tuple of ints (host copies), got {type(seq_lens_host).__name__}"
+        )
     lens = list(seq_lens_host)
     bad = [n for n in lens if isinstance(n, bool) or not isinstance(n, int) or n < 0]
     if not lens or bad:
@@ -98,8 +102,10 @@ def plan_splits(
         check_int("num_sms", num_sms, min=1)
     nonempty = sum(n > 0 for n in lens)
     if nonempty > capacity:
-        raise ValueError(f"capacity={capacity} work rows cannot hold {nonempty} sequences with tokens: "
-                         "size the buffer with plan_capacity()")  # fmt: skip
+        raise ValueError(
+            f"capacity={capacity} work rows cannot hold {nonempty} sequences with tokens: "
+            "size the buffer with plan_capacity()"
+        )
     longest = -(-max(lens) // align) * align if max(lens) else align
     limit = min(capacity, max(_wanted_items(num_kv_heads, num_sms), nonempty))
     lo = min(-(-min_chunk // align) * align, longest)
@@ -126,7 +132,9 @@ def plan_rows(seq_lens_host: Sequence[int], chunk: int, capacity: int, lanes: in
     rows = torch.zeros(capacity + lanes, 4, dtype=torch.int32, device="cpu")  # host-side: copied to the device
     work, seqs = rows[:capacity], rows[capacity:]
     work[:, 0] = NO_WORK
-    items = [(b, start, min(start + chunk, n), -(-n // chunk)) for b, n in enumerate(lens) for start in range(0, n, chunk)]
+    items = [
+        (b, start, min(start + chunk, n), -(-n // chunk)) for b, n in enumerate(lens) for start in range(0, n, chunk)
+    ]
     if len(items) > capacity:
         raise ValueError(f"chunks of {chunk} tokens make {len(items)} work items, more than capacity={capacity}")
     if items:
@@ -169,8 +177,9 @@ class SplitPlan:
         self.buffer[: self.capacity, 0] = NO_WORK
         self.chunk = 0
 
-    def fill(self, seq_lens_host: Sequence[int], num_kv_heads: int, num_sms: int | None,
-             min_chunk: int = MIN_CHUNK_TOKENS) -> int:  # fmt: skip
+    def fill(
+        self, seq_lens_host: Sequence[int], num_kv_heads: int, num_sms: int | None, min_chunk: int = MIN_CHUNK_TOKENS
+    ) -> int:
         """Plan the step (:func:`plan_splits`), write its rows into the buffer in place; return the chunk length.
 
         The copy is in place, so a graph recorded on this buffer reads the new plan; from pinned memory it does

@@ -127,7 +127,9 @@ def random_paged_case(
     for n in query_lens:
         qsl.append(qsl[-1] + n)
     positions = [p for n, q in zip(seq_lens, query_lens) for p in range(n - q, n)]
-    own_slots = [s for t, n, q in zip(tables, seq_lens, query_lens) for s in slot_mapping(t, range(n - q, n), block_size)]
+    own_slots = [
+        s for t, n, q in zip(tables, seq_lens, query_lens) for s in slot_mapping(t, range(n - q, n), block_size)
+    ]
     case = PagedCase(
         q=randn(qsl[-1], num_q_heads, d),
         k_cache=k_cache,
@@ -155,8 +157,9 @@ def repage(case: PagedCase, block_size: int, seed: int, spare_blocks: int = 2) -
     """
     if case.q.shape[0] != case.seq_lens.shape[0]:
         raise ValueError("repage takes a decode case (one query per sequence)")
-    return paged_from_contiguous(case.q, case.k, case.v, case.seq_lens.tolist(), block_size, seed, spare_blocks,
-                                 case.scale)  # fmt: skip
+    return paged_from_contiguous(
+        case.q, case.k, case.v, case.seq_lens.tolist(), block_size, seed, spare_blocks, case.scale
+    )
 
 
 def paged_from_contiguous(

@@ -112,10 +112,12 @@ def reshape_and_cache(
         _last_dim_contiguous(key=key, value=value, key_cache=key_cache, value_cache=value_cache)
     config = (key.dtype, key_cache.shape[2], key_cache.shape[3], key_cache.shape[1])
     launch_or_fallback(
-        "reshape_and_cache", key.device, config,
+        "reshape_and_cache",
+        key.device,
+        config,
         lambda: _launch(key, value, key_cache, value_cache, slot_mapping),
         lambda: reshape_and_cache_ref(key, value, key_cache, value_cache, slot_mapping),
-    )  # fmt: skip
+    )
 
 
 def reshape_and_cache_int8(
@@ -137,10 +139,14 @@ def reshape_and_cache_int8(
     check_kernel_device("key", key)
     _last_dim_contiguous(key=key, value=value, key_cache=key_cache, value_cache=value_cache)
     if k_scale.stride() != v_scale.stride():
-        raise ValueError(f"k_scale and v_scale must have one layout, got strides {k_scale.stride()} and {v_scale.stride()}")
+        raise ValueError(
+            f"k_scale and v_scale must have one layout, got strides {k_scale.stride()} and {v_scale.stride()}"
+        )
     config = (key.dtype, key_cache.shape[2], key_cache.shape[3], key_cache.shape[1])
     launch_or_fallback(
-        "reshape_and_cache_int8", key.device, config,
+        "reshape_and_cache_int8",
+        key.device,
+        config,
         lambda: _launch(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale),
         lambda: reshape_and_cache_int8_ref(key, value, key_cache, value_cache, k_scale, v_scale, slot_mapping),
-    )  # fmt: skip
+    )

@@ -124,13 +124,18 @@ def reshape_and_cache_fp8(
         check_kernel_device("key", key)
         for name, t in (("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache)):
             if t.stride(-1) != 1:
-                raise ValueError(f"{name} must be contiguous in its last dimension (head_dim), got strides {t.stride()}")
+                raise ValueError(
+                    f"{name} must be contiguous in its last dimension (head_dim), got strides {t.stride()}"
+                )
         if k_scale.stride() != v_scale.stride():
-            raise ValueError(f"k_scale and v_scale must have one layout, got strides {k_scale.stride()} and "
-                             f"{v_scale.stride()}")  # fmt: skip
+            raise ValueError(
+                f"k_scale and v_scale must have one layout, got strides {k_scale.stride()} and {v_scale.stride()}"
+            )
     config = (key.dtype, key_cache.shape[2], key_cache.shape[3], key_cache.shape[1], FP8)
     launch_or_fallback(
-        "reshape_and_cache_fp8", key.device, config,
+        "reshape_and_cache_fp8",
+        key.device,
+        config,
         lambda: _launch(key, value, key_cache, value_cache, k_scale, v_scale, slot_mapping),
         lambda: reshape_and_cache_fp8_ref(key, value, key_cache, value_cache, k_scale, v_scale, slot_mapping),
-    )  # fmt: skip
+    )

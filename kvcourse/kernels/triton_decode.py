@@ -25,7 +25,15 @@ from __future__ import annotations
 import torch
 
 from .reference import _default_scale, check_qkv, check_seq_lens, decode_attention_ref
-from .triton_runtime import check_kernel_device, compute_capability, dot_precision, launch_or_fallback, tl, triton, upcast
+from .triton_runtime import (
+    check_kernel_device,
+    compute_capability,
+    dot_precision,
+    launch_or_fallback,
+    tl,
+    triton,
+    upcast,
+)
 
 __all__ = ["decode", "decode_attention", "tile_config"]
 
@@ -34,7 +42,10 @@ SMEM_BUDGET = 32 * 1024  # bytes of shared memory the K/V tiles of the default l
 
 
 def tile_config(
-    head_dim: int, dtype: torch.dtype, capability: int | None, kv_dtype: torch.dtype | None = None,
+    head_dim: int,
+    dtype: torch.dtype,
+    capability: int | None,
+    kv_dtype: torch.dtype | None = None,
     int8_conversion: str = "bits",
 ) -> dict[str, int]:
     """Launch parameters for the decode kernels: tile width, warps, pipeline stages.
@@ -169,9 +180,12 @@ def decode_attention(
     group = hq // hkv
     config = (q.dtype, q.shape[-1], group)
     return launch_or_fallback(
-        "decode_attention", q.device, config, lambda: decode(q, k, v, lens, scale),
+        "decode_attention",
+        q.device,
+        config,
+        lambda: decode(q, k, v, lens, scale),
         lambda: decode_attention_ref(q, k, v, lens, scale),
-    )  # fmt: skip
+    )
 
 
 def decode(

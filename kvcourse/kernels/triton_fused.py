@@ -71,8 +71,9 @@ def _rounded(x, DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr):
 
 
 @triton.jit
-def _rms_normalize(x, w, eps, HIDDEN: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                   BF16_BY_HAND: tl.constexpr):  # fmt: skip
+def _rms_normalize(
+    x, w, eps, HIDDEN: tl.constexpr, X_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr, BF16_BY_HAND: tl.constexpr
+):
     """``w * x / sqrt(mean(x^2) + eps)`` for one row (fp32, padding lanes 0), rounded as :func:`.fused.rms_norm`."""
     # Padding lanes hold 0: they add nothing to the sum, and 1/HIDDEN (a constant) makes it the mean.
     mean_square = tl.sum(x * x, axis=0) * (1.0 / HIDDEN)
@@ -233,8 +234,10 @@ def _check_float(name: str, t: torch.Tensor, device: torch.device | None = None)
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in DTYPES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16 for the Triton kernels, got {t.dtype} "
-                        "(kvcourse.kernels.fused.USE_TRITON = False runs the torch versions)")  # fmt: skip
+        raise TypeError(
+            f"{name} must be float32, float16 or bfloat16 for the Triton kernels, got {t.dtype} "
+            "(kvcourse.kernels.fused.USE_TRITON = False runs the torch versions)"
+        )
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but x is on {device}; they must be on one device")
 
@@ -271,10 +274,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows, weight = _rows(x), weight.contiguous()
     config = (x.dtype, weight.dtype, x.shape[-1])
     out = launch_or_fallback(
-        "rms_norm", x.device, config,
+        "rms_norm",
+        x.device,
+        config,
         lambda: _launch_rms_norm(rows, weight, float(eps)),
         lambda: fused_torch.rms_norm_torch(rows, weight, eps),
-    )  # fmt: skip
+    )
     return out.view(x.shape)
 
 
@@ -293,10 +298,12 @@ def fused_add_rms_norm(
     rows_x, rows_r, weight = _rows(x), _rows(residual), weight.contiguous()
     config = (x.dtype, residual.dtype, weight.dtype, x.shape[-1])
     out, h = launch_or_fallback(
-        "fused_add_rms_norm", x.device, config,
+        "fused_add_rms_norm",
+        x.device,
+        config,
         lambda: _launch_fused_add_rms_norm(rows_x, rows_r, weight, float(eps)),
         lambda: fused_torch.add_rms_norm_torch(rows_x, rows_r, weight, eps),
-    )  # fmt: skip
+    )
     return out.view(x.shape), h.view(x.shape)
 
 
@@ -325,8 +332,10 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tenso
         raise TypeError(f"cos has dtype {cos.dtype} but signed_sin has {signed_sin.dtype}; they must match")
     for name, t in (("cos", cos), ("signed_sin", signed_sin)):
         if not _broadcasts_to(t, x.shape):
-            raise ValueError(f"{name} must broadcast to x's shape {list(x.shape)} ([N, 1, D] for x [N, H, D]), "
-                             f"got shape {tuple(t.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{name} must broadcast to x's shape {list(x.shape)} ([N, 1, D] for x [N, H, D]), "
+                f"got shape {tuple(t.shape)}"
+            )
     *lead, heads, head_dim = x.shape
     if all(_broadcasts_to(t, (*lead, 1, head_dim)) for t in (cos, signed_sin)):
         table_shape, row_heads = (*lead, 1, head_dim), heads  # x as [tokens, H, D], one table row per token
@@ -341,10 +350,12 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tenso
     )
     config = (x.dtype, cos.dtype, row_heads, head_dim)
     out = launch_or_fallback(
-        "rotary_embedding", x.device, config,
+        "rotary_embedding",
+        x.device,
+        config,
         lambda: _launch_rotary_embedding(tokens, cos_rows, sin_rows),
         lambda: fused_torch.rope_torch(tokens, cos_rows, sin_rows),
-    )  # fmt: skip
+    )
     return out.view(x.shape)
 
 
@@ -357,8 +368,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = _rows(gate_up)
     config = (gate_up.dtype, gate_up.shape[-1])
     out = launch_or_fallback(
-        "silu_and_mul", gate_up.device, config,
+        "silu_and_mul",
+        gate_up.device,
+        config,
         lambda: _launch_silu_and_mul(rows),
         lambda: fused_torch.silu_and_mul_torch(rows),
-    )  # fmt: skip
+    )
     return out.view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)

@@ -40,11 +40,29 @@ from .int8 import check_paged_int8, paged_decode_attention_int8_ref
 from .reference import _default_scale, check_block_tables, check_paged, paged_attention
 from .split_plan import SplitPlan
 from .triton_decode import LOG2E, group_rows, tile_config
-from .triton_runtime import check_kernel_device, compute_capability, dot_precision, launch_or_fallback, tl, triton, upcast
+from .triton_runtime import (
+    check_kernel_device,
+    compute_capability,
+    dot_precision,
+    launch_or_fallback,
+    tl,
+    triton,
+    upcast,
+)
 
-__all__ = ["INT8_CONVERSIONS", "MAX_SPLITS", "choose_num_splits", "decode_workspace", "int8_to_float", "paged_decode",
-           "paged_decode_attention", "paged_decode_attention_fp8", "paged_decode_attention_int8", "paged_decode_planned",
-           "planned_workspace"]
+__all__ = [
+    "INT8_CONVERSIONS",
+    "MAX_SPLITS",
+    "choose_num_splits",
+    "decode_workspace",
+    "int8_to_float",
+    "paged_decode",
+    "paged_decode_attention",
+    "paged_decode_attention_fp8",
+    "paged_decode_attention_int8",
+    "paged_decode_planned",
+    "planned_workspace",
+]
 
 MAX_SPLITS = 64  # stage 2 merges up to this many partial results per head in one tile
 MIN_SPLIT_TOKENS = 256  # at most one split per started 256 positions: fewer, longer splits merge cheaper
@@ -147,8 +165,9 @@ def _paged_decode_kernel(
     d = tl.arange(0, BLOCK_D)
     h_ok, d_ok = h < GROUP, d < HEAD_DIM
     heads = kv_head * GROUP + h
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
-                other=0.0)  # fmt: skip
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0
+    )
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -203,7 +222,9 @@ def _paged_decode_kernel(
             tl.store(Lse + work * stride_lb + heads * stride_lh, m + tl.log2(l), mask=h_ok)
     elif NUM_SPLITS == 1:
         out = acc / l[:, None]
-        tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty), mask=o_mask)
+        tl.store(
+            Out + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty), mask=o_mask
+        )
     else:
         # An empty split (start >= end) summed nothing: l = 0. It writes o = 0 and lse = -inf.
         nonempty = l > 0
@@ -232,8 +253,11 @@ def _merge_splits_kernel(
     d = tl.arange(0, BLOCK_D)
     s_ok, d_ok = s < NUM_SPLITS, d < HEAD_DIM
     lse = tl.load(Lse + b * stride_lb + head * stride_lh + s, mask=s_ok, other=float("-inf"))
-    o = tl.load(Partial + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-                mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    o = tl.load(
+        Partial + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     w = tl.exp2(lse - tl.max(lse, 0))  # empty splits: exp2(-inf) = 0; at least one split is not empty
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
     tl.store(Out + b * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d_ok)
@@ -339,8 +363,11 @@ def _merge_planned_kernel(
         rows = s0 + s
         s_ok = rows < first + count
         lse = tl.load(Lse + rows * stride_lw + head * stride_lh, mask=s_ok, other=float("-inf"))
-        o = tl.load(Partial + rows[:, None] * stride_pw + head * stride_ph + d[None, :],
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        o = tl.load(
+            Partial + rows[:, None] * stride_pw + head * stride_ph + d[None, :],
+            mask=s_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         m_new = tl.maximum(m, tl.max(lse, 0))  # finite: every row of this tile up to count is a non-empty chunk
         alpha = tl.exp2(m - m_new)  # the first tile: exp2(-inf) = 0, and acc, total are 0 anyway
         w = tl.exp2(lse - m_new)  # rows past count: exp2(-inf) = 0
@@ -399,8 +426,10 @@ def paged_decode_planned(
     if tiles is not None:
         ints = len(tiles) == 3 and all(not isinstance(t, bool) and isinstance(t, int) and t >= 1 for t in tiles)
         if not ints or any(t & (t - 1) for t in tiles[:2]):
-            raise ValueError(f"tiles must be (BLOCK_N, num_warps, num_stages), positive ints, the first two powers of "
-                             f"two, got {tiles!r}")  # fmt: skip
+            raise ValueError(
+                f"tiles must be (BLOCK_N, num_warps, num_stages), positive ints, the first two powers of "
+                f"two, got {tiles!r}"
+            )
         cfg.update(BLOCK_N=max(16, tiles[0]), num_warps=tiles[1], num_stages=tiles[2])  # tl.dot needs 16 or more
     scales = (k_scale, v_scale) if quantized else (q, q)
     s_strides = k_scale.stride() if quantized else (0, 0, 0)
@@ -493,9 +522,12 @@ def paged_decode_attention(
 
     config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.shape[1], splits)
     return launch_or_fallback(
-        "paged_decode_attention", q.device, config,
-        lambda: paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits), reference,
-    )  # fmt: skip
+        "paged_decode_attention",
+        q.device,
+        config,
+        lambda: paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits),
+        reference,
+    )
 
 
 def paged_decode_attention_int8(
@@ -538,8 +570,9 @@ def paged_decode_attention_fp8(
                              q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale, num_splits)  # fmt: skip
 
 
-def _quantized_decode(name, reference, dtype, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale,
-                      num_splits) -> torch.Tensor:  # fmt: skip
+def _quantized_decode(
+    name, reference, dtype, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale, num_splits
+) -> torch.Tensor:
     """The checks and the launch shared by the int8 and fp8 wrappers."""
     lens = check_paged_int8(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, dtype)
     check_kernel_device("q", q)
@@ -547,14 +580,18 @@ def _quantized_decode(name, reference, dtype, q, k_cache, v_cache, k_scale, v_sc
         if t.stride(-1) != 1:
             raise ValueError(f"{what} must be contiguous in its last dimension (head_dim), got strides {t.stride()}")
     if k_scale.stride() != v_scale.stride():
-        raise ValueError(f"k_scale and v_scale must have one layout, got strides {k_scale.stride()} and {v_scale.stride()}")
+        raise ValueError(
+            f"k_scale and v_scale must have one layout, got strides {k_scale.stride()} and {v_scale.stride()}"
+        )
     scale = _default_scale(scale, q.shape[-1])
     splits = check_num_splits(num_splits, q.shape[0], k_cache.shape[2], max(lens), q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.shape[1], splits)
     return launch_or_fallback(
-        name, q.device, config,
+        name,
+        q.device,
+        config,
         lambda: paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, k_scale, v_scale),
         lambda: reference(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale),
-    )  # fmt: skip
+    )

@@ -35,8 +35,14 @@ from .triton_decode import LOG2E, tile_config
 from .triton_runtime import (check_kernel_device, compute_capability, dot_precision, launch_or_fallback, tl, triton,
                              upcast)  # fmt: skip
 
-__all__ = ["BLOCK_ROWS", "num_programs", "ragged_paged", "ragged_paged_attention", "ragged_paged_attention_ref",
-           "ragged_tile_config"]
+__all__ = [
+    "BLOCK_ROWS",
+    "num_programs",
+    "ragged_paged",
+    "ragged_paged_attention",
+    "ragged_paged_attention_ref",
+    "ragged_tile_config",
+]
 
 BLOCK_ROWS = 64  # query rows (tokens x heads of a group) per program
 
@@ -54,8 +60,7 @@ def ragged_tile_config(head_dim: int, dtype: torch.dtype, capability: int | None
     cfg = tile_config(head_dim, dtype, capability)
     if capability is not None:
         half = dtype in (torch.float16, torch.bfloat16)
-        cfg.update(BLOCK_N=32 if half and capability >= 90 else 16,
-                   num_warps=4 if capability == 80 and not half else 8)  # fmt: skip
+        cfg.update(BLOCK_N=32 if half and capability >= 90 else 16, num_warps=4 if capability == 80 and not half else 8)
     return cfg
 
 
@@ -111,8 +116,11 @@ def _ragged_paged_kernel(
         row_ok = (token < seq_end) & (h < GROUP)
         d_ok = d < HEAD_DIM
         head = kv_head * GROUP + h
-        q = tl.load(Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        q = tl.load(
+            Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         if UPCAST:
             q = q.to(tl.float32)
         q_pos = cached + token - seq_start  # each row's position: it sees keys 0 .. q_pos
@@ -128,10 +136,16 @@ def _ragged_paged_kernel(
             block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
             offset = n % BLOCK_SIZE
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(K_cache + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None] + d[None, :],
-                        mask=kv_mask, other=0.0)  # fmt: skip
-            v = tl.load(V_cache + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None] + d[None, :],
-                        mask=kv_mask, other=0.0)  # fmt: skip
+            k = tl.load(
+                K_cache + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None] + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            v = tl.load(
+                V_cache + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None] + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
             if UPCAST:
                 k, v = k.to(tl.float32), v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
@@ -144,8 +158,11 @@ def _ragged_paged_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m = m_new
         out = acc / l[:, None]
-        tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])  # fmt: skip
+        tl.store(
+            Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
 
 
 def ragged_paged(
@@ -233,16 +250,21 @@ def ragged_paged_attention(
     """
     check_paged(q, k_cache, v_cache, "[N, Hq, D]")
     check_kernel_device("q", q)
-    for name, t, dims in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1),
-                          ("query_start_loc", query_start_loc, 1)):  # fmt: skip
+    for name, t, dims in (
+        ("block_tables", block_tables, 2),
+        ("seq_lens", seq_lens, 1),
+        ("query_start_loc", query_start_loc, 1),
+    ):
         if not isinstance(t, torch.Tensor) or t.dim() != dims or t.dtype != torch.int32:
             raise ValueError(f"{name} must be an int32 tensor of {dims} dimension(s)")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
     b = seq_lens.shape[0]
     if b == 0 or query_start_loc.shape[0] != b + 1 or block_tables.shape[0] != b:
-        raise ValueError(f"query_start_loc needs {b + 1} entries and block_tables {b} rows for {b} sequences, got "
-                         f"{query_start_loc.shape[0]} and {block_tables.shape[0]}")  # fmt: skip
+        raise ValueError(
+            f"query_start_loc needs {b + 1} entries and block_tables {b} rows for {b} sequences, got "
+            f"{query_start_loc.shape[0]} and {block_tables.shape[0]}"
+        )
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()  # checked on the host, as every checked entry point
     q_lens = [hi - lo for lo, hi in zip(qsl, qsl[1:])]
     if qsl[0] != 0 or min(q_lens) < 0 or qsl[-1] > q.shape[0]:
@@ -260,11 +282,15 @@ def ragged_paged_attention(
     q = q if q.stride(-1) == 1 else q.contiguous()
 
     def launch() -> torch.Tensor:
-        return ragged_paged(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                            out=torch.zeros_like(q))  # fmt: skip
+        return ragged_paged(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=torch.zeros_like(q)
+        )
 
     config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], block_size)
     return launch_or_fallback(
-        "ragged_paged_attention", q.device, config, launch,
+        "ragged_paged_attention",
+        q.device,
+        config,
+        launch,
         lambda: ragged_paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale),
-    )  # fmt: skip
+    )

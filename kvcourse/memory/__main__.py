@@ -46,8 +46,10 @@ def context_note(config, seq_len: int) -> str | None:
     """A warning line when ``seq_len`` is beyond the model's trained context, else ``None``."""
     limit = load_config(config).get("max_position_embeddings")
     if isinstance(limit, int) and seq_len > limit:
-        return (f"note: --seq-len {seq_len:,} is beyond the model's context length ({limit:,} positions, "
-                "max_position_embeddings); the bill is computed anyway")  # fmt: skip
+        return (
+            f"note: --seq-len {seq_len:,} is beyond the model's context length ({limit:,} positions, "
+            "max_position_embeddings); the bill is computed anyway"
+        )
     return None
 
 
@@ -67,11 +69,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", type=_dtype, default="bf16", help=f"KV cache dtype: {dtypes} (default bf16)")
     parser.add_argument("--tp-size", type=_positive, default=1, help="tensor-parallel ranks (default 1)")
     parser.add_argument(
-        "--quant-group-size", type=_positive, default=None,
+        "--quant-group-size",
+        type=_positive,
+        default=None,
         help="for fp8/int8/int4: count an fp16 scale and zero point per this many values (default: payload only)",
     )
     parser.add_argument(
-        "--weight-dtype", type=_dtype, default="bf16",
+        "--weight-dtype",
+        type=_dtype,
+        default="bf16",
         help="dtype of the weights, for the weights row of catalog models (default bf16)",
     )
     return parser
@@ -83,8 +89,14 @@ def _table(rows: list[tuple[str, str]]) -> str:
 
 
 def report(
-    config, label: str, seq_len: int, batch_size: int, dtype: str, tp_size: int,
-    quant_group_size: int | None = None, weight_dtype: str = "bf16",
+    config,
+    label: str,
+    seq_len: int,
+    batch_size: int,
+    dtype: str,
+    tp_size: int,
+    quant_group_size: int | None = None,
+    weight_dtype: str = "bf16",
 ) -> str:
     """The table ``main`` prints, as a string."""
     layout = kv_layout(config)
@@ -102,8 +114,14 @@ def report(
         ("layers", str(layout.num_layers)),
         ("KV heads", heads),
         ("head dim", str(layout.head_dim)),
-        ("sliding window", f"{layout.num_windowed_layers} of {layout.num_layers} layers at {windows} tokens" if windows else "none"),
-        ("dtype", dtype + ("" if quant_group_size is None else f" + fp16 scale and zero point per {quant_group_size} values")),
+        (
+            "sliding window",
+            f"{layout.num_windowed_layers} of {layout.num_layers} layers at {windows} tokens" if windows else "none",
+        ),
+        (
+            "dtype",
+            dtype + ("" if quant_group_size is None else f" + fp16 scale and zero point per {quant_group_size} values"),
+        ),
         ("seq len x batch", f"{seq_len:,} x {batch_size:,}"),
         ("tp size", str(tp_size)),
         ("KV bytes per token", f"{per_token:,} B = {format_bytes(per_token)} per rank"),
@@ -128,8 +146,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config = args.model if args.model else args.config
     try:
-        text = report(config, args.model or args.config, args.seq_len, args.batch_size, args.dtype, args.tp_size,
-                      args.quant_group_size, args.weight_dtype)
+        text = report(
+            config,
+            args.model or args.config,
+            args.seq_len,
+            args.batch_size,
+            args.dtype,
+            args.tp_size,
+            args.quant_group_size,
+            args.weight_dtype,
+        )
         note = context_note(config, args.seq_len)
     except (ValueError, TypeError) as e:
         parser.error(str(e))

@@ -73,7 +73,10 @@ def crossover_tokens(model: str, dtype: Any = "bf16", weight_dtype: Any = "bf16"
     """
     weights = weight_bytes(model, weight_dtype)
     layout = kv_layout(model)
-    if all(w is not None for w in layout.layer_windows) and kv_cache_bytes(model, max(layout.layer_windows), dtype=dtype) < weights:
+    if (
+        all(w is not None for w in layout.layer_windows)
+        and kv_cache_bytes(model, max(layout.layer_windows), dtype=dtype) < weights
+    ):
         return None
     lo, hi = 1, 1
     while kv_cache_bytes(model, hi, dtype=dtype) < weights:
@@ -102,5 +105,7 @@ def prefill_flops(model: str, num_tokens: int) -> int:
     if num_tokens == 0:
         return 0
     cfg = entry.config
-    matmul_params = entry.num_parameters - (0 if cfg.get("tie_word_embeddings") else cfg["vocab_size"] * cfg["hidden_size"])
+    matmul_params = entry.num_parameters - (
+        0 if cfg.get("tie_word_embeddings") else cfg["vocab_size"] * cfg["hidden_size"]
+    )
     return transformer_flops(matmul_params, layout.num_layers, layout.num_attention_heads * layout.head_dim, num_tokens)

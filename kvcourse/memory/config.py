@@ -62,9 +62,22 @@ _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
 _KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_head_kv", "multi_query_group_num")
 # Every integer field the memory tools read. Each is checked whenever it is present, not only on the path that
 # uses it: ``max_window_layers: "a"`` in a config with no sliding window is a broken file, not an unused key.
-INT_FIELDS = (*_LAYER_KEYS, *_HEAD_KEYS, *_HIDDEN_KEYS, *_KV_HEAD_KEYS, "head_dim", "kv_lora_rank",
-              "qk_rope_head_dim", "sliding_window", "max_window_layers", "sliding_window_pattern",
-              "attention_chunk_size", "max_position_embeddings", "vocab_size", "intermediate_size")
+INT_FIELDS = (
+    *_LAYER_KEYS,
+    *_HEAD_KEYS,
+    *_HIDDEN_KEYS,
+    *_KV_HEAD_KEYS,
+    "head_dim",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "sliding_window",
+    "max_window_layers",
+    "sliding_window_pattern",
+    "attention_chunk_size",
+    "max_position_embeddings",
+    "vocab_size",
+    "intermediate_size",
+)
 
 
 def _check_int_fields(cfg: Mapping) -> None:
@@ -189,8 +202,10 @@ def _layer_windows(cfg: Mapping, num_layers: int) -> tuple[int | None, ...]:
         first = cfg.get("max_window_layers", 0)
         first = 0 if first is None else first
         if not is_int(first) or not 0 <= first <= num_layers:
-            raise ValueError(f"config['max_window_layers'] (layers before the sliding ones) must be an int in "
-                             f"[0, {num_layers}], got {first!r}")
+            raise ValueError(
+                f"config['max_window_layers'] (layers before the sliding ones) must be an int in "
+                f"[0, {num_layers}], got {first!r}"
+            )
         return tuple(window if i >= first else None for i in range(num_layers))
     pattern = cfg.get("sliding_window_pattern")
     if pattern is None and model_type == "gemma2":
@@ -222,16 +237,15 @@ def kv_layout(config: Any) -> KVLayout:
         kv_heads = 1
         named = [k for k in ("num_key_value_heads", "num_kv_heads", "n_head_kv") if cfg.get(k) not in (None, 1)]
         if named:
-            raise ValueError(f"config sets multi_query: true (one KV head) and {named[0]}={cfg[named[0]]!r}: "
-                             "they disagree; keep one")
+            raise ValueError(
+                f"config sets multi_query: true (one KV head) and {named[0]}={cfg[named[0]]!r}: they disagree; keep one"
+            )
     elif _has_any(cfg, _KV_HEAD_KEYS):
         kv_heads = _positive_int(cfg, _KV_HEAD_KEYS, "KV head count")
     else:
         kv_heads = num_heads  # plain multi-head attention
     if kv_heads > num_heads or num_heads % kv_heads:
-        raise ValueError(
-            f"KV head count ({kv_heads}) must divide the attention head count ({num_heads})"
-        )
+        raise ValueError(f"KV head count ({kv_heads}) must divide the attention head count ({num_heads})")
 
     if cfg.get("head_dim") is not None:
         head_dim = _positive_int(cfg, ("head_dim",), "head dimension")

@@ -46,9 +46,7 @@ def _vectors_per_token_per_layer(layout: KVLayout, tp_size: int) -> tuple[int, i
     return 2 * layout.kv_heads_per_rank(tp_size), layout.head_dim
 
 
-def kv_bytes_per_token(
-    config: Any, dtype: Any = "bf16", tp_size: int = 1, quant_group_size: int | None = None
-) -> int:
+def kv_bytes_per_token(config: Any, dtype: Any = "bf16", tp_size: int = 1, quant_group_size: int | None = None) -> int:
     """Bytes one more token of context adds to one sequence's cache (per rank), summed over layers.
 
     This is the cost while the context is shorter than every sliding window; past a

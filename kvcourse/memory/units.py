@@ -14,11 +14,20 @@ GiB = 2**30
 # Bytes per cached value. int4 is half a byte: two values share one byte.
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 _DTYPE_ALIASES = {
-    "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
-    "bfloat16": "bf16", "torch.bfloat16": "bf16",
-    "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
-    "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
-    "torch.float8_e4m3fn": "fp8", "torch.float8_e5m2": "fp8",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "fp8_e4m3": "fp8",
+    "fp8_e5m2": "fp8",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+    "torch.float8_e4m3fn": "fp8",
+    "torch.float8_e5m2": "fp8",
 }
 
 

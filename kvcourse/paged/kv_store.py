@@ -75,8 +75,9 @@ class PagedKVStore:
     ) -> PagedKVStore:
         """A pool shaped for ``config`` (a :class:`kvcourse.LlamaConfig`)."""
         check_config(config)
-        return cls(config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
-                   config.head_dim, dtype, device)  # fmt: skip
+        return cls(
+            config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim, dtype, device
+        )
 
     @property
     def dtype(self) -> torch.dtype:

@@ -93,9 +93,12 @@ class HostBlockPool:
 
     def snapshot(self) -> dict:
         """Everything the pool's calls change, copied, for :meth:`restore` (the entries are immutable)."""
-        return {"_free": self._free.copy(), "_cold": self._cold.copy(),
-                "_cold_by_hash": dict(self._cold_by_hash),  # buckets are replaced, never changed in place
-                "num_evictions": self.num_evictions}  # fmt: skip
+        return {
+            "_free": self._free.copy(),
+            "_cold": self._cold.copy(),
+            "_cold_by_hash": dict(self._cold_by_hash),  # buckets are replaced, never changed in place
+            "num_evictions": self.num_evictions,
+        }
 
     def restore(self, state: dict) -> None:
         vars(self).update(state)
@@ -173,8 +176,10 @@ def apply_transfers(device_store: PagedKVStore, host_store: PagedKVStore, transf
         src = torch.tensor([t.src for t in transfers[i:j]], dtype=torch.int64, device=src_store.device)
         dst = torch.tensor([t.dst for t in transfers[i:j]], dtype=torch.int64, device=dst_store.device)
         for layer in range(device_store.num_layers):
-            for s, d in ((src_store.k_cache[layer], dst_store.k_cache[layer]),
-                         (src_store.v_cache[layer], dst_store.v_cache[layer])):  # fmt: skip
+            for s, d in (
+                (src_store.k_cache[layer], dst_store.k_cache[layer]),
+                (src_store.v_cache[layer], dst_store.v_cache[layer]),
+            ):
                 # Synchronous on purpose: the next move or the forward may touch these blocks. (vLLM copies
                 # from pinned host memory asynchronously and waits on a CUDA event before the forward.)
                 d.index_copy_(0, dst, s.index_select(0, src).to(d.device))

@@ -44,8 +44,14 @@ from .pool import Admission, num_tokens_to_admit
 if TYPE_CHECKING:
     from ..sequence import Sequence as SequenceState
 
-__all__ = ["CachedBlock", "FreeBlockQueue", "LookupFn", "PrefixAdmission", "PrefixCachingBlockManager",
-           "hash_block_tokens"]
+__all__ = [
+    "CachedBlock",
+    "FreeBlockQueue",
+    "LookupFn",
+    "PrefixAdmission",
+    "PrefixCachingBlockManager",
+    "hash_block_tokens",
+]
 
 # find_longest_cache_hit(token_ids, block_size, cache_salt, hash_fn, get_cached_block) -> block ids, in order:
 # the blocks that hold the sequence's longest cached prefix (vLLM's KVCacheManager.find_longest_cache_hit).
@@ -60,6 +66,7 @@ class PrefixAdmission(NamedTuple):
     num_tokens: int
     num_prompt_tokens: int
     num_hit_tokens: int
+
 
 class FreeBlockQueue:
     """Free block ids, the next one to hand out first (vLLM's ``FreeKVCacheBlockQueue``).
@@ -130,7 +137,9 @@ class PrefixCachingBlockManager(BlockManager):
         if not callable(hash_fn):
             raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
         if find_longest_cache_hit is not None and not callable(find_longest_cache_hit):
-            raise TypeError(f"find_longest_cache_hit must be callable or None, got {type(find_longest_cache_hit).__name__}")
+            raise TypeError(
+                f"find_longest_cache_hit must be callable or None, got {type(find_longest_cache_hit).__name__}"
+            )
         self.hash_fn = hash_fn
         self.find_longest_cache_hit = find_longest_cache_hit
         self.admissions: list[PrefixAdmission] = []  # every admission's lookup, in order
@@ -248,8 +257,11 @@ class PrefixCachingBlockManager(BlockManager):
         cached = list(cached_blocks)
         if len(cached) > self.blocks_needed(num_tokens):
             raise ValueError(f"cached_blocks: {len(cached)} blocks hold more than num_tokens={num_tokens}")
-        stale = [b for b in cached if (not self.host.is_cold(b.host_block) if isinstance(b, OffloadedBlock)
-                                       else b not in self._cached)]  # fmt: skip
+        stale = [
+            b
+            for b in cached
+            if (not self.host.is_cold(b.host_block) if isinstance(b, OffloadedBlock) else b not in self._cached)
+        ]
         if stale:
             raise ValueError(f"cached_blocks {stale} are not in the prefix cache (evicted since the lookup?)")
         self._require(self.blocks_to_allocate(num_tokens, cached), f"allocate {num_tokens} tokens for {seq_id!r}")
@@ -352,11 +364,14 @@ class PrefixCachingBlockManager(BlockManager):
         state.update(
             num_admissions=len(self.admissions),  # only ever appended to
             cached_block_hash_to_block=dict(self.cached_block_hash_to_block),  # buckets are never changed in place
-            _cached=dict(self._cached), _num_cached_blocks=dict(self._num_cached_blocks),
-            _last_cached=dict(self._last_cached), _swapped_chains=dict(self._swapped_chains),
-            num_evictions=self.num_evictions, num_offloaded_blocks=self.num_offloaded_blocks,
+            _cached=dict(self._cached),
+            _num_cached_blocks=dict(self._num_cached_blocks),
+            _last_cached=dict(self._last_cached),
+            _swapped_chains=dict(self._swapped_chains),
+            num_evictions=self.num_evictions,
+            num_offloaded_blocks=self.num_offloaded_blocks,
             num_host_hit_blocks=self.num_host_hit_blocks,
-        )  # fmt: skip
+        )
         return state
 
     def restore(self, state: dict) -> None:
@@ -375,11 +390,15 @@ class PrefixCachingBlockManager(BlockManager):
         return len(idle) + self.host.clear_cold()
 
     # ---- internals ----------------------------------------------------------
-    def _full_block_hash(self, parent_block_hash: BlockHash | None, token_ids: Sequence[int], extra_keys=()) -> BlockHash:
+    def _full_block_hash(
+        self, parent_block_hash: BlockHash | None, token_ids: Sequence[int], extra_keys=()
+    ) -> BlockHash:
         """``hash_fn`` as a custom lookup gets it: only a full block has a hash (a partial one is never cached)."""
         if len(token_ids) != self.block_size:
-            raise ValueError(f"token_ids: a block hash is for a full block of {self.block_size} tokens, got "
-                             f"{len(token_ids)} (a partly filled block is never cached)")  # fmt: skip
+            raise ValueError(
+                f"token_ids: a block hash is for a full block of {self.block_size} tokens, got "
+                f"{len(token_ids)} (a partly filled block is never cached)"
+            )
         return self.hash_fn(parent_block_hash, tuple(token_ids), tuple(extra_keys))
 
     def _check_hits(self, hits: object, num_tokens: int) -> list[int]:

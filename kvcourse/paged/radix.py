@@ -212,8 +212,10 @@ class RadixCache:
         return self.num_tokens
 
     def __repr__(self) -> str:
-        return (f"RadixCache(num_tokens={self.num_tokens}, capacity={self.capacity}, "
-                f"nodes={sum(1 for _ in self._nodes()) - 1})")  # fmt: skip
+        return (
+            f"RadixCache(num_tokens={self.num_tokens}, capacity={self.capacity}, "
+            f"nodes={sum(1 for _ in self._nodes()) - 1})"
+        )
 
 
 def longest_prefix_first(cache: RadixCache, waiting: Sequence[Sequence[int]]) -> list[int]:

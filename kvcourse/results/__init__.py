@@ -82,8 +82,10 @@ def gpu_check_notebook_runs(data: dict, name: str) -> list[dict]:
             if (not isinstance(notebook, str) or not notebook.endswith(".ipynb") or isinstance(seconds, bool)
                     or not isinstance(seconds, (int, float)) or seconds < 0 or not isinstance(passed, bool)
                     or not isinstance(timed_out, bool)):  # fmt: skip
-                raise ValueError(f"{name}: steps[{i}]: a notebook's run needs 'notebook' (a .ipynb name), "
-                                 f"'passed' (true/false) and 'seconds' (>= 0), got {run!r}")  # fmt: skip
+                raise ValueError(
+                    f"{name}: steps[{i}]: a notebook's run needs 'notebook' (a .ipynb name), "
+                    f"'passed' (true/false) and 'seconds' (>= 0), got {run!r}"
+                )
             prov = data.get("provenance")
             missing = [k for k in ("gpu", "torch", "date") if not isinstance(prov, dict) or not prov.get(k)]
             if missing:

@@ -79,8 +79,11 @@ def serve_static(
         runner = ModelRunner(model, 2 * len(batch) * per_row, block_size, backend)
         # prefill: every prompt, padded to the longest
         work = [(i, prompts[i]) for i in batch]
-        work += [(("pad", i), [pad_token_id] * (longest_prompt - len(prompts[i])))
-                 for i in batch if len(prompts[i]) < longest_prompt]  # fmt: skip
+        work += [
+            (("pad", i), [pad_token_id] * (longest_prompt - len(prompts[i])))
+            for i in batch
+            if len(prompts[i]) < longest_prompt
+        ]
         for step_in_batch in range(longest_output):
             start = clock()
             logits = runner.step(work)

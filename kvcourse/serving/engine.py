@@ -296,9 +296,7 @@ class Engine:
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         elif not isinstance(sampling_params, SequenceABC) or len(sampling_params) != len(prompts):
-            raise ValueError(
-                f"sampling_params must be one SamplingParams or a list of {len(prompts)} (one per prompt)"
-            )
+            raise ValueError(f"sampling_params must be one SamplingParams or a list of {len(prompts)} (one per prompt)")
         requests = []
         try:  # check them all before queueing any
             for i, (p, sp) in enumerate(zip(prompts, sampling_params)):

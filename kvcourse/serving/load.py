@@ -74,8 +74,10 @@ def fit_step_cost(events: Iterable[StepEvent]) -> tuple[StepCost, float]:
     The three coefficients are kept non-negative (a term that would come out negative is dropped and
     the rest refitted): a step never gets cheaper for carrying more work.
     """
-    rows = [(1.0, e.num_tokens, len(e.scheduled), check_float(f"events[{i}].duration", e.duration, min=0))
-            for i, e in enumerate(events)]  # fmt: skip
+    rows = [
+        (1.0, e.num_tokens, len(e.scheduled), check_float(f"events[{i}].duration", e.duration, min=0))
+        for i, e in enumerate(events)
+    ]
     if len(rows) < 3:
         raise ValueError(f"events must hold at least 3 steps to fit 3 coefficients, got {len(rows)}")
     if not any(r[3] > 0 for r in rows):

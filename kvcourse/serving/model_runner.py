@@ -105,17 +105,24 @@ class ModelRunner:
                 f"('triton'); got a model on {model.device} and backend {backend!r}"
             )
         if mode == "eager" and not capturable:
-            raise ValueError(f"cuda_graphs='eager' runs a graph's static forward, which backend {backend!r} cannot "
-                             f"(it decides shapes from the step's lengths); use backend='triton'")  # fmt: skip
+            raise ValueError(
+                f"cuda_graphs='eager' runs a graph's static forward, which backend {backend!r} cannot "
+                f"(it decides shapes from the step's lengths); use backend='triton'"
+            )
         if num_cpu_blocks and backend_cls.store_type is not PagedKVStore:
-            raise ValueError(f"num_cpu_blocks needs a float pool (block moves copy K and V only); backend {backend!r} "
-                             f"stores a {backend_cls.store_type.__name__}")  # fmt: skip
+            raise ValueError(
+                f"num_cpu_blocks needs a float pool (block moves copy K and V only); backend {backend!r} "
+                f"stores a {backend_cls.store_type.__name__}"
+            )
         self.model, self.backend = model, backend
         # The pools first: they check that they fit in memory before anything big is built.
         self.kv_store = backend_cls.make_store(model.config, num_blocks, block_size, model.dtype, model.device)
         # The host pool: same layout, in CPU memory (on a CPU-only machine both pools share the same DRAM).
-        self.host_kv_store = (PagedKVStore.for_model(model.config, num_cpu_blocks, block_size, model.dtype, "cpu")
-                              if num_cpu_blocks else None)  # fmt: skip
+        self.host_kv_store = (
+            PagedKVStore.for_model(model.config, num_cpu_blocks, block_size, model.dtype, "cpu")
+            if num_cpu_blocks
+            else None
+        )
         if enable_prefix_caching:
             self.block_manager = PrefixCachingBlockManager(num_blocks, block_size, num_host_blocks=num_cpu_blocks)
         else:
@@ -125,8 +132,11 @@ class ModelRunner:
         if mode is None:
             mode = "capture" if on_cuda and capturable else "off"
         self.graph_mode = mode
-        self.graphs = (StepGraphs(model, self.kv_store, backend, max_num_seqs, max_num_batched_tokens,
-                                  capture=mode == "capture") if mode != "off" else None)  # fmt: skip
+        self.graphs = (
+            StepGraphs(model, self.kv_store, backend, max_num_seqs, max_num_batched_tokens, capture=mode == "capture")
+            if mode != "off"
+            else None
+        )
         if mode == "capture":
             self.graphs.capture_all()
         self.num_transferred_blocks = {"to_host": 0, "to_device": 0}
@@ -169,15 +179,19 @@ class ModelRunner:
         if len(set(ids)) != len(ids):
             raise ValueError(f"work names a sequence twice: {ids}")
         new = [seq_id for seq_id in ids if seq_id not in bm]
-        needed = sum(bm.blocks_needed(len(tokens)) if seq_id in new else bm.blocks_to_append(seq_id, len(tokens))
-                     for seq_id, tokens in checked)  # fmt: skip
+        needed = sum(
+            bm.blocks_needed(len(tokens)) if seq_id in new else bm.blocks_to_append(seq_id, len(tokens))
+            for seq_id, tokens in checked
+        )
         if needed > bm.num_free_blocks:
             raise NoFreeBlocksError(f"the step needs {needed} free blocks, only {bm.num_free_blocks} are free")
         for seq_id in new:
             bm.allocate(seq_id, 0)
         starts = [allocate_slots(bm, self.kv_store, seq_id, len(tokens)) for seq_id, tokens in checked]
-        return self.forward([SeqSlice(tokens, start, bm.block_table(seq_id))
-                             for (seq_id, tokens), start in zip(checked, starts)], all_logits)  # fmt: skip
+        return self.forward(
+            [SeqSlice(tokens, start, bm.block_table(seq_id)) for (seq_id, tokens), start in zip(checked, starts)],
+            all_logits,
+        )
 
     def execute(self, out, all_logits: bool = False) -> torch.Tensor:
         """Run the step the scheduler chose (a :class:`~kvcourse.serving.SchedulerOutput`, its slots
@@ -196,8 +210,9 @@ class ModelRunner:
         for cow in out.copies:
             self.kv_store.copy_block(cow.src_block, cow.dst_block)
         table = self.block_manager.block_table
-        return self.forward([SeqSlice(s.token_ids, s.num_computed_tokens, table(s.seq.seq_id)) for s in out.scheduled],
-                            all_logits)  # fmt: skip
+        return self.forward(
+            [SeqSlice(s.token_ids, s.num_computed_tokens, table(s.seq.seq_id)) for s in out.scheduled], all_logits
+        )
 
     @property
     def graph_steps(self) -> int:

@@ -155,14 +155,20 @@ class Scheduler:
         self.max_num_seqs = _limit("max_num_seqs", max_num_seqs, 1)
         self.max_num_batched_tokens = _limit("max_num_batched_tokens", max_num_batched_tokens, 1)
         self.enable_chunked_prefill = check_bool("enable_chunked_prefill", enable_chunked_prefill)
-        self.watermark_blocks = int(check_float("watermark", watermark, min=0, max=1, max_open=True)
-                                    * block_manager.num_blocks)  # fmt: skip
+        self.watermark_blocks = int(
+            check_float("watermark", watermark, min=0, max=1, max_open=True) * block_manager.num_blocks
+        )
         check_choice("preemption_mode", preemption_mode, ("recompute", "swap"))
         if preemption_mode == "swap" and not block_manager.num_host_blocks:
             raise ValueError("preemption_mode='swap' needs a block manager with num_host_blocks > 0")
         self.preemption_mode = preemption_mode
-        self.preemption_policy = preempt_newest if preemption_policy is None else check_callable(
-            "preemption_policy", preemption_policy, "a function candidates -> victim, such as preempt_newest")
+        self.preemption_policy = (
+            preempt_newest
+            if preemption_policy is None
+            else check_callable(
+                "preemption_policy", preemption_policy, "a function candidates -> victim, such as preempt_newest"
+            )
+        )
         self.waiting: deque[Sequence] = deque()  # head first; preempted sequences go back to the head
         self.swapped: deque[Sequence] = deque()  # K/V in host memory, oldest first
         self.running: list[Sequence] = []  # in admission order: the last one is the newest
@@ -338,8 +344,9 @@ class Scheduler:
             if self._seats_used() + self._seats(seq) > self.max_num_seqs:
                 break
             salt = self._cache_salts.get(seq.seq_id)  # None for a sequence queued by hand (chapter 6's exercise)
-            admission = self.block_manager.admit(seq, budget, chunked=self.enable_chunked_prefill,
-                                                 keep_free=self._keep_free(), cache_salt=salt)
+            admission = self.block_manager.admit(
+                seq, budget, chunked=self.enable_chunked_prefill, keep_free=self._keep_free(), cache_salt=salt
+            )
             if admission is None:
                 break
             num_cached, n = admission
@@ -405,7 +412,7 @@ class Scheduler:
     def _pick_victim(self, seq: Sequence) -> Sequence:
         """The policy's victim among ``seq`` and the running sequences after it (the ones before it
         already hold their slots for this step). Checked before anything changes."""
-        candidates = self.running[self.running.index(seq):]
+        candidates = self.running[self.running.index(seq) :]
         victim = self.preemption_policy(list(candidates))  # a copy: the policy cannot reorder the queue
         if not any(victim is c for c in candidates):
             raise ValueError(

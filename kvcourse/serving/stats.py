@@ -106,8 +106,9 @@ class StepRecorder:
         request.metrics.finish_time, request.metrics.finish_step = now - self.t0, self.num_steps
         self.counters["cancelled"] += 1
 
-    def record(self, out: SchedulerOutput, sampled: Mapping[Hashable, int], finished: list, start: float,
-               end: float) -> None:  # fmt: skip
+    def record(
+        self, out: SchedulerOutput, sampled: Mapping[Hashable, int], finished: list, start: float, end: float
+    ) -> None:
         """Count one step: what the scheduler did (``out``), the tokens ``sampled`` (``seq_id -> token``),
         the sequences that ``finished``; ``start`` and ``end`` on the engine's clock."""
         step = self.num_steps

@@ -95,8 +95,9 @@ def overlap_bound(step_ms: float, host_ms: float, gpu_ms: float) -> dict[str, fl
     for name, value in (("step_ms", step_ms), ("host_ms", host_ms), ("gpu_ms", gpu_ms)):
         _positive(name, value)
     if max(host_ms, gpu_ms) > step_ms:
-        raise ValueError(f"host_ms ({host_ms}) and gpu_ms ({gpu_ms}) are parts of the step: neither can exceed "
-                         f"step_ms ({step_ms})")  # fmt: skip
+        raise ValueError(
+            f"host_ms ({host_ms}) and gpu_ms ({gpu_ms}) are parts of the step: neither can exceed step_ms ({step_ms})"
+        )
     best = max(host_ms, gpu_ms)
     return {"best_ms": best, "saving_ms": step_ms - best, "speedup": step_ms / best}
 
@@ -122,15 +123,22 @@ def engine_run_lines(run: dict, name: str = "") -> list[str]:
         for batch, entry in (profile.get(graphs, {}).get("batches") or {}).items():
             p = entry.get("profile", {})
             # The profile's device-busy time is left out: these runs counted the forward's GPU span in it too.
-            lines.append(f"  batch {batch:>3}, {graphs.replace('_', ' '):10s}: wall {entry['step_ms_median']:6.2f} ms,"
-                         f" {p.get('aten_calls', 0):5.0f} framework calls, {p.get('sync_ops', 0):3.0f} syncs")  # fmt: skip
+            lines.append(
+                f"  batch {batch:>3}, {graphs.replace('_', ' '):10s}: wall {entry['step_ms_median']:6.2f} ms,"
+                f" {p.get('aten_calls', 0):5.0f} framework calls, {p.get('sync_ops', 0):3.0f} syncs"
+            )
     runs = ", ".join(f"{k} {r['tok_s']:,.0f}" for k, r in nv.get("runs", {}).items() if "tok_s" in r)
     lines.append(f"  nano-vllm's protocol, {nv.get('requests')} requests: {runs} output tok/s")
-    lines.append(f"  the 96-request trace: {trace['tok_s']:,.0f} output tok/s, {trace['graph_steps']} of "
-                 f"{trace['steps']} steps from a graph")  # fmt: skip
+    lines.append(
+        f"  the 96-request trace: {trace['tok_s']:,.0f} output tok/s, {trace['graph_steps']} of "
+        f"{trace['steps']} steps from a graph"
+    )
     for dtype, agree in (("fp32", run.get("agreement", {}).get("fp32", {})), ("bf16", nv.get("agreement", {}))):
-        counts = ", ".join(f"{k.replace('_', ' ')} {v['identical']} of {v['requests']}" for k, v in agree.items()
-                           if isinstance(v, dict) and "identical" in v)  # fmt: skip
+        counts = ", ".join(
+            f"{k.replace('_', ' ')} {v['identical']} of {v['requests']}"
+            for k, v in agree.items()
+            if isinstance(v, dict) and "identical" in v
+        )
         lines.append(f"  {dtype}, identical outputs: {counts}")
     for target, t in run.get("targets", {}).items():
         lines.append(f"  target {target}: {t['value']} against {t['target']} ({'met' if t['met'] else 'not met'})")
@@ -159,9 +167,12 @@ def plot_trace_split(before: Mapping, after: Mapping, ax: Any, gpu: str = "H100,
     """Two bars on ``ax``: the trace's seconds with decode graphs only (``before``) and with every step from a
     graph (``after``), each split by :func:`trace_split` into host work and waiting, decode and prompt steps."""
     rows = [("decode steps from graphs", before), ("every step from a graph", after)]
-    parts = [("decode steps: host work", "decode_host_s"), ("decode steps: waiting for the GPU", "decode_wait_s"),
-             ("steps with prompts: host work", "prompt_host_s"),
-             ("steps with prompts: waiting for the GPU", "prompt_wait_s")]  # fmt: skip
+    parts = [
+        ("decode steps: host work", "decode_host_s"),
+        ("decode steps: waiting for the GPU", "decode_wait_s"),
+        ("steps with prompts: host work", "prompt_host_s"),
+        ("steps with prompts: waiting for the GPU", "prompt_wait_s"),
+    ]
     colors = ["#4c72b0", "#a6bddb", "#dd8452", "#fdd0a2"]
     for y, (_, kinds) in enumerate(rows):
         split, left = trace_split(kinds), 0.0
@@ -173,12 +184,15 @@ def plot_trace_split(before: Mapping, after: Mapping, ax: Any, gpu: str = "H100,
     ax.set_xlabel(f"seconds to serve the 96-request trace ({gpu})")
     ax.set_xlim(0, 1.15 * before["all"]["seconds"])
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, fontsize=8, frameon=False)
-    ax.set_title(f"Steps with prompts from graphs too: the trace in {after['all']['seconds']:.2f} s, "
-                 f"not {before['all']['seconds']:.1f} s")  # fmt: skip
+    ax.set_title(
+        f"Steps with prompts from graphs too: the trace in {after['all']['seconds']:.2f} s, "
+        f"not {before['all']['seconds']:.1f} s"
+    )
 
 
-def step_figures(run: dict, profile: dict, first: dict, engine_runs: Sequence[dict], num_parameters: int,
-                 bandwidth: float) -> dict[str, str]:
+def step_figures(
+    run: dict, profile: dict, first: dict, engine_runs: Sequence[dict], num_parameters: int, bandwidth: float
+) -> dict[str, str]:
     """The figures chapter 9 quotes from the committed GPU runs, by the glue name the page gives each, formatted
     as the page prints them. ``run``: the newest ``gpu-engine-*.json``; ``profile``: the newest
     ``gpu-trace-profile-*.json``; ``first``: the first trace profile, taken under torch's profiler;
@@ -195,12 +209,13 @@ def step_figures(run: dict, profile: dict, first: dict, engine_runs: Sequence[di
     after = _need(profile, "profile", "runs", "graphs", "by_kind")
     checks = {
         "a replayed step never waits for the device": on["profile"]["sync_ops"] == 0,
-        "the same kernels with and without graphs": off["profile"]["kernel_launches"] == on["profile"]["kernel_launches"],
+        "the same kernels with and without graphs": off["profile"]["kernel_launches"]
+        == on["profile"]["kernel_launches"],
         "every step of the engine's trace replayed a graph": trace["graph_steps"] == trace["steps"],
         "the profile's last run replayed every step": after["all"]["graph_steps"] == after["all"]["steps"],
         "no step with prompts replayed before mixed graphs": before["mixed"]["graph_steps"] == 0,
         "graphs for every step cut the trace's time by 3x": after["all"]["seconds"] < before["all"]["seconds"] / 3,
-    }  # fmt: skip
+    }
     wrong = [what for what, ok in checks.items() if not ok]
     if wrong:
         raise ValueError(f"the committed runs no longer show: {'; '.join(wrong)}")
@@ -254,15 +269,18 @@ def step_figures(run: dict, profile: dict, first: dict, engine_runs: Sequence[di
     f["gpu_hf_async"] = str(hf_cb["config"]["resolved"]["use_async_batching"])
     f["gpu_hf_max_blocks"] = str(hf_cb["config"]["resolved"]["max_blocks_per_request"])
     f["gpu_eager_toks"] = f"{nv['runs']['engine_triton_eager']['tok_s']:,.0f}"
-    by_requests = sorted((r["nano_vllm"]["requests"], r["nano_vllm"]["ratios"]["engine_over_hf_cb"])
-                         for r in engine_runs)  # fmt: skip
+    by_requests = sorted(
+        (r["nano_vllm"]["requests"], r["nano_vllm"]["ratios"]["engine_over_hf_cb"]) for r in engine_runs
+    )
     f["gpu_over_hf_by_requests"] = ", ".join(f"{x:.1f}× at {n}" for n, x in by_requests)
     # The whole budget of a decode step, every step from a graph.
     step_ms, gpu_ms = 1e3 * dec["seconds"] / dec["steps"], 1e3 * dec["forward_gpu_s"] / dec["steps"]
     weights_ms = bytes_floor_ms(num_parameters * 2, bandwidth)  # bf16 weights read once: a floor the cache raises
     if not weights_ms < gpu_ms < step_ms:
-        raise ValueError(f"the decode step's budget is out of order: weights {weights_ms:.2f} ms, GPU span "
-                         f"{gpu_ms:.2f} ms, step {step_ms:.2f} ms")  # fmt: skip
+        raise ValueError(
+            f"the decode step's budget is out of order: weights {weights_ms:.2f} ms, GPU span "
+            f"{gpu_ms:.2f} ms, step {step_ms:.2f} ms"
+        )
     profiled_run = profile["runs"]["profiled"]
     device_ops = {n: (calls, ms) for n, calls, ms in profiled_run["profile"]["top_device"]}
     paged_calls, paged_ms = device_ops["_paged_decode_kernel"]
@@ -275,8 +293,9 @@ def step_figures(run: dict, profile: dict, first: dict, engine_runs: Sequence[di
     return f
 
 
-def measure_decode_step(model: Any, batch: int, context: tuple[int, int] = (200, 1000), graphs: bool = True,
-                        steps: int = 20, seed: int = 0) -> dict[str, float]:
+def measure_decode_step(
+    model: Any, batch: int, context: tuple[int, int] = (200, 1000), graphs: bool = True, steps: int = 20, seed: int = 0
+) -> dict[str, float]:
     """Time one-token decode steps of ``batch`` sequences live on ``model``'s device, each with a context drawn
     from ``context`` (inclusive), on a ModelRunner with the ``"triton"`` backend, replayed from CUDA graphs or
     not (``graphs``): ``step_ms`` (the median of ``steps`` steps, the argmax read back included, as the committed

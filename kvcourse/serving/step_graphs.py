@@ -87,18 +87,23 @@ class StepGraphs:
             static forward eagerly.
     """
 
-    def __init__(self, model, kv_store, backend: str, max_num_seqs: int, max_num_batched_tokens: int,
-                 capture: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, model, kv_store, backend: str, max_num_seqs: int, max_num_batched_tokens: int, capture: bool = True
+    ) -> None:
         self.backend_cls = backend_class(backend)
         if not getattr(self.backend_cls, "capturable", False):
-            raise ValueError(f"backend {backend!r} cannot be captured in a CUDA graph (it decides shapes from the "
-                             f"step's lengths); use backend='triton'")  # fmt: skip
+            raise ValueError(
+                f"backend {backend!r} cannot be captured in a CUDA graph (it decides shapes from the "
+                f"step's lengths); use backend='triton'"
+            )
         self.decode_sizes = graph_batch_sizes(max_num_seqs)
         self.token_sizes = token_buckets(max_num_batched_tokens)
         device = kv_store.device
         if capture and device.type != "cuda":
-            raise ValueError(f"capture=True needs the pool on a CUDA device, got {device}; capture=False runs "
-                             f"the same static forward eagerly")  # fmt: skip
+            raise ValueError(
+                f"capture=True needs the pool on a CUDA device, got {device}; capture=False runs "
+                f"the same static forward eagerly"
+            )
         self.model, self.kv_store, self.capture = model, kv_store, capture
         self.num_lanes = max_num_seqs  # a mixed step's sequence lanes
         lanes, config = max(self.decode_sizes[-1], max_num_seqs), model.config
@@ -144,10 +149,12 @@ class StepGraphs:
         """Logits ``[B, vocab]`` at each sequence's last new token (slots reserved, as for ``ModelRunner.forward``)."""
         key = self.lookup(seqs)
         if key is None:
-            raise ValueError(f"no graph serves this step: graphs hold decode steps of at most {self.decode_sizes[-1]} "
-                             f"sequences and mixed steps of at most {self.num_lanes} sequences and "
-                             f"{self.token_sizes[-1]} tokens, and only while every kernel compiles "
-                             f"(fell back: {self.fell_back})")  # fmt: skip
+            raise ValueError(
+                f"no graph serves this step: graphs hold decode steps of at most {self.decode_sizes[-1]} "
+                f"sequences and mixed steps of at most {self.num_lanes} sequences and "
+                f"{self.token_sizes[-1]} tokens, and only while every kernel compiles "
+                f"(fell back: {self.fell_back})"
+            )
         if self.capture and key not in self.graphs:
             raise RuntimeError(f"the {key[0]} graph for {key[1]} was not recorded: call capture_all() first")
         last = self.load_inputs(seqs, key)
@@ -266,8 +273,11 @@ class StepGraphs:
         torch.cuda.current_stream(device).wait_stream(stream)
         fell_back = sorted({kernel for kernel, how in runs if how == "fallback"})
         if fell_back:  # the torch stand-in reads the host copies (which describe the graph): eager steps only
-            warnings.warn(f"{', '.join(fell_back)} could not compile here: steps run eagerly, without CUDA graphs",
-                          KernelFallbackWarning, stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"{', '.join(fell_back)} could not compile here: steps run eagerly, without CUDA graphs",
+                KernelFallbackWarning,
+                stacklevel=3,
+            )
             self.fell_back = True
             return
         graph = torch.cuda.CUDAGraph()

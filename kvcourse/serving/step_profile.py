@@ -78,12 +78,14 @@ def profile_step(step: Callable[[], object], device: torch.device | str = "cpu",
     if cuda:
         # Device-side events are kernels and memory copies, and also the GPU spans of record_function labels
         # (FORWARD_SCOPE); those spans overlap the kernels inside them and are not counted.
-        kernels = [e for e in events if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False)
-                   and e.name != FORWARD_SCOPE]  # fmt: skip
+        kernels = [
+            e
+            for e in events
+            if e.device_type.name == "CUDA" and not getattr(e, "is_user_annotation", False) and e.name != FORWARD_SCOPE
+        ]
         result.update(device_figures([(e.time_range.start, e.time_range.end) for e in kernels], walls))
         result["host_bound"] = result["wall_ms"] > 2 * result["device_busy_ms"]
     return result
-
 
 
 def device_figures(intervals_us: list[tuple[float, float]], walls_s: list[float]) -> dict:

@@ -74,14 +74,18 @@ class BookConfig:
         number = chapter_number(path)
         entry = self.chapters.get(f"{number:02d}")
         if entry is None:
-            raise ValueError(f"{path.name}: no entry '{number:02d}' in book/chapters.yml; add one (see CONTRIBUTING.md)")
+            raise ValueError(
+                f"{path.name}: no entry '{number:02d}' in book/chapters.yml; add one (see CONTRIBUTING.md)"
+            )
         unknown = set(entry) - {"objectives", "prerequisites", "extras", "gpu", "gpu_runs"}
         if unknown:
             raise ValueError(f"book/chapters.yml, chapter {number:02d}: unknown keys {sorted(unknown)}")
         for key in ("objectives", "prerequisites"):
             items = entry.get(key) or []
             if not items or not all(isinstance(x, str) and x.strip() for x in items):
-                raise ValueError(f"book/chapters.yml, chapter {number:02d}: '{key}' must be a non-empty list of sentences")
+                raise ValueError(
+                    f"book/chapters.yml, chapter {number:02d}: '{key}' must be a non-empty list of sentences"
+                )
         return Chapter(
             number=number,
             path=path,
@@ -123,7 +127,7 @@ def load(root: Path = ROOT) -> BookConfig:
     chapters = {str(k): v for k, v in (data.get("chapters") or {}).items()}
     for key in chapters:
         if not re.fullmatch(r"\d\d", key):
-            raise ValueError(f"book/chapters.yml: chapter keys are two digits, quoted (\"01\"), got {key!r}")
+            raise ValueError(f'book/chapters.yml: chapter keys are two digits, quoted ("01"), got {key!r}')
     return BookConfig(
         root=root,
         repository_url=url.rstrip("/"),

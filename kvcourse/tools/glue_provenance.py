@@ -124,7 +124,9 @@ def _glue_name(node: ast.AST) -> str | None:
 
 def _is_glue(call: ast.Call) -> bool:
     func = call.func
-    return (isinstance(func, ast.Name) and func.id == "glue") or (isinstance(func, ast.Attribute) and func.attr == "glue")
+    return (isinstance(func, ast.Name) and func.id == "glue") or (
+        isinstance(func, ast.Attribute) and func.attr == "glue"
+    )
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,10 @@ def glue_kinds(nb: dict) -> list[Glued]:
         if cell["cell_type"] != "code":
             continue
         # IPython lines (!pip, %magic) are not Python; the setup cell's are the usual ones.
-        code = "\n".join(line[: len(line) - len(line.lstrip())] + "pass" if line.lstrip().startswith(("!", "%")) else line
-                         for line in _source(cell).splitlines())  # fmt: skip
+        code = "\n".join(
+            line[: len(line) - len(line.lstrip())] + "pass" if line.lstrip().startswith(("!", "%")) else line
+            for line in _source(cell).splitlines()
+        )
         try:
             tree = ast.parse(code)
         except SyntaxError as exc:
@@ -204,8 +208,10 @@ class Mixed:
     text: str
 
     def __str__(self) -> str:
-        return (f"cell {self.cell}: live {', '.join(self.live)} beside committed {', '.join(self.committed)}, "
-                f"with no phrase naming the other run: {self.text[:160]!r}...")  # fmt: skip
+        return (
+            f"cell {self.cell}: live {', '.join(self.live)} beside committed {', '.join(self.committed)}, "
+            f"with no phrase naming the other run: {self.text[:160]!r}..."
+        )
 
 
 def mixed_paragraphs(nb: dict) -> list[Mixed]:
@@ -220,8 +226,11 @@ def mixed_paragraphs(nb: dict) -> list[Mixed]:
             # A figure made from both (a committed fit applied to this page's trace) is left out: only a figure
             # purely of this run beside one purely of a committed run is a comparison across runs for certain.
             live = tuple(n for n, k in quoted.items() if k == {LIVE})
-            files = {n: sorted(f.split(":", 1)[1] for f in k if f != f"{COMMITTED}:?") or ["?"]
-                     for n, k in quoted.items() if k and all(f.startswith(COMMITTED) for f in k)}  # fmt: skip
+            files = {
+                n: sorted(f.split(":", 1)[1] for f in k if f != f"{COMMITTED}:?") or ["?"]
+                for n, k in quoted.items()
+                if k and all(f.startswith(COMMITTED) for f in k)
+            }
             if live and files and not ACKNOWLEDGED.search(text):
                 found.append(Mixed(index, live, tuple(f"{n} ({', '.join(f)})" for n, f in files.items()), text))
     return found

@@ -59,8 +59,10 @@ def pyodide_dir() -> Path:
 
 def control_plane_files() -> list[str]:
     """Package-relative paths (``kvcourse/...``) of the modules the playground imports, the data plane refused."""
-    code = REFUSE_DATA_PLANE + f"import {ENTRY}\n" + (
-        "print('\\n'.join(sorted(m.__file__ for n, m in sys.modules.items() if n.split('.')[0] == 'kvcourse')))"
+    code = (
+        REFUSE_DATA_PLANE
+        + f"import {ENTRY}\n"
+        + ("print('\\n'.join(sorted(m.__file__ for n, m in sys.modules.items() if n.split('.')[0] == 'kvcourse')))")
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     if proc.returncode != 0:
@@ -76,10 +78,20 @@ def build_wheel(out_dir: Path) -> Path:
     wheel = Path(out_dir) / f"{name}-py3-none-any.whl"
     entries = [(f, (ROOT / f).read_bytes()) for f in control_plane_files()]
     info = f"{name}.dist-info"
-    entries.append((f"{info}/METADATA", f"Metadata-Version: 2.1\nName: kvcourse-control\nVersion: {__version__}\n"
-                    "Summary: kvcourse's control plane (scheduler, block managers), torch-free\n".encode()))
-    entries.append((f"{info}/WHEEL", b"Wheel-Version: 1.0\nGenerator: kvcourse.tools.playground_site\n"
-                    b"Root-Is-Purelib: true\nTag: py3-none-any\n"))
+    entries.append(
+        (
+            f"{info}/METADATA",
+            f"Metadata-Version: 2.1\nName: kvcourse-control\nVersion: {__version__}\n"
+            "Summary: kvcourse's control plane (scheduler, block managers), torch-free\n".encode(),
+        )
+    )
+    entries.append(
+        (
+            f"{info}/WHEEL",
+            b"Wheel-Version: 1.0\nGenerator: kvcourse.tools.playground_site\n"
+            b"Root-Is-Purelib: true\nTag: py3-none-any\n",
+        )
+    )
     record = "".join(f"{path},sha256={_digest(data)},{len(data)}\n" for path, data in entries) + f"{info}/RECORD,,\n"
     entries.append((f"{info}/RECORD", record.encode()))
     Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -107,8 +119,12 @@ def install(static_dir: Path) -> dict | None:
     version = json.loads((source / "package.json").read_text())["version"]
     wheel = build_wheel(out)
     files = [out / "pyodide" / f for f in PYODIDE_FILES] + [wheel]
-    manifest = {"wheel": wheel.name, "pyodide": version, "bytes": sum(f.stat().st_size for f in files),
-                "files": {f.relative_to(out).as_posix(): f.stat().st_size for f in files}}
+    manifest = {
+        "wheel": wheel.name,
+        "pyodide": version,
+        "bytes": sum(f.stat().st_size for f in files),
+        "files": {f.relative_to(out).as_posix(): f.stat().st_size for f in files},
+    }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
 
@@ -157,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     manifest = install(args.out)
     if manifest is None:
-        print(f"Pyodide is not installed at {pyodide_dir()}: npm install --prefix .venv/pyodide pyodide@{PYODIDE_VERSION}")
+        print(
+            f"Pyodide is not installed at {pyodide_dir()}: npm install --prefix .venv/pyodide pyodide@{PYODIDE_VERSION}"
+        )
         return 1
     print(json.dumps(manifest, indent=1))
     return 0

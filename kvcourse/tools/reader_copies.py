@@ -29,8 +29,16 @@ from pathlib import Path
 
 GLUE_PREFIX = "application/papermill.record/"
 ADMONITIONS = {
-    "note": "Note", "tip": "Tip", "hint": "Hint", "important": "Important", "warning": "Warning",
-    "caution": "Caution", "attention": "Attention", "danger": "Danger", "error": "Error", "seealso": "See also",
+    "note": "Note",
+    "tip": "Tip",
+    "hint": "Hint",
+    "important": "Important",
+    "warning": "Warning",
+    "caution": "Caution",
+    "attention": "Attention",
+    "danger": "Danger",
+    "error": "Error",
+    "seealso": "See also",
 }
 # A role: {name}`content` (content has no backtick).
 _ROLE = re.compile(r"\{(?P<name>[a-z][a-z0-9:_-]*)\}`(?P<content>[^`]*)`")
@@ -49,7 +57,7 @@ def glue_values(nb: dict) -> dict[str, dict]:
             if not meta:
                 continue
             prefix = meta.get("mime_prefix", GLUE_PREFIX)
-            values[meta["name"]] = {k[len(prefix):]: v for k, v in out.get("data", {}).items() if k.startswith(prefix)}
+            values[meta["name"]] = {k[len(prefix) :]: v for k, v in out.get("data", {}).items() if k.startswith(prefix)}
     return values
 
 
@@ -223,11 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True, help="folder for the reader copies")
-    parser.add_argument("--ref", help="git ref the Colab setup cells install (default: this checkout's commit, "
-                        "else the release tag)")
+    parser.add_argument(
+        "--ref", help="git ref the Colab setup cells install (default: this checkout's commit, else the release tag)"
+    )
     parser.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")
-    parser.add_argument("--glue-from", type=Path, default=None,
-                        help="folder of the executed chapters whose glued numbers to quote (for copies without outputs)")
+    parser.add_argument(
+        "--glue-from",
+        type=Path,
+        default=None,
+        help="folder of the executed chapters whose glued numbers to quote (for copies without outputs)",
+    )
     args = parser.parse_args(argv)
     cfg = load(args.root)
     ref = args.ref or _current_commit(args.root) or cfg.release_ref

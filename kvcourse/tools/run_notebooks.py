@@ -23,7 +23,9 @@ def run(path: Path, timeout: int) -> float:
     nb = nbformat.read(path, as_version=4)
     os.environ.setdefault("PYTHONHASHSEED", "0")
     start = time.perf_counter()
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    NotebookClient(
+        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
     nbformat.write(nb, path)
     return time.perf_counter() - start
 

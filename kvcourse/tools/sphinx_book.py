@@ -55,7 +55,10 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree) -> None:
     seen, unique = set(), []
     for script in context.get("script_files", []):
         attributes = getattr(script, "attributes", {})
-        key = (str(getattr(script, "filename", script) or ""), tuple(sorted((k, str(v)) for k, v in attributes.items())))
+        key = (
+            str(getattr(script, "filename", script) or ""),
+            tuple(sorted((k, str(v)) for k, v in attributes.items())),
+        )
         if key not in seen:
             seen.add(key)
             unique.append(script)
@@ -75,8 +78,9 @@ def _playground_only_where_it_plays(app, pagename, templatename, context, doctre
             attribute = html.escape(json.dumps(cost, separators=(",", ":")), quote=True)
             context["body"] = body.replace('<div class="kvplay"', f'<div class="kvplay" data-cost="{attribute}"')
         return
-    context["script_files"] = [s for s in context.get("script_files", [])
-                               if not str(getattr(s, "filename", s) or "").endswith("kvplay.js")]  # fmt: skip
+    context["script_files"] = [
+        s for s in context.get("script_files", []) if not str(getattr(s, "filename", s) or "").endswith("kvplay.js")
+    ]
 
 
 _INLINE_CODE = re.compile(r'(<code class="docutils literal notranslate">)(.*?)(</code>)', re.S)
@@ -88,6 +92,7 @@ def _break_points(match: re.Match) -> str:
     a tag, never at its end; entities such as ``&lt;`` hold none of them). A piece between two of them that holds
     another character a browser breaks after (``-`` in ``--gpu-memory-utilization``) is kept whole in a
     ``kv-nobr`` span (``white-space: nowrap`` in ``_static/kvcourse.css``)."""
+
     def piece(text: str) -> str:
         return f'<span class="kv-nobr">{text}</span>' if re.search(r"[^\w.(/\s]", text) else text
 
@@ -119,10 +124,12 @@ def _copy_playground(app, exception) -> None:
         if manifest is None:  # a note, not a warning: the book is whole without it
             logging.getLogger(__name__).info(
                 f"kvcourse: no Pyodide at {pyodide_dir()}, so the playground is left out of this build "
-                f"(npm install --prefix .venv/pyodide pyodide@{PYODIDE_VERSION})")
+                f"(npm install --prefix .venv/pyodide pyodide@{PYODIDE_VERSION})"
+            )
         else:
-            logging.getLogger(__name__).info(f"kvcourse: the playground adds {manifest['bytes'] / 1e6:.1f} MB, "
-                                             "loaded on the reader's click")
+            logging.getLogger(__name__).info(
+                f"kvcourse: the playground adds {manifest['bytes'] / 1e6:.1f} MB, loaded on the reader's click"
+            )
 
 
 def _number_exercises_per_chapter(app, env) -> list[str]:

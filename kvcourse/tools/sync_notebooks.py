@@ -135,10 +135,13 @@ def gpu_time(cfg: BookConfig, chapter: Chapter) -> str:
     runs = gpu_check_runs(cfg.root, chapter.path.name)
     if runs:
         return "; ".join(_gpu_run_text(run) for run in runs)
-    return "; ".join(
-        f"{format_duration(60 * run['minutes'])} on {run['device']} (torch {run['torch']}, {run['date']})"
-        for run in chapter.gpu_runs
-    ) or "not timed yet"
+    return (
+        "; ".join(
+            f"{format_duration(60 * run['minutes'])} on {run['device']} (torch {run['torch']}, {run['date']})"
+            for run in chapter.gpu_runs
+        )
+        or "not timed yet"
+    )
 
 
 def header_source(cfg: BookConfig, chapter: Chapter, nb: dict) -> str:
@@ -177,7 +180,9 @@ def sync(nb: dict, cfg: BookConfig, chapter: Chapter, ref: str) -> dict:
         raise ValueError(f"{chapter.path.name}: the first cell must be the markdown title '# N. Title'")
     code = [c for c in cells if c["cell_type"] == "code"]
     if not code or SETUP_MARKER not in _cell_source(code[0]):
-        raise ValueError(f"{chapter.path.name}: the first code cell must be the Colab setup cell (it tests {SETUP_MARKER})")
+        raise ValueError(
+            f"{chapter.path.name}: the first code cell must be the Colab setup cell (it tests {SETUP_MARKER})"
+        )
     code[0]["source"] = setup_source(cfg, chapter, ref)
     # The book's page leaves it out (it does nothing there); Colab and the student copies run it.
     tags = code[0].setdefault("metadata", {}).setdefault("tags", [])
