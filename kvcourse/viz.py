@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .checks import check_int
+from .checks import check_ints
 from .costs import tokens_fed
 
 __all__ = [
@@ -88,8 +88,7 @@ class BillFrame:
 
 
 def _check(num_layers: int, prompt_len: int, new_tokens: int, mode: str) -> None:
-    for name, value in (("num_layers", num_layers), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
-        check_int(name, value, min=1)
+    check_ints(num_layers=num_layers, prompt_len=prompt_len, new_tokens=new_tokens)
     if mode not in MODES + ("all",):
         raise ValueError(f"mode must be one of {MODES + ('all',)}, got {mode!r}")
     if mode in ("decode", "all") and new_tokens < 2:
@@ -153,13 +152,8 @@ def memory_bill_frames(
     """The memory bill scene: cache bytes as one sequence grows to ``context_len`` tokens (doubling from
     ``start_tokens``), then as the batch of full-context sequences doubles, until the cache holds at
     least ``until`` times the weight bytes."""
-    for name, value in (
-        ("kv_bytes_per_token", kv_bytes_per_token),
-        ("weight_bytes", weight_bytes),
-        ("context_len", context_len),
-        ("start_tokens", start_tokens),
-    ):
-        check_int(name, value, min=1)
+    check_ints(kv_bytes_per_token=kv_bytes_per_token, weight_bytes=weight_bytes, context_len=context_len,
+               start_tokens=start_tokens)  # fmt: skip
     if not until > 0:
         raise ValueError(f"until must be > 0, got {until!r}")
     shapes, seq_len, batch = [], min(start_tokens, context_len), 1
