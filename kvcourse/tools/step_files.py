@@ -91,8 +91,8 @@ def step_engine(backend: str = "paged-torch", model=None):
     """An engine on the real model (SmolLM2-135M, loaded offline), one request already prefilled and a second
     one queued: its next step is a mixed step, prefill and decode. ``backend="triton"`` runs the CUDA path's
     static forward (``cuda_graphs="eager"``)."""
-    from ..serving import Engine
     from ..sequence import SamplingParams
+    from ..serving import Engine
 
     if model is None:
         model, _ = kvcourse.load_pretrained()
