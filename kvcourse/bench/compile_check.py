@@ -77,12 +77,8 @@ FUSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul
 # Every target compiles all three (a T4 has no bf16 arithmetic: what Triton makes of bf16 there is reported too).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FUSED_TOKENS = (1, 64, 2048)  # a decode step, a batch of decodes, a prefill chunk (only the grid depends on it)
-_ATTENTION_KERNELS = (
-    "_decode_kernel",
-    "_paged_decode_kernel",
-    "_merge_splits_kernel",
-    "_ragged_paged_kernel",
-)  # the ones with tl.dot
+# The kernels with tl.dot.
+_ATTENTION_KERNELS = ("_decode_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_ragged_paged_kernel")
 
 
 @dataclasses.dataclass(frozen=True)
