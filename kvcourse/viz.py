@@ -217,15 +217,10 @@ def cache_grid_animation(
     else:
         fig, ax = plt.subplots(figsize=(10, 4.8), dpi=dpi)
         fig.subplots_adjust(left=0.1, right=0.97, top=0.78, bottom=0.14)
-    image = ax.imshow(
-        frames[0].state,
-        cmap=ListedColormap(_COLORS),
-        vmin=EMPTY,
-        vmax=COMPUTED,
-        aspect="auto",
-        origin="lower",
-        interpolation="nearest",
+    cells = dict(
+        cmap=ListedColormap(_COLORS), vmin=EMPTY, vmax=COMPUTED, aspect="auto", origin="lower", interpolation="nearest"
     )
+    image = ax.imshow(frames[0].state, **cells)
     ax.set_xticks(np.arange(-0.5, width, 1), minor=True)
     ax.set_yticks(np.arange(-0.5, num_layers, 1), minor=True)
     ax.grid(which="minor", color="white", linewidth=1.5)
@@ -238,14 +233,8 @@ def cache_grid_animation(
     xlabel = ax.set_xlabel(token_label, fontsize=12)
     ax.set_ylabel("layer", fontsize=12)
     ax.axvline(prompt_len - 0.5, color="black", linewidth=1.5)
-    ax.legend(
-        handles=[Patch(color=c, label=lab) for c, lab in zip(_COLORS, _LABELS)],
-        loc="lower center",
-        bbox_to_anchor=(0.5, 1.0),
-        ncol=4,
-        fontsize=11,
-        frameon=False,
-    )
+    handles = [Patch(color=c, label=lab) for c, lab in zip(_COLORS, _LABELS)]
+    ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4, fontsize=11, frameon=False)
     title = fig.suptitle(frames[0].caption, fontsize=13, x=0.535, y=0.975)
     artists = [image, title, xlabel]
     if bill:
