@@ -81,13 +81,12 @@ def check_int(
     """
     if none_ok and value is None:
         return None
+    if is_int(value) and (min is None or value >= min) and (max is None or value <= max):
+        return int(value)  # the common case, on every step's hot path: no message built
     expected = _range_text("an int", min, max) + (" or None" if none_ok else "")
     if not is_int(value):
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {_shown(value)}")
-    value = int(value)
-    if (min is not None and value < min) or (max is not None and value > max):
-        raise ValueError(f"{name} must be {expected}, got {value}")
-    return value
+    raise ValueError(f"{name} must be {expected}, got {int(value)}")
 
 
 def check_ints(*, min: int = 1, **values: object) -> None:
