@@ -70,8 +70,8 @@ class SinkKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        check_ints(
-                   num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, window=window)  # fmt: skip
+        check_ints(num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   window=window)  # fmt: skip
         check_int("num_sinks", num_sinks, min=0)
         check_float_dtype("dtype", dtype)
         self.num_layers, self.batch_size = num_layers, batch_size
