@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import check_int
+from .checks import check_float_dtype, check_int, check_ints
 from .utils import check_config
 
 __all__ = ["KVCache", "CacheOverflowError", "check_update"]
@@ -79,17 +79,10 @@ class KVCache:
         device: torch.device | str = "cpu",
         initial_capacity: int = 64,
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("batch_size", batch_size),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-            ("initial_capacity", initial_capacity),
-        ):
-            check_int(name, value, min=1)
+        check_ints(num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   initial_capacity=initial_capacity)  # fmt: skip
         check_int("max_seq_len", max_seq_len, min=1, none_ok=True)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        check_float_dtype("dtype", dtype)
         self.num_layers, self.batch_size = num_layers, batch_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.max_seq_len, self.dtype, self.device = max_seq_len, dtype, torch.device(device)

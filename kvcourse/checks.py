@@ -40,7 +40,9 @@ __all__ = [
     "check_finite",
     "check_float",
     "check_hashable",
+    "check_float_dtype",
     "check_int",
+    "check_ints",
     "check_token_ids",
     "is_int",
 ]
@@ -79,13 +81,26 @@ def check_int(
     """
     if none_ok and value is None:
         return None
+    if is_int(value) and (min is None or value >= min) and (max is None or value <= max):
+        return int(value)  # the common case, on every step's hot path: no message built
     expected = _range_text("an int", min, max) + (" or None" if none_ok else "")
     if not is_int(value):
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {_shown(value)}")
-    value = int(value)
-    if (min is not None and value < min) or (max is not None and value > max):
-        raise ValueError(f"{name} must be {expected}, got {value}")
-    return value
+    raise ValueError(f"{name} must be {expected}, got {int(value)}")
+
+
+def check_ints(*, min: int = 1, **values: object) -> None:
+    """:func:`check_int` of every ``name=value`` given, each at least ``min`` (a shape's sizes, checked at once)."""
+    for name, value in values.items():
+        check_int(name, value, min=min)
+
+
+def check_float_dtype(name: str, dtype: object) -> None:
+    """Raise ``TypeError`` unless ``dtype`` is a floating-point ``torch.dtype`` (what a K/V store may hold)."""
+    import torch
+
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating-point torch.dtype, got {dtype!r}")
 
 
 def check_float(name: str, value: object, *, min: float | None = None, max: float | None = None,

@@ -58,7 +58,7 @@ import numpy as np
 
 from .checks import check_choice, check_float, check_int
 from .paged import Admission, BlockManager
-from .paged.pool import num_tokens_to_admit
+from .paged.block_manager import num_tokens_to_admit
 from .sequence import SamplingParams, Sequence
 from .serving.scheduler import Scheduler
 

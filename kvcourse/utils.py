@@ -9,10 +9,8 @@ import re
 import numpy as np
 import torch
 
-__all__ = [
-    "approx", "check_config", "cpu_model", "seed_everything", "default_device", "describe_device", "glue", "in_colab", "show_source",
-    "synchronize",
-]  # fmt: skip
+__all__ = ["approx", "check_config", "cpu_model", "seed_everything", "default_device", "describe_device", "glue",
+           "show_source", "synchronize"]  # fmt: skip
 
 
 def seed_everything(seed: int = 0) -> None:
@@ -58,12 +56,6 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def in_colab() -> bool:
-    import sys
-
-    return "COLAB_RELEASE_TAG" in os.environ or "google.colab" in sys.modules
 
 
 def glue(name: str, value, display: bool = False) -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .checks import check_int
+from .checks import check_ints
 from .costs import tokens_fed
 
 __all__ = [
@@ -88,8 +88,7 @@ class BillFrame:
 
 
 def _check(num_layers: int, prompt_len: int, new_tokens: int, mode: str) -> None:
-    for name, value in (("num_layers", num_layers), ("prompt_len", prompt_len), ("new_tokens", new_tokens)):
-        check_int(name, value, min=1)
+    check_ints(num_layers=num_layers, prompt_len=prompt_len, new_tokens=new_tokens)
     if mode not in MODES + ("all",):
         raise ValueError(f"mode must be one of {MODES + ('all',)}, got {mode!r}")
     if mode in ("decode", "all") and new_tokens < 2:
@@ -153,13 +152,8 @@ def memory_bill_frames(
     """The memory bill scene: cache bytes as one sequence grows to ``context_len`` tokens (doubling from
     ``start_tokens``), then as the batch of full-context sequences doubles, until the cache holds at
     least ``until`` times the weight bytes."""
-    for name, value in (
-        ("kv_bytes_per_token", kv_bytes_per_token),
-        ("weight_bytes", weight_bytes),
-        ("context_len", context_len),
-        ("start_tokens", start_tokens),
-    ):
-        check_int(name, value, min=1)
+    check_ints(kv_bytes_per_token=kv_bytes_per_token, weight_bytes=weight_bytes, context_len=context_len,
+               start_tokens=start_tokens)  # fmt: skip
     if not until > 0:
         raise ValueError(f"until must be > 0, got {until!r}")
     shapes, seq_len, batch = [], min(start_tokens, context_len), 1
@@ -223,15 +217,10 @@ def cache_grid_animation(
     else:
         fig, ax = plt.subplots(figsize=(10, 4.8), dpi=dpi)
         fig.subplots_adjust(left=0.1, right=0.97, top=0.78, bottom=0.14)
-    image = ax.imshow(
-        frames[0].state,
-        cmap=ListedColormap(_COLORS),
-        vmin=EMPTY,
-        vmax=COMPUTED,
-        aspect="auto",
-        origin="lower",
-        interpolation="nearest",
+    cells = dict(
+        cmap=ListedColormap(_COLORS), vmin=EMPTY, vmax=COMPUTED, aspect="auto", origin="lower", interpolation="nearest"
     )
+    image = ax.imshow(frames[0].state, **cells)
     ax.set_xticks(np.arange(-0.5, width, 1), minor=True)
     ax.set_yticks(np.arange(-0.5, num_layers, 1), minor=True)
     ax.grid(which="minor", color="white", linewidth=1.5)
@@ -244,14 +233,8 @@ def cache_grid_animation(
     xlabel = ax.set_xlabel(token_label, fontsize=12)
     ax.set_ylabel("layer", fontsize=12)
     ax.axvline(prompt_len - 0.5, color="black", linewidth=1.5)
-    ax.legend(
-        handles=[Patch(color=c, label=lab) for c, lab in zip(_COLORS, _LABELS)],
-        loc="lower center",
-        bbox_to_anchor=(0.5, 1.0),
-        ncol=4,
-        fontsize=11,
-        frameon=False,
-    )
+    handles = [Patch(color=c, label=lab) for c, lab in zip(_COLORS, _LABELS)]
+    ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4, fontsize=11, frameon=False)
     title = fig.suptitle(frames[0].caption, fontsize=13, x=0.535, y=0.975)
     artists = [image, title, xlabel]
     if bill:

@@ -74,13 +74,11 @@ OTHER_HEADS = ((8, 8), (64, 8))
 # (hidden size, intermediate size, q heads, kv heads, head dim). RoPE rotates Q and K together (Hq + Hkv heads).
 NAMED_LAYERS = {"SmolLM2-135M": (576, 1536, 9, 3, 64)}
 FUSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+# Every target compiles all three (a T4 has no bf16 arithmetic: what Triton makes of bf16 there is reported too).
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FUSED_TOKENS = (1, 64, 2048)  # a decode step, a batch of decodes, a prefill chunk (only the grid depends on it)
-_ATTENTION_KERNELS = (
-    "_decode_kernel",
-    "_paged_decode_kernel",
-    "_merge_splits_kernel",
-    "_ragged_paged_kernel",
-)  # the ones with tl.dot
+# The kernels with tl.dot.
+_ATTENTION_KERNELS = ("_decode_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_ragged_paged_kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,11 +383,6 @@ def split_counts(num_kv_heads: int, target: Target) -> list[int]:
     return sorted({choose_num_splits(b, num_kv_heads, s, target.num_sms) for b, s in shapes})
 
 
-def dtypes_for(target: Target) -> tuple[torch.dtype, ...]:
-    """fp16, bf16 and fp32 (a T4 has no bf16 arithmetic: what Triton makes of bf16 there is reported too)."""
-    return (torch.float16, torch.bfloat16, torch.float32)
-
-
 def configurations(target: Target, quick: bool = False) -> list[Config]:
     """What the wrappers launch on ``target``: every dtype, float and int8 K/V.
 
@@ -404,17 +397,14 @@ def configurations(target: Target, quick: bool = False) -> list[Config]:
     others = [(hq, hkv, d) for hq, hkv in OTHER_HEADS for d in (64, 128)]
     others += [(hq, hkv, 128 if d == 64 else 64) for hq, hkv, d in named]
     out: list[Config] = []
-    for (hq, hkv, d), dtype in itertools.product(named + ([] if quick else others), dtypes_for(target)):
+    for (hq, hkv, d), dtype in itertools.product(named + ([] if quick else others), DTYPES):
         is_named = (hq, hkv, d) in named
         out.append(Config("decode", dtype, (hq, hkv), d))
         most = max(split_counts(hkv, target))
         for kv_int8 in (False, True):
             if quick:
-                blocks, splits, tokens = (
-                    (16,),
-                    ([1] if kv_int8 else [1, most]),
-                    ((37,) if dtype == torch.float16 else ()),
-                )
+                blocks, splits = (16,), [1] if kv_int8 else [1, most]
+                tokens = (37,) if dtype == torch.float16 else ()
             else:
                 blocks, splits, tokens = ((1, 16, 32) if is_named else (16,)), sorted({1, 2, most}), (1, 5, 37)
             for block_size, s in itertools.product(blocks, splits):
@@ -440,9 +430,7 @@ def configurations(target: Target, quick: bool = False) -> list[Config]:
 def fused_configurations(target: Target) -> list[Config]:
     """The fused small ops at :data:`NAMED_LAYERS`' shapes: every dtype, :data:`FUSED_TOKENS` rows (quick and full)."""
     out = []
-    for (hidden, intermediate, hq, hkv, d), dtype, n in itertools.product(
-        NAMED_LAYERS.values(), dtypes_for(target), FUSED_TOKENS
-    ):
+    for (hidden, intermediate, hq, hkv, d), dtype, n in itertools.product(NAMED_LAYERS.values(), DTYPES, FUSED_TOKENS):
         out += [
             Config("rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
             Config("fused_add_rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
@@ -658,11 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     from ..kernels.triton_runtime import interpreting
 
     if interpreting():
-        print(
-            "compile_check needs Triton in compile mode: run it with TRITON_INTERPRET=0 in the environment "
-            "(kvcourse turns the interpreter on when there is no GPU)",
-            file=sys.stderr,
-        )
+        why = "(kvcourse turns the interpreter on when there is no GPU)"
+        print(f"compile_check needs Triton in compile mode: run it with TRITON_INTERPRET=0 in the environment {why}",
+              file=sys.stderr)  # fmt: skip
         return 2
     check_triton_version()
     targets = [t for t in TARGETS if args.capability is None or t.capability in args.capability]

@@ -38,11 +38,8 @@ __all__ = [
 
 PATTERN = "kernels-*.json"
 OUR_KERNELS = ("paged", "paged-unsplit", "paged-workspace", "paged-int8", "paged-int8-cvt", "paged-fp8", "contiguous")
-ONE_BYTE_KV = (
-    "paged-int8",
-    "paged-int8-cvt",
-    "paged-fp8",
-)  # a byte per K/V value and an fp32 scale per vector  # timed as compiled Triton code
+# OUR_KERNELS are timed as compiled Triton code; of them, these store a byte per K/V value and an fp32 scale per vector.
+ONE_BYTE_KV = ("paged-int8", "paged-int8-cvt", "paged-fp8")
 TORCH_BASELINES = ("sdpa", "flex")  # timed as torch
 _PROVENANCE = ("date", "torch", "triton", "python", "commit", "gpu", "compute_capability", "sms", "cuda", "driver")
 _SHAPE = ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "dtype")

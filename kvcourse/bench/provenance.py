@@ -37,14 +37,11 @@ def launch_report() -> str:
     runs = kernel_runs()
     print(f"{'kernel':32s} {'compiled':>9s} {'interpreter':>12s} {'torch fallback':>15s}")
     for kernel, hows in runs.items():
-        print(
-            f"{kernel:32s} {hows.get('compiled', 0):9d} {hows.get('interpreter', 0):12d} {hows.get('fallback', 0):15d}"
-        )
+        counts = [hows.get(how, 0) for how in ("compiled", "interpreter", "fallback")]
+        print(f"{kernel:32s} {counts[0]:9d} {counts[1]:12d} {counts[2]:15d}")
     fell_back = [kernel for kernel, hows in runs.items() if hows.get("fallback")]
-    where = (
-        f"{_device()}, with no torch fallback"
-        if not fell_back
-        else (f"{_device()}, except {', '.join(fell_back)}: torch fallback")
+    where = f"{_device()}, " + (
+        f"except {', '.join(fell_back)}: torch fallback" if fell_back else "with no torch fallback"
     )
     print(f"every kernel launch on this page ran as {where}")
     return where
@@ -91,11 +88,9 @@ def plot_kernel_measurements(ax=None) -> tuple[object, str]:
         ax.loglog(tokens, best, label=f"{gpu.name}: bytes / vendor peak")
     ax.set_ylabel("best possible time per layer (µs)")
     ax.set_title("No GPU measurement yet: the floor set by vendor peak bandwidth")
-    here = (
-        "No GPU was available where this page was computed"
-        if interpreting()
-        else f"This page ran on {torch.cuda.get_device_name()}"
-    )
+    here = "No GPU was available where this page was computed"
+    if not interpreting():
+        here = f"This page ran on {torch.cuda.get_device_name()}"
     status = (
         f"{here}, and no GPU measurement of these kernels has been committed yet: the speed figures above "
         "are vendor peak figures, and the kernel tests (tests/test_kernels*.py) have run in Triton's "

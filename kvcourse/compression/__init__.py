@@ -13,36 +13,27 @@ Every cache here speaks the contiguous-cache protocol (``seq_len``, ``update``),
 and dropping caches also report ``key_positions``: they hold only some of the past.
 """
 
-from .dropping import (
-    DroppingKVCache,
-    compressed_continuation_logits,
-    generate_compressed,
-    prefill,
-    prefill_prompt,
-    select_tokens,
-)
-from .paged_int8 import Int8PagedKVStore
-from .quantization import FORMATS, QuantizedTensor, dequantize, fake_quantize, quantize
-from .quantized_cache import SCHEMES, QuantizedKVCache
-from .window import SinkKVCache, ring_slot, simulate_window_logits, window_mask
+from ..lazy import lazy_exports
 
-__all__ = [
-    "DroppingKVCache",
-    "FORMATS",
-    "Int8PagedKVStore",
-    "QuantizedKVCache",
-    "QuantizedTensor",
-    "SCHEMES",
-    "SinkKVCache",
-    "compressed_continuation_logits",
-    "dequantize",
-    "fake_quantize",
-    "generate_compressed",
-    "prefill",
-    "prefill_prompt",
-    "quantize",
-    "ring_slot",
-    "select_tokens",
-    "simulate_window_logits",
-    "window_mask",
-]
+_EXPORTS = {  # name -> the submodule that defines it, imported when the name is first read
+    "DroppingKVCache": ".dropping",
+    "compressed_continuation_logits": ".dropping",
+    "generate_compressed": ".dropping",
+    "prefill": ".dropping",
+    "prefill_prompt": ".dropping",
+    "select_tokens": ".dropping",
+    "Int8PagedKVStore": ".paged_int8",
+    "FORMATS": ".quantization",
+    "QuantizedTensor": ".quantization",
+    "dequantize": ".quantization",
+    "fake_quantize": ".quantization",
+    "quantize": ".quantization",
+    "SCHEMES": ".quantized_cache",
+    "QuantizedKVCache": ".quantized_cache",
+    "SinkKVCache": ".window",
+    "ring_slot": ".window",
+    "simulate_window_logits": ".window",
+    "window_mask": ".window",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

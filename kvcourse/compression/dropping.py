@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import check_update
-from ..checks import check_int
+from ..checks import check_int, check_ints
 from ..utils import check_config
 
 __all__ = [
@@ -99,9 +99,8 @@ class DroppingKVCache:
     def __init__(
         self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, observation_window: int = 32
     ) -> None:
-        for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("observation_window", observation_window)):  # fmt: skip
-            check_int(name, value, min=1)
+        check_ints(num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   observation_window=observation_window)  # fmt: skip
         self.num_layers, self.batch_size = num_layers, batch_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.observation_window = observation_window

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..checks import check_int
+from ..checks import check_int, check_ints
 from ..kernels.int8 import dequantize_int8, quantize_int8
 from ..paged.kv_store import PagedKVStore
 from ..utils import check_config
@@ -39,9 +39,8 @@ class Int8PagedKVStore(PagedKVStore):
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  device: torch.device | str = "cpu") -> None:  # fmt: skip
-        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):  # fmt: skip
-            check_int(name, value, min=1)
+        check_ints(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim)  # fmt: skip
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = (num_blocks, block_size, num_kv_heads, head_dim)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import CacheOverflowError, check_update
-from ..checks import check_bool, check_int
+from ..checks import check_bool, check_int, check_ints
 from ..utils import check_config
 from .quantization import QuantizedTensor, dequantize, quantize
 
@@ -106,9 +106,8 @@ class QuantizedKVCache:
         quantize_prefill: bool = True,
     ) -> None:
         check_bool("quantize_prefill", quantize_prefill)
-        for name, value in (("num_layers", num_layers), ("batch_size", batch_size),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("group_size", group_size)):  # fmt: skip
-            check_int(name, value, min=1)
+        check_ints(num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   group_size=group_size)  # fmt: skip
         if scheme not in SCHEMES:
             raise ValueError(f"scheme must be one of {list(SCHEMES)}, got {scheme!r}")
         if bits not in SCHEMES[scheme]:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import check_update
-from ..checks import check_int
+from ..checks import check_float_dtype, check_int, check_ints
 from ..kernels.reference import repeat_kv
 from ..utils import check_config
 
@@ -70,12 +70,10 @@ class SinkKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        for name, value in (("num_layers", num_layers), ("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("window", window)):  # fmt: skip
-            check_int(name, value, min=1)
+        check_ints(num_layers=num_layers, batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   window=window)  # fmt: skip
         check_int("num_sinks", num_sinks, min=0)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        check_float_dtype("dtype", dtype)
         self.num_layers, self.batch_size = num_layers, batch_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.window, self.num_sinks, self.dtype = window, num_sinks, dtype

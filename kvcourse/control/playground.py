@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import random
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..checks import check_bool, check_choice, check_int

@@ -92,17 +92,9 @@ def _grade(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     with warnings.catch_warnings(record=True) as caught:  # one line each on stderr, not warnings' two
         warnings.simplefilter("always", RuntimeWarning)
-        results = grade_directory(
-            args.dir,
-            args.book,
-            args.timeout,
-            jobs=args.jobs,
-            run=not args.no_run,
-            check_timeout=args.check_timeout,
-            progress=not args.quiet,
-            chapters=args.chapters,
-            isolation=not args.no_isolation,
-        )
+        results = grade_directory(args.dir, args.book, args.timeout, jobs=args.jobs, run=not args.no_run,
+                                  check_timeout=args.check_timeout, progress=not args.quiet, chapters=args.chapters,
+                                  isolation=not args.no_isolation)  # fmt: skip
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
     rows = rows_of(results)
@@ -145,57 +137,22 @@ def main(argv: list[str] | None = None) -> int:
     student.add_argument("book_dir", type=Path, metavar="BOOK_DIR", help="folder with the chapter notebooks")
     student.add_argument("--out", type=Path, required=True, help="folder for the student copies")
     grade = commands.add_parser("grade", help="run submitted notebooks and write one CSV row per exercise")
-    grade.add_argument(
-        "dir", type=Path, metavar="DIR", help="the submitted notebooks, or one subfolder of them per student"
-    )
-    grade.add_argument("--out", type=Path, required=True, help="the CSV file to write")
-    grade.add_argument(
-        "--book",
-        type=Path,
-        default=None,
-        help="the reference chapters: lists every exercise and reports missing notebooks",
-    )
-    grade.add_argument(
-        "--chapters",
-        type=_chapter_list,
-        default=None,
-        help="grade only these chapters, e.g. 3 or 3,4 (default: every chapter; a chapter "
-        "a submission lacks counts as zero)",
-    )
-    grade.add_argument(
-        "--timeout",
-        type=finite_seconds,
-        default=1800,
-        help="seconds allowed to run each notebook top to bottom (default 1800)",
-    )
-    grade.add_argument(
-        "--check-timeout",
-        type=finite_seconds,
-        default=300,
-        help="seconds allowed to grade one exercise in its clean process (default 300)",
-    )
-    grade.add_argument(
-        "--jobs",
-        type=int,
-        default=None,
-        help="notebooks graded side by side (default: one per CPU core, as memory allows)",
-    )
-    grade.add_argument(
-        "--reports",
-        type=Path,
-        default=None,
-        help="folder for one feedback page per student, a class summary and a pass-rate plot",
-    )
-    grade.add_argument(
-        "--no-run", action="store_true", help="grade the exercises without first running each notebook top to bottom"
-    )
-    grade.add_argument(
-        "--no-isolation",
-        action="store_true",
-        help="grade where bubblewrap (bwrap) cannot isolate the graded code: it then runs with your "
-        "permissions and could write into the Python installation and your home",
-    )
-    grade.add_argument("--quiet", action="store_true", help="no progress bar")
+    arg = grade.add_argument
+    arg("dir", type=Path, metavar="DIR", help="the submitted notebooks, or one subfolder of them per student")
+    arg("--out", type=Path, required=True, help="the CSV file to write")
+    arg("--book", type=Path, help="the reference chapters: lists every exercise and reports missing notebooks")
+    arg("--chapters", type=_chapter_list, help="grade only these chapters, e.g. 3 or 3,4 (default: every chapter; "
+        "a chapter a submission lacks counts as zero)")  # fmt: skip
+    arg("--timeout", type=finite_seconds, default=1800,
+        help="seconds allowed to run each notebook top to bottom (default 1800)")  # fmt: skip
+    arg("--check-timeout", type=finite_seconds, default=300,
+        help="seconds allowed to grade one exercise in its clean process (default 300)")  # fmt: skip
+    arg("--jobs", type=int, help="notebooks graded side by side (default: one per CPU core, as memory allows)")
+    arg("--reports", type=Path, help="folder for one feedback page per student, a class summary and a pass-rate plot")
+    arg("--no-run", action="store_true", help="grade the exercises without first running each notebook top to bottom")
+    arg("--no-isolation", action="store_true", help="grade where bubblewrap (bwrap) cannot isolate the graded code: "
+        "it then runs with your permissions and could write into the Python installation and your home")  # fmt: skip
+    arg("--quiet", action="store_true", help="no progress bar")
     points = commands.add_parser("points", help="a grades CSV as GitHub Classroom's autograding result")
     points.add_argument("grades", type=Path, metavar="GRADES", help="the CSV written by grade")
     args = parser.parse_args(argv)

@@ -184,9 +184,8 @@ def _grade(
     spec: ExerciseSpec, cells: list[list[str]], timeout: float, chapter_names: dict[str, str], isolation: bool
 ) -> Verdict:
     check = load_check(spec)
-    given = list(
-        dict.fromkeys([*spec.given, *(["model"] if MODEL in spec.args else [])])
-    )  # the cell's check call names it
+    # The names the cell's check call passes, the model among them when the check takes it.
+    given = list(dict.fromkeys([*spec.given, *(["model"] if MODEL in spec.args else [])]))
     context = _sandboxes(isolation)
     workdir = _workdir(_sandbox_root() if isolation else None)
     job = {

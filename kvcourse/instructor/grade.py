@@ -443,38 +443,29 @@ def grade_directory(
     each submission gets one row per exercise of it, whatever it handed in (:mod:`.chapters`).
     ``isolation``: see :func:`grade_notebook`; refused before any notebook runs where it cannot be had.
     """
+    import warnings
+
+    from tqdm import tqdm
+
+    from . import integrity
     from .chapters import assign, reference_chapters
     from .isolation import require
 
     isolation = require(isolation)
-    from .integrity import (
-        changed,
-        load_checks,
-        package_dir,
-        recorded_hashes,
-        snapshot,
-        unrecorded_changes,
-        writable_installation,
-    )
-
     reference = reference_chapters(book, chapters)
-    load_checks()
-    installed = snapshot()  # before any student code runs: compared after every notebook
-    tampered = unrecorded_changes(installed, recorded_hashes())
+    integrity.load_checks()
+    installed = integrity.snapshot()  # before any student code runs: compared after every notebook
+    tampered = integrity.unrecorded_changes(installed, integrity.recorded_hashes())
     if tampered:
-        from .integrity import InstallationChanged
-
-        raise InstallationChanged(
+        raise integrity.InstallationChanged(
             f"kvcourse's files differ from what its installer recorded: {', '.join(tampered)}. "
             "Reinstall kvcourse before grading."
         )
-    writable = [] if isolation else writable_installation()  # isolated, graded code cannot write there
+    writable = [] if isolation else integrity.writable_installation()  # isolated, graded code cannot write there
     if writable:
-        import warnings
-
         shown = ", ".join(writable[:3]) + (f" and {len(writable) - 3} more" if len(writable) > 3 else "")
         warnings.warn(
-            f"kvcourse is installed where the graded code could write ({shown} in {package_dir()}): "
+            f"kvcourse is installed where the graded code could write ({shown} in {integrity.package_dir()}): "
             "grade as a user who cannot write there, or in a throwaway container; the grader stops if "
             "the files change",
             RuntimeWarning,
@@ -495,34 +486,25 @@ def grade_directory(
                 ]
         for number in found.missing:
             name = rel(folder / reference[number].notebook)
+            missing = "notebook missing from the submission"
             untouched.append(
-                NotebookResult(
-                    name,
-                    [
-                        Row(name, label, False, "notebook missing from the submission")
-                        for label in reference[number].labels
-                    ],
-                )
+                NotebookResult(name, [Row(name, label, False, missing) for label in reference[number].labels])
             )
         for path in found.strays:
-            untouched.append(
-                NotebookResult(
-                    rel(path),
-                    [],
-                    [f"not graded: {path.name} is no chapter of the course (chapters {', '.join(reference)})"],
-                )
-            )
+            note = f"not graded: {path.name} is no chapter of the course (chapters {', '.join(reference)})"
+            untouched.append(NotebookResult(rel(path), [], [note]))
     jobs = default_jobs(len(tasks)) if jobs is None else max(1, min(jobs, len(tasks) or 1))
     threads = thread_budget(jobs)
     results: dict[str, NotebookResult] = {}
-    bar = _progress(len(tasks), progress)
+    settings = (run, check_timeout, threads, isolation)  # grade_notebook's last arguments, the same for every notebook
+    bar = tqdm(
+        total=len(tasks), unit="notebook", desc="grading", file=sys.stderr, dynamic_ncols=True, disable=not progress
+    )
 
     def verify(name: str) -> None:
-        touched = changed(installed)
+        touched = integrity.changed(installed)
         if touched:
-            from .integrity import InstallationChanged
-
-            raise InstallationChanged(
+            raise integrity.InstallationChanged(
                 f"kvcourse's files changed while {name} was graded{'' if jobs == 1 else ' (with others side by side)'}: "
                 f"{', '.join(touched)}. Graded code wrote into the installation; reinstall kvcourse before grading "
                 "again, as a user who cannot write there."
@@ -530,7 +512,7 @@ def grade_directory(
 
     if jobs == 1:
         for path, name, expected in tasks:
-            results[name] = grade_notebook(path, name, timeout, expected, run, check_timeout, threads, isolation)
+            results[name] = grade_notebook(path, name, timeout, expected, *settings)
             verify(name)
             bar.update(1)
     else:
@@ -539,10 +521,7 @@ def grade_directory(
 
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = {
-                pool.submit(grade_notebook, path, name, timeout, expected, run, check_timeout, threads, isolation): (
-                    name,
-                    expected,
-                )
+                pool.submit(grade_notebook, path, name, timeout, expected, *settings): (name, expected)
                 for path, name, expected in tasks
             }
             for future in as_completed(futures):
@@ -567,22 +546,6 @@ def grade_directory(
     return sorted(ordered, key=lambda r: r.notebook)
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress(total: int, show: bool):
-    if not show:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="notebook", desc="grading", file=sys.stderr, dynamic_ncols=True)
-
-
 def rows_of(results: list[NotebookResult]) -> list[Row]:
     return [row for result in results for row in result.rows]
 
@@ -595,15 +558,9 @@ def write_csv(rows: list[Row], out: Path, run_seconds: dict[str, float] | None =
         writer = csv.writer(f)
         writer.writerow(["notebook", "exercise", "passed", "message", "check_s", "notebook_s"])
         for row in rows:
+            notebook_s = run_seconds.get(row.notebook, 0.0)
             writer.writerow(
-                [
-                    row.notebook,
-                    row.exercise,
-                    int(row.passed),
-                    row.message,
-                    f"{row.seconds:.1f}",
-                    f"{run_seconds.get(row.notebook, 0.0):.1f}",
-                ]
+                [row.notebook, row.exercise, int(row.passed), row.message, f"{row.seconds:.1f}", f"{notebook_s:.1f}"]
             )
 
 

@@ -35,20 +35,7 @@ _MIRROR_LIMIT = 64 * 2**20  # a tensor whose storage is larger travels as a comp
 # The mirrors this side keeps, at most (least recently used dropped first): the student's side decides how many
 # storages it sends, so the bound lives here. A storage dropped and sent again arrives as a new mirror.
 MIRROR_BUDGET = 256 * 2**20
-_DTYPES = (
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "bool",
-    "complex64",
-    "complex128",
-)
+_DTYPES = tuple("float16 bfloat16 float32 float64 int8 int16 int32 int64 uint8 bool complex64 complex128".split())
 
 
 class WireError(Exception):

@@ -37,30 +37,28 @@ One job per module: :mod:`.config` reads a config, :mod:`.formula` is the formul
 weighs it against a GPU, :mod:`.units` holds dtypes and units, :mod:`.catalog` the models.
 """
 
-from .budget import crossover_tokens, kv_budget_bytes, max_concurrent_sequences, prefill_flops, weight_bytes
-from .catalog import CATALOG, CatalogEntry, catalog_names, get_entry
-from .config import KVLayout, kv_layout, load_config
-from .formula import kv_bytes_per_token, kv_cache_bytes
-from .units import DTYPE_BYTES, GB, GiB, dtype_bytes, format_bytes
+from ..lazy import lazy_exports
 
-__all__ = [
-    "CATALOG",
-    "CatalogEntry",
-    "DTYPE_BYTES",
-    "GB",
-    "GiB",
-    "KVLayout",
-    "catalog_names",
-    "crossover_tokens",
-    "dtype_bytes",
-    "format_bytes",
-    "get_entry",
-    "kv_budget_bytes",
-    "kv_bytes_per_token",
-    "kv_cache_bytes",
-    "kv_layout",
-    "load_config",
-    "max_concurrent_sequences",
-    "prefill_flops",
-    "weight_bytes",
-]
+_EXPORTS = {  # name -> the submodule that defines it, imported when the name is first read
+    "crossover_tokens": ".budget",
+    "kv_budget_bytes": ".budget",
+    "max_concurrent_sequences": ".budget",
+    "prefill_flops": ".budget",
+    "weight_bytes": ".budget",
+    "CATALOG": ".catalog",
+    "CatalogEntry": ".catalog",
+    "catalog_names": ".catalog",
+    "get_entry": ".catalog",
+    "KVLayout": ".config",
+    "kv_layout": ".config",
+    "load_config": ".config",
+    "kv_bytes_per_token": ".formula",
+    "kv_cache_bytes": ".formula",
+    "DTYPE_BYTES": ".units",
+    "GB": ".units",
+    "GiB": ".units",
+    "dtype_bytes": ".units",
+    "format_bytes": ".units",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__all__ = sorted(_EXPORTS)

@@ -68,18 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     dtypes = ", ".join(sorted(DTYPE_BYTES))
     parser.add_argument("--dtype", type=_dtype, default="bf16", help=f"KV cache dtype: {dtypes} (default bf16)")
     parser.add_argument("--tp-size", type=_positive, default=1, help="tensor-parallel ranks (default 1)")
-    parser.add_argument(
-        "--quant-group-size",
-        type=_positive,
-        default=None,
-        help="for fp8/int8/int4: count an fp16 scale and zero point per this many values (default: payload only)",
-    )
-    parser.add_argument(
-        "--weight-dtype",
-        type=_dtype,
-        default="bf16",
-        help="dtype of the weights, for the weights row of catalog models (default bf16)",
-    )
+    parser.add_argument("--quant-group-size", type=_positive, help="for fp8/int8/int4: count an fp16 scale and zero "
+                        "point per this many values (default: payload only)")  # fmt: skip
+    parser.add_argument("--weight-dtype", type=_dtype, default="bf16",
+                        help="dtype of the weights, for the weights row of catalog models (default bf16)")  # fmt: skip
     return parser
 
 
@@ -104,6 +96,10 @@ def report(
     per_seq = kv_cache_bytes(config, seq_len, 1, dtype, tp_size, quant_group_size)
     per_rank = kv_cache_bytes(config, seq_len, batch_size, dtype, tp_size, quant_group_size)
     windows = sorted({w for w in layout.layer_windows if w is not None})
+    window_text = (
+        f"{layout.num_windowed_layers} of {layout.num_layers} layers at {windows} tokens" if windows else "none"
+    )
+    scales = "" if quant_group_size is None else f" + fp16 scale and zero point per {quant_group_size} values"
     if layout.attention == "MLA":
         heads = f"MLA latent of {layout.head_dim} values per layer (replicated on every rank)"
     else:
@@ -114,14 +110,8 @@ def report(
         ("layers", str(layout.num_layers)),
         ("KV heads", heads),
         ("head dim", str(layout.head_dim)),
-        (
-            "sliding window",
-            f"{layout.num_windowed_layers} of {layout.num_layers} layers at {windows} tokens" if windows else "none",
-        ),
-        (
-            "dtype",
-            dtype + ("" if quant_group_size is None else f" + fp16 scale and zero point per {quant_group_size} values"),
-        ),
+        ("sliding window", window_text),
+        ("dtype", dtype + scales),
         ("seq len x batch", f"{seq_len:,} x {batch_size:,}"),
         ("tp size", str(tp_size)),
         ("KV bytes per token", f"{per_token:,} B = {format_bytes(per_token)} per rank"),
@@ -146,16 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     config = args.model if args.model else args.config
     try:
-        text = report(
-            config,
-            args.model or args.config,
-            args.seq_len,
-            args.batch_size,
-            args.dtype,
-            args.tp_size,
-            args.quant_group_size,
-            args.weight_dtype,
-        )
+        text = report(config, config, args.seq_len, args.batch_size, args.dtype, args.tp_size, args.quant_group_size,
+                      args.weight_dtype)  # fmt: skip
         note = context_note(config, args.seq_len)
     except (ValueError, TypeError) as e:
         parser.error(str(e))

@@ -133,12 +133,6 @@ class KVLayout:
             return 1
         return max(1, self.num_kv_heads // tp_size)
 
-    def values_per_layer_per_rank(self, tp_size: int = 1) -> int:
-        if self.attention == "MLA":
-            check_tp(self, tp_size)
-            return self.values_per_layer
-        return 2 * self.kv_heads_per_rank(tp_size) * self.head_dim
-
 
 def _flag(cfg: Mapping, key: str) -> bool | None:
     """A true/false key (``None`` if absent or null). JSON has booleans: the string ``"false"`` is a

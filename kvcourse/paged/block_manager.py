@@ -35,20 +35,24 @@ from typing import TYPE_CHECKING
 
 from ..checks import check_int
 from .offload import BlockTransfer, HostBlockPool
-from .pool import Admission, CopyOnWrite, num_tokens_to_admit
+from .pool import Admission, CopyOnWrite
 
 if TYPE_CHECKING:
     from ..sequence import Sequence
 
-__all__ = ["BlockManager", "NoFreeBlocksError"]
+__all__ = ["BlockManager", "NoFreeBlocksError", "num_tokens_to_admit"]
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an operation needs more free blocks than remain. Nothing was changed."""
 
 
-def _check_count(name: str, value: object, minimum: int) -> int:
-    return check_int(name, value, min=minimum)
+def num_tokens_to_admit(num_uncached: int, max_num_new_tokens: int, chunked: bool) -> int | None:
+    """Tokens a sequence with ``num_uncached`` tokens to compute feeds at admission: all of them, or a
+    chunk of ``max_num_new_tokens`` when ``chunked``; ``None`` when they must all fit and do not."""
+    if num_uncached <= max_num_new_tokens:
+        return num_uncached
+    return max_num_new_tokens if chunked else None
 
 
 class BlockManager:
@@ -67,9 +71,9 @@ class BlockManager:
     enable_prefix_caching = False
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
-        self.num_blocks = _check_count("num_blocks", num_blocks, 1)
-        self.block_size = _check_count("block_size", block_size, 1)
-        self.host = HostBlockPool(_check_count("num_host_blocks", num_host_blocks, 0))
+        self.num_blocks = check_int("num_blocks", num_blocks, min=1)
+        self.block_size = check_int("block_size", block_size, min=1)
+        self.host = HostBlockPool(check_int("num_host_blocks", num_host_blocks, min=0))
         self._swapped: dict[Hashable, tuple[list[int], int]] = {}  # seq_id -> (host blocks, num_tokens)
         self._transfers: list[BlockTransfer] = []  # moves decided since the last take_transfers()
         # A FIFO free list, as in nano-vllm: blocks come back at the tail and are handed out
@@ -114,14 +118,14 @@ class BlockManager:
 
     def ref_count(self, block: int) -> int:
         """How many sequences' tables contain ``block`` (0 means it is free)."""
-        _check_count("block", block, 0)
+        check_int("block", block, min=0)
         if block >= self.num_blocks:
             raise ValueError(f"block must be in [0, {self.num_blocks}), got {block}")
         return self._ref_counts[block]
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens: ``ceil(num_tokens / block_size)``."""
-        _check_count("num_tokens", num_tokens, 0)
+        check_int("num_tokens", num_tokens, min=0)
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, num_tokens: int) -> bool:
@@ -242,7 +246,7 @@ class BlockManager:
     def blocks_to_swap_in(self, seq_id: Hashable, num_new_tokens: int = 0) -> int:
         """Free blocks :meth:`swap_in` would take, and appending ``num_new_tokens`` slots after it."""
         host_table, num_tokens = self._swapped_table(seq_id)
-        return max(len(host_table), self.blocks_needed(num_tokens + _check_count("num_new_tokens", num_new_tokens, 0)))
+        return max(len(host_table), self.blocks_needed(num_tokens + check_int("num_new_tokens", num_new_tokens, min=0)))
 
     def swap_in(self, seq_id: Hashable) -> list[BlockTransfer]:
         """Bring a swapped sequence back into fresh blocks; its host blocks are freed."""
@@ -313,7 +317,7 @@ class BlockManager:
         return num_tokens % self.block_size != 0 and self._ref_counts[table[-1]] > 1
 
     def _blocks_needed_to_append(self, seq_id: Hashable, num_tokens: int) -> int:
-        _check_count("num_tokens", num_tokens, 0)  # a sequence only grows; free() is how it shrinks
+        check_int("num_tokens", num_tokens, min=0)  # a sequence only grows; free() is how it shrinks
         table, n = self._table(seq_id), self._num_tokens[seq_id]
         new_blocks = self.blocks_needed(n + num_tokens) - len(table)
         return new_blocks + int(num_tokens > 0 and self._needs_copy_on_write(table, n))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..checks import check_fits_in_memory, check_int
+from ..checks import check_fits_in_memory, check_float_dtype, check_int, check_ints
 from ..kernels.reference import reshape_and_cache_ref
 from ..utils import check_config
 
@@ -42,16 +42,9 @@ class PagedKVStore:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        for name, value in (
-            ("num_layers", num_layers),
-            ("num_blocks", num_blocks),
-            ("block_size", block_size),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            check_int(name, value, min=1)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        check_ints(num_layers=num_layers, num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim)  # fmt: skip
+        check_float_dtype("dtype", dtype)
         num_layers, num_blocks, block_size = int(num_layers), int(num_blocks), int(block_size)
         num_kv_heads, head_dim = int(num_kv_heads), int(head_dim)
         nbytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * dtype.itemsize

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the pools never import torch, which kvcourse.sequence does
     from ..sequence import Sequence
     from .offload import BlockTransfer
 
-__all__ = ["Admission", "CopyOnWrite", "KVPool", "PagedKVPool", "PrefixCachingPool", "num_tokens_to_admit"]
+__all__ = ["Admission", "CopyOnWrite", "KVPool", "PagedKVPool", "PrefixCachingPool"]
 
 
 class Admission(NamedTuple):
@@ -41,14 +41,6 @@ class CopyOnWrite:
 
     src_block: int
     dst_block: int
-
-
-def num_tokens_to_admit(num_uncached: int, max_num_new_tokens: int, chunked: bool) -> int | None:
-    """Tokens a sequence with ``num_uncached`` tokens to compute feeds at admission: all of them, or a
-    chunk of ``max_num_new_tokens`` when ``chunked``; ``None`` when they must all fit and do not."""
-    if num_uncached <= max_num_new_tokens:
-        return num_uncached
-    return max_num_new_tokens if chunked else None
 
 
 @runtime_checkable

@@ -37,9 +37,9 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .block_hash import BlockHash, CachedBlock, HashFn, extra_keys_of, hash_block_tokens
-from .block_manager import BlockManager
+from .block_manager import BlockManager, num_tokens_to_admit
 from .offload import BlockTransfer, OffloadedBlock
-from .pool import Admission, num_tokens_to_admit
+from .pool import Admission
 
 if TYPE_CHECKING:
     from ..sequence import Sequence as SequenceState

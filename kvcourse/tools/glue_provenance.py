@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..instructor.notebook import cell_source
+
 LIVE, COMMITTED = "live", "committed"
 LOADERS = frozenset({"load", "newest", "find"})  # kvcourse.results' calls that read a committed result file
 # Functions that read one too: the kernel benchmark's and the compression sweep's loaders.
@@ -42,14 +44,10 @@ ACKNOWLEDGED = re.compile(
 )
 
 
-def _source(cell: dict) -> str:
-    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-
-
 def is_timing_cell(cell: dict) -> bool:
     """A cell whose outputs nbval ignores: by CONTRIBUTING's rule 5, a timing cell (its values are this run's)."""
     tags = cell.get("metadata", {}).get("tags", [])
-    return IGNORE_TAG in tags or _source(cell).lstrip().startswith(IGNORE_COMMENT)
+    return IGNORE_TAG in tags or cell_source(cell).lstrip().startswith(IGNORE_COMMENT)
 
 
 def _loader_call(node: ast.AST) -> bool:
@@ -148,7 +146,7 @@ def glue_kinds(nb: dict) -> list[Glued]:
         # IPython lines (!pip, %magic) are not Python; the setup cell's are the usual ones.
         code = "\n".join(
             line[: len(line) - len(line.lstrip())] + "pass" if line.lstrip().startswith(("!", "%")) else line
-            for line in _source(cell).splitlines()
+            for line in cell_source(cell).splitlines()
         )
         try:
             tree = ast.parse(code)
@@ -221,7 +219,7 @@ def mixed_paragraphs(nb: dict) -> list[Mixed]:
     for index, cell in enumerate(nb["cells"]):
         if cell["cell_type"] != "markdown":
             continue
-        for text in paragraphs(_source(cell)):
+        for text in paragraphs(cell_source(cell)):
             quoted = {name: name_kinds(glued, name) for name in GLUE_ROLE.findall(text)}
             # A figure made from both (a committed fit applied to this page's trace) is left out: only a figure
             # purely of this run beside one purely of a committed run is a comparison across runs for certain.

@@ -27,6 +27,8 @@ import re
 import sys
 from pathlib import Path
 
+from ..instructor.notebook import cell_source
+
 GLUE_PREFIX = "application/papermill.record/"
 ADMONITIONS = {
     "note": "Note",
@@ -199,7 +201,7 @@ def reader_copy(nb: dict, name: str, ref: str | None = None, cfg=None, glue: dic
     for cell in nb["cells"]:
         if cell["cell_type"] != "markdown":
             continue
-        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        source = cell_source(cell)
         before = len(renderer.exercises)
         cell["source"] = render_markdown(source, renderer)
         stated = list(renderer.exercises)[before:]

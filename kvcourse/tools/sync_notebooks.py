@@ -32,6 +32,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from kvcourse.instructor.notebook import cell_source
 from kvcourse.results import gpu_check_notebook_runs
 from kvcourse.tools.book_config import ROOT, BookConfig, Chapter, chapter_notebooks, load
 
@@ -168,18 +169,14 @@ def header_source(cfg: BookConfig, chapter: Chapter, nb: dict) -> str:
     return "\n".join(lines)
 
 
-def _cell_source(cell: dict) -> str:
-    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-
-
 def sync(nb: dict, cfg: BookConfig, chapter: Chapter, ref: str) -> dict:
     """Return a copy of ``nb`` with its setup cell, header and GPU metadata written; ``nb`` is unchanged."""
     nb = copy.deepcopy(nb)
     cells = nb["cells"]
-    if not cells or cells[0]["cell_type"] != "markdown" or not _cell_source(cells[0]).startswith("# "):
+    if not cells or cells[0]["cell_type"] != "markdown" or not cell_source(cells[0]).startswith("# "):
         raise ValueError(f"{chapter.path.name}: the first cell must be the markdown title '# N. Title'")
     code = [c for c in cells if c["cell_type"] == "code"]
-    if not code or SETUP_MARKER not in _cell_source(code[0]):
+    if not code or SETUP_MARKER not in cell_source(code[0]):
         raise ValueError(
             f"{chapter.path.name}: the first code cell must be the Colab setup cell (it tests {SETUP_MARKER})"
         )
