@@ -98,11 +98,11 @@ def test_prefix_caching(model, tok, chats):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption(model, chats, mode):
     """A pool too small for the batch: sequences scheduled ahead are preempted (and recomputed, or swapped out and
-    back) exactly as without overlap."""
+    back) exactly as without overlap, EOS rolling some of those steps back."""
     swap = dict(preemption_mode="swap", num_cpu_blocks=16) if mode == "swap" else {}
-    eng = serve_both(model, chats, SamplingParams(max_new_tokens=16, stop_token_ids=()), num_blocks=10,
-                     block_size=4, max_num_seqs=6, max_num_batched_tokens=32, watermark=0.0, **swap)  # fmt: skip
-    assert eng.stats["preemptions"] > 0
+    eng = serve_both(model, chats[:5], SamplingParams(max_new_tokens=10), num_blocks=9, block_size=4,
+                     max_num_seqs=5, max_num_batched_tokens=32, watermark=0.0, **swap)  # fmt: skip
+    assert eng.stats["preemptions"] > 0 and eng.stats["overlap_rollbacks"] > 0
     if mode == "swap":
         assert eng.stats["swapped_out"] > 0 and eng.stats["swapped_in"] > 0
 

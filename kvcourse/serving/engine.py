@@ -439,7 +439,9 @@ class Engine:
         and ``prefix_cache_evictions`` cached blocks were given to new tokens (``prefix_cache_offloaded_blocks``
         of them kept in the host tier, from which ``prefix_cache_host_hit_tokens`` hits were copied back).
         ``swapped_out``/``swapped_in`` count swap-mode preemptions and returns; ``blocks_to_host``,
-        ``blocks_to_device`` and ``transfer_seconds`` the block copies between the pools.
+        ``blocks_to_device`` and ``transfer_seconds`` the block copies between the pools. With ``overlap``,
+        ``overlapped_steps`` steps had the next one scheduled while they ran; ``overlap_rollbacks`` times a stop
+        token undid that guess.
         """
         return self.recorder.stats(self.requests, self.runner)
 
