@@ -6,7 +6,8 @@ fp32, and take the same decisions: every step's event (who ran how many tokens, 
 finished, the pool's free blocks) is the same but for its timing. On a CPU the overlap saves nothing (nothing
 runs ahead of the host), but every line of its logic runs here: stops on EOS that roll the step scheduled ahead
 back, seeded sampling and forks, prefix caching, preemption by recompute and by swap, requests that come and go
-between steps, a step that fails. The ``cuda`` case runs it on a GPU, from CUDA graphs (``make gpu-check``).
+between steps, a step that fails. The ``cuda`` cases run it on a GPU, every step from a CUDA graph (``make gpu-check``
+runs them).
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from kvcourse import SamplingParams
 from kvcourse.kernels.triton_runtime import kernel_device
 from kvcourse.serving import Engine
 from kvcourse.serving.scheduler import preempt_newest
 
-from .conftest import real_model_on, tiny_llama
+from .conftest import tiny_llama
 
 QUESTIONS = ["What is 2+2?", "Say hello.", "Name a color.", "What is the capital of France?", "Is water wet?",
              "Give me a number."]  # fmt: skip
@@ -30,6 +30,11 @@ QUESTIONS = ["What is 2+2?", "Say hello.", "Name a color.", "What is the capital
 def decisions(eng: Engine) -> list:
     """Every step's event but its timing (steps overlap in time when the engine overlaps)."""
     return [dataclasses.replace(e, start=0.0, duration=0.0) for e in eng.events]
+
+
+def counters(eng: Engine) -> dict:
+    """What the recorder counted, but for the overlap's own counters."""
+    return {k: v for k, v in eng.recorder.counters.items() if not k.startswith("overlap")}
 
 
 def serve_both(model, prompts, params, **engine) -> Engine:
@@ -42,7 +47,6 @@ def serve_both(model, prompts, params, **engine) -> Engine:
     (want, sync), (got, eng) = runs[False], runs[True]
     assert got == want
     assert decisions(eng) == decisions(sync)
-    counters = lambda e: {k: v for k, v in e.recorder.counters.items() if not k.startswith("overlap")}  # noqa: E731
     assert counters(eng) == counters(sync)
     assert sync.stats["overlapped_steps"] == sync.stats["overlap_rollbacks"] == 0
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
@@ -54,24 +58,32 @@ def chats(tok) -> list[list[int]]:
     return [tok.encode(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n") for q in QUESTIONS]
 
 
-def test_overlap_is_on_for_a_gpu_only(model):
-    assert Engine(model, num_blocks=8).overlap is False
-    assert Engine(model, num_blocks=8, overlap=True).overlap is True
+def test_overlap_is_on_for_a_gpu_only(model_on, device):
+    assert Engine(model_on, num_blocks=8).overlap is (device.type == "cuda")
+    assert Engine(model_on, num_blocks=8, overlap=True).overlap is True
     with pytest.raises(TypeError, match="overlap"):
-        Engine(model, num_blocks=8, overlap="yes")
+        Engine(model_on, num_blocks=8, overlap="yes")
 
 
-def test_eos_mid_batch_rolls_the_step_ahead_back(model, chats):
+def backend_on(device) -> str:
+    """On a GPU, the backend whose steps replay CUDA graphs (every step of these tests is from a graph)."""
+    return "triton" if device.type == "cuda" else "paged-torch"
+
+
+def test_eos_mid_batch_rolls_the_step_ahead_back(model_on, device, chats):
     """Chats that end on EOS at different steps: each time, the next step was scheduled with the finished sequence
     in it, and is scheduled again without it."""
-    eng = serve_both(model, chats, SamplingParams(max_new_tokens=12), num_blocks=64, block_size=16, max_num_seqs=4)
+    eng = serve_both(model_on, chats, SamplingParams(max_new_tokens=12), num_blocks=64, block_size=16,
+                     max_num_seqs=4, backend=backend_on(device))  # fmt: skip
     outs = [eng.output(i) for i in range(len(chats))]
     assert sum(o[-1] in eng.eos_token_ids and len(o) < 12 for o in outs) >= 2
     stats = eng.stats
     assert stats["overlap_rollbacks"] >= 2 and stats["overlapped_steps"] > stats["steps"] // 2
+    if device.type == "cuda":
+        assert eng.runner.graph_steps == stats["steps"]
 
 
-def test_seeded_sampling_and_forks(model, chats):
+def test_seeded_sampling_and_forks(model_on, device, chats):
     """Temperature, top-k and top-p with seeds, n=3 samples forked at the first token, beside greedy requests:
     each sample draws from its own generator in the same order, and sampled tokens reach the next step from the
     host."""
@@ -79,7 +91,8 @@ def test_seeded_sampling_and_forks(model, chats):
               SamplingParams(max_new_tokens=8),
               SamplingParams(max_new_tokens=8, temperature=1.2, top_p=0.9, seed=1),
               SamplingParams(max_new_tokens=6, temperature=0.7, seed=3, n=2)]  # fmt: skip
-    eng = serve_both(model, chats[:4], params, num_blocks=64, block_size=8, max_num_seqs=8)
+    eng = serve_both(model_on, chats[:4], params, num_blocks=64, block_size=8, max_num_seqs=8,
+                     backend=backend_on(device))  # fmt: skip
     assert len(eng.output(0)) == 3 and eng.stats["max_blocks_saved_by_sharing"] > 0
     assert eng.stats["overlapped_steps"] > 0
 
@@ -99,7 +112,7 @@ def test_prefix_caching(model, tok, chats):
 def test_preemption(model, chats, mode):
     """A pool too small for the batch: sequences scheduled ahead are preempted (and recomputed, or swapped out and
     back) exactly as without overlap, EOS rolling some of those steps back."""
-    swap = dict(preemption_mode="swap", num_cpu_blocks=16) if mode == "swap" else {}
+    swap = {"preemption_mode": "swap", "num_cpu_blocks": 16} if mode == "swap" else {}
     eng = serve_both(model, chats[:5], SamplingParams(max_new_tokens=10), num_blocks=9, block_size=4,
                      max_num_seqs=5, max_num_batched_tokens=32, watermark=0.0, **swap)  # fmt: skip
     assert eng.stats["preemptions"] > 0 and eng.stats["overlap_rollbacks"] > 0
@@ -178,14 +191,3 @@ def test_the_static_buffers_of_the_graph_path():
     eng = serve_both(model, prompts, params, num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
                      backend="triton", cuda_graphs="eager")  # fmt: skip
     assert eng.runner.graph_steps == len(eng.events) and eng.stats["overlapped_steps"] > 0
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_overlap_from_cuda_graphs_equals_without_cuda(model, chats):
-    """The real model in fp32 on a GPU, every step from a recorded graph: greedy chats that stop on EOS and seeded
-    samples, the same tokens and decisions with the overlap (the GPU's default) as without."""
-    model_on = real_model_on(model, torch.device("cuda"))
-    params = [SamplingParams(max_new_tokens=16), SamplingParams(max_new_tokens=16, temperature=0.8, seed=5, n=2)]
-    params = [params[i % 2] for i in range(len(chats))]
-    eng = serve_both(model_on, chats, params, num_blocks=64, block_size=16, max_num_seqs=8, backend="triton")
-    assert eng.runner.graph_steps > 0 and eng.stats["overlap_rollbacks"] > 0 and eng.stats["overlapped_steps"] > 0
