@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,6 +43,9 @@ from ..batch import ForwardBatch, SeqSlice
 from ..checks import check_bool, check_hashable, check_int, check_token_ids
 from ..paged import (BlockManager, BlockTransfer, NoFreeBlocksError, PagedKVStore, PrefixCachingBlockManager,
                      allocate_slots, apply_transfers)  # fmt: skip
+
+if TYPE_CHECKING:
+    from .scheduler import SchedulerOutput
 
 __all__ = ["GRAPH_MODES", "UNKNOWN_TOKEN", "ModelRunner", "PackedStep", "graph_mode"]
 
@@ -57,7 +61,7 @@ class PackedStep:
     ``last``: the graph that runs it and its rows whose logits are wanted, or ``batch``: the batch run eagerly.
     """
 
-    out: object  # the SchedulerOutput: its block moves and copies run at launch (None: none)
+    out: SchedulerOutput | None  # its block moves and copies run at launch (None: ModelRunner.step's, none)
     input_ids: torch.Tensor
     graph: GraphKey | None = None
     last: torch.Tensor | slice | None = None
@@ -216,8 +220,14 @@ class ModelRunner:
 
     def prepare(self, out, all_logits: bool = False) -> PackedStep:
         """Pack the step the scheduler chose (a :class:`~kvcourse.serving.SchedulerOutput`, its slots reserved)
-        into device inputs, without running it: :meth:`launch` runs it (logits as :meth:`step`). A token the host has not read yet (:data:`UNKNOWN_TOKEN`, the last
-        one a sequence feeds) is packed as 0; :meth:`feed_tokens` writes it on the device."""
+        into device inputs, without running it: :meth:`launch` runs it (logits as :meth:`step`). A token the host
+        has not read yet (:data:`UNKNOWN_TOKEN`, the last one a sequence feeds) is packed as 0;
+        :meth:`feed_tokens` writes it on the device.
+
+        Packing step n+1 while the device runs step n is safe: every write into device memory (a graph's static
+        buffers too) is a copy queued on the stream behind step n, from a pinned host buffer that torch's caching
+        allocator hands out again only once its copy is done, so the host-side inputs are double-buffered (and
+        more) without a second set of device buffers."""
         table = self.block_manager.block_table
         seqs = []
         for s in out.scheduled:
