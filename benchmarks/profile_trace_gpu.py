@@ -54,7 +54,7 @@ from kvcourse.batch import ForwardBatch  # noqa: E402
 from kvcourse.serving import Engine  # noqa: E402
 
 PARTS = ("schedule", "batch", "forward", "sample", "other")
-VARIANTS = ("graphs", "decode-graphs", "graphs-again", "no-cudnn", "profiled", "eager")
+VARIANTS = ("graphs", "no-overlap", "decode-graphs", "graphs-again", "no-cudnn", "profiled", "eager")
 
 
 class StepClock:
@@ -64,10 +64,10 @@ class StepClock:
         self.eng, self.cuda, self.steps, self.current = eng, cuda, [], None
         self._events = []
         sched, runner = eng.scheduler, eng.runner
-        self._wrap(sched, "schedule", "schedule", after=self._note_schedule)
+        self._wrap(sched, "schedule", "schedule")
         self._wrap(sched, "snapshot", "schedule")
-        self._wrap(runner, "execute", None, around=True)
-        self._wrap(eng, "_sample", "sample")
+        self._wrap(runner, "launch", None, around=True)
+        self._wrap(eng, "_pick", "sample")
         if runner.graphs is not None:
             self._wrap(runner.graphs, "load_inputs", "batch")
         build = ForwardBatch.build
@@ -82,7 +82,7 @@ class StepClock:
 
         self._build, self._timed_build = build, timed_build
 
-    def _wrap(self, obj, name: str, part: str | None, after=None, around: bool = False) -> None:
+    def _wrap(self, obj, name: str, part: str | None, around: bool = False) -> None:
         fn = getattr(obj, name)
 
         def timed(*args, **kwargs):
@@ -95,23 +95,20 @@ class StepClock:
             finally:
                 spent = time.perf_counter() - start
                 if self.current is not None:
-                    if around:  # the forward: packing is counted apart (ForwardBatch.build, load_inputs)
+                    if around:  # the forward (packing is counted apart: ForwardBatch.build, load_inputs)
                         self.current["execute"] += spent
                     else:
                         self.current[part] += spent
             if around and self.cuda:
                 end.record()
                 self._events.append((self.current, begin, end))
-            if after is not None:
-                after(result)
             return result
 
         setattr(obj, name, timed)
 
-    def _note_schedule(self, out) -> None:
-        if self.current is None or not out.scheduled:
-            return
-        lens = [len(s.token_ids) for s in out.scheduled]
+    def _note_step(self, event) -> None:
+        """The step's shape, from its event (with overlap, the scheduling a call does is the next step's)."""
+        lens = [n for *_, n, _ in event.scheduled]
         prefills = [n for n in lens if n > 1]
         self.current.update(
             seqs=len(lens),
@@ -131,7 +128,8 @@ class StepClock:
             wall = time.perf_counter() - start
             ForwardBatch.build = self._build
         row = self.current
-        row["forward"] = row.pop("execute", 0.0) - row["batch"]
+        row["forward"] = row.pop("execute", 0.0)
+        self._note_step(self.eng.events[-1])
         row["other"] = wall - sum(row[p] for p in ("schedule", "batch", "forward", "sample"))
         row["wall"] = wall
         row["graph"] = self.eng.runner.graph_steps > replays
@@ -173,10 +171,20 @@ def summarize(steps: list[dict]) -> dict:
 
 
 def serve(
-    model, prompts, lens, shape: Shape, *, graphs: bool, passes: int, profiler=None, mixed: bool = True
+    model,
+    prompts,
+    lens,
+    shape: Shape,
+    *,
+    graphs: bool,
+    passes: int,
+    profiler=None,
+    mixed: bool = True,
+    overlap: bool | None = None,
 ) -> list[dict]:
     """A fresh engine, piloted untimed, then ``passes`` timed passes of the trace, every step clocked.
-    ``mixed=False``: only decode-only steps replay graphs (the engine before mixed-step graphs)."""
+    ``mixed=False``: only decode-only steps replay graphs (the engine before mixed-step graphs). ``overlap``: the
+    engine's (``None``: its default, on for a GPU)."""
     cuda = model.device.type == "cuda"
     num_blocks = pool_blocks(prompts, lens, shape.block_size)
     eng = Engine(
@@ -188,6 +196,7 @@ def serve(
         enable_chunked_prefill=True,
         backend="triton",
         cuda_graphs=graphs and cuda,
+        overlap=overlap,
     )  # graphs recorded at start-up
     if not mixed and eng.runner.graphs is not None:  # mixed steps eager: the lookup finds decode graphs only
         lookup = eng.runner.graphs.lookup
@@ -305,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if v == "graphs":
                 res["runs"][v] = serve(model, prompts, lens, shape, graphs=True, passes=1)[0]
+            elif v == "no-overlap":  # the host schedules and packs each step after the one before ended
+                res["runs"][v] = serve(model, prompts, lens, shape, graphs=True, passes=1, overlap=False)[0]
             elif v == "decode-graphs":
                 res["runs"][v] = serve(model, prompts, lens, shape, graphs=True, passes=1, mixed=False)[0]
             elif v == "graphs-again":

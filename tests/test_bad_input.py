@@ -280,17 +280,18 @@ def _cow_onto_an_evicted_block(model, reverse: bool):
     """
     eng = Engine(model, num_blocks=4, block_size=4, watermark=0.0, enable_prefix_caching=True, num_cpu_blocks=4)
     seen = []
-    execute = eng.runner.execute
+    launch = eng.runner.launch
 
-    def spy(out, all_logits=False):
+    def spy(step):
+        out = step.out
         seen.append((list(out.transfers), list(out.copies)))
         if reverse:  # the wrong order: copies first, then the transfers
             for cow in out.copies:
                 eng.runner.kv_store.copy_block(cow.src_block, cow.dst_block)
             out.copies = []
-        return execute(out, all_logits)
+        return launch(step)
 
-    eng.runner.execute = spy
+    eng.runner.launch = spy
     r0 = [11, 12, 13, 14, 15, 16, 17, 18]
     eng.generate([r0], SamplingParams(max_new_tokens=1, stop_token_ids=()))
     eng.generate([[21, 22, 23, 24, 25, 26]], SamplingParams(max_new_tokens=3, n=2, stop_token_ids=()))

@@ -213,14 +213,15 @@ def test_a_request_samples_its_tokens_and_forks_its_samples_at_the_first_one():
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(max_new_tokens=4, n=3, temperature=1.0, seed=5)
     request = Request(7, Sequence((7, 0), [1, 2, 3], params), RequestMetrics(0.0, 0, 3))
-    first = request.sample(request.seqs[0], logits, argmax=-1)
+    first = request.samples_of(request.seqs[0])
     # The two forked samples come first (new sequences on the parent's tokens), then the parent.
-    assert [seq.seq_id for seq, _ in first] == [(7, 1), (7, 2), (7, 0)]
-    assert request.seqs == [first[2][0], first[0][0], first[1][0]]  # seqs[i] is sample i
-    assert [token for _, token in first] == [Sampler(params, i)(logits) for i in (1, 2, 0)]  # sample i: seed + i
-    assert [seq.seq_id for seq, _ in request.sample(request.seqs[1], logits, argmax=-1)] == [(7, 1)]  # no more forks
+    assert [seq.seq_id for seq in first] == [(7, 1), (7, 2), (7, 0)]
+    assert request.seqs == [first[2], first[0], first[1]]  # seqs[i] is sample i
+    got = [request.pick(seq, logits, argmax=-1) for seq in first]
+    assert got == [Sampler(params, i)(logits) for i in (1, 2, 0)]  # sample i: seed + i
+    assert [seq.seq_id for seq in request.samples_of(request.seqs[1])] == [(7, 1)]  # no more forks
     greedy = Request(8, Sequence((8, 0), [1], SamplingParams(n=2)), RequestMetrics(0.0, 0, 1))
-    assert [token for _, token in greedy.sample(greedy.seqs[0], logits, argmax=42)] == [42, 42]  # the batch's argmax
+    assert [greedy.pick(seq, logits, argmax=42) for seq in greedy.samples_of(greedy.seqs[0])] == [42, 42]
 
 
 def test_the_recorder_counts_what_the_event_log_shows(tiny):
@@ -244,13 +245,13 @@ def test_decode_positions_follow_the_prompt_and_chunks_see_earlier_chunks(tiny, 
     prompt = [random.Random(7).randrange(VOCAB) for _ in range(50)]
     eng = Engine(tiny, num_blocks=32, block_size=4, max_num_batched_tokens=16)
     fed = []
-    real_execute = eng.runner.execute
+    real_prepare = eng.runner.prepare
     monkeypatch.setattr(
         eng.runner,
-        "execute",
+        "prepare",
         lambda out, all_logits=False: (
             fed.append([(s.num_computed_tokens, s.num_new_tokens) for s in out.scheduled]),
-            real_execute(out, all_logits),
+            real_prepare(out, all_logits),
         )[1],
     )
     out = eng.generate([prompt], max_new_tokens=4)[0]

@@ -114,11 +114,11 @@ class _FailingRunner:
     def __init__(self, runner, fail_at: set[int]) -> None:
         self._runner, self.fail_at, self.calls = runner, fail_at, 0
 
-    def execute(self, out):
+    def launch(self, step):
         self.calls += 1
         if self.calls in self.fail_at:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return self._runner.execute(out)
+        return self._runner.launch(step)
 
     def __getattr__(self, name):
         return getattr(self._runner, name)

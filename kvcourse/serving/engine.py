@@ -4,12 +4,15 @@
 nano-vllm's ``LLMEngine.step``):
 
 1. the :class:`~kvcourse.serving.Scheduler` picks the step's sequences and reserves their slots;
-2. the :class:`~kvcourse.serving.ModelRunner` does the copy-on-write copies and runs one forward
-   over all of them;
+2. the :class:`~kvcourse.serving.ModelRunner` packs their inputs, does the copy-on-write copies and runs one
+   forward over all of them;
 3. every sequence that reached the end of its tokens samples its next one, picked by its
    :class:`~kvcourse.serving.Request` (a request with ``n`` samples forks into ``n`` sequences at its
    first token); finished sequences free their blocks;
 4. a :class:`~kvcourse.serving.stats.StepRecorder` counts what the step did.
+
+With ``overlap`` (on a GPU, by default), steps 1-2 of the next step run while the device computes this one, before
+step 3 reads its tokens back: the GPU no longer waits for the host to schedule and pack (:meth:`Engine._plan_ahead`).
 
 :meth:`Engine.generate` runs the loop until a list of prompts is done; :meth:`Engine.add_request`,
 :meth:`Engine.step` and :meth:`Engine.abort` drive it live, and :meth:`Engine.stream` yields tokens
@@ -22,18 +25,30 @@ import itertools
 import sys
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence as SequenceABC
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from ..checks import check_callable, check_float, check_hashable, check_int, check_token_ids
+from ..checks import check_bool, check_callable, check_float, check_hashable, check_int, check_token_ids
 from ..sequence import SamplingParams, Sequence
-from .model_runner import ModelRunner
+from .model_runner import UNKNOWN_TOKEN, ModelRunner, PackedStep
 from .request import Request, TokenOutput
 from .scheduler import PreemptionPolicy, Scheduler, SchedulerOutput
 from .stats import StepEvent, StepRecorder
 
 __all__ = ["Engine"]
+
+
+@dataclass
+class _Planned:
+    """A step scheduled and packed, not yet run: ``state`` is the scheduler's snapshot from before it was
+    scheduled (where a failure rolls back to), ``start`` the clock then."""
+
+    out: SchedulerOutput
+    packed: PackedStep
+    state: dict | None
+    start: float
 
 
 class Engine:
@@ -58,6 +73,10 @@ class Engine:
         cuda_graphs: ``"capture"``, ``"eager"`` or ``"off"`` (``True``/``False``: capture/off): steps replayed from CUDA
             graphs recorded when the engine starts (:mod:`kvcourse.serving.step_graphs`), the same static forward
             run eagerly, or none; ``None``: capture when the model is on a CUDA GPU and the backend is ``"triton"``.
+        overlap: schedule and pack the next step while the device runs this one, the sampled tokens fed to it
+            on the device and read by the host one step late (SGLang's overlap scheduler, vLLM's async
+            scheduling); the outputs and the scheduler's decisions are the same as without. ``None``: on when the
+            model is on a CUDA GPU (on a CPU nothing runs ahead of the host, so it only costs a little).
         clock: seconds, for the latency metrics (``time.perf_counter``).
     """
 
@@ -77,6 +96,7 @@ class Engine:
         preemption_policy: PreemptionPolicy | None = None,
         backend: str = "paged-torch",
         cuda_graphs: str | bool | None = None,
+        overlap: bool | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         # The cheap checks first, before the pool is allocated; the scheduler checks its own limits.
@@ -110,6 +130,9 @@ class Engine:
             preemption_policy=preemption_policy,
         )
         self.clock = clock
+        self.overlap = model.device.type == "cuda" if overlap is None else check_bool("overlap", overlap)
+        self._next: _Planned | None = None  # with overlap: the next step, scheduled and packed while this one ran
+        self._next_error: BaseException | None = None  # or the error scheduling it raised
         eos = model.config.eos_token_id
         self.eos_token_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
         self.requests: dict[Hashable, Request] = {}  # every request ever added, in order
@@ -167,6 +190,7 @@ class Engine:
     def _enqueue(self, request: Request, cache_salt: str | None, auto_id: bool) -> None:
         """Queue a checked request (nothing here raises, so nothing is left half-queued)."""
         seq = request.seqs[0]
+        self._discard_next()  # the step scheduled ahead did not see this request
         if auto_id:
             self._next_id = request.request_id + 1
         self.recorder.arrived(request, self.clock())
@@ -179,6 +203,7 @@ class Engine:
         request = self._unfinished.pop(check_hashable("request_id", request_id), None)
         if request is None:
             raise ValueError(f"request_id={request_id!r} is not an unfinished request")
+        self._discard_next()
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.abort(seq.seq_id)
@@ -198,43 +223,135 @@ class Engine:
 
     # ---- one step -----------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
-        """Run one step of every scheduled request; return the tokens it produced."""
+        """Run one step of every scheduled request; return the tokens it produced.
+
+        With ``overlap``, the previous call scheduled and packed this step while the device ran its own, and this
+        call does the same for the next one (:meth:`_plan_ahead`): between two calls, its slots are reserved."""
         if not self.scheduler.has_unfinished():
             return []
-        start = self.clock()
-        # A step is a transaction: if scheduling (a preemption policy, a prefix lookup) or the forward
-        # fails, the scheduler and the pool go back to where they were, and the error propagates.
-        state, out = self.scheduler.snapshot(), None
+        planned = self._take_next() or self._plan()  # with overlap, the previous call scheduled this step
         try:
-            out = self.scheduler.schedule()
-            if not out.scheduled:  # add_request guarantees the oldest request fits alone
-                raise RuntimeError("the scheduler found nothing to run although requests are waiting")
-            logits = self.runner.execute(out)
-        except BaseException:
-            self.scheduler.rollback(state, failed=out)
+            logits = self.runner.launch(planned.packed)
+        except BaseException:  # a step is a transaction: back to where the scheduler and the pool were
+            self.scheduler.rollback(planned.state, failed=planned.out)
             raise
+        out = planned.out
         self.scheduler.advance(out)
-        sampled = self._sample(out, logits)
-        finished = self.scheduler.append_tokens(sampled)
-        self.recorder.record(out, sampled, finished, start, self.clock())
+        targets = self._fork(out)
+        if self.overlap:
+            sampled, finished, observed = self._plan_ahead(targets, logits)
+        else:
+            sampled = self._pick(targets, logits, logits.argmax(dim=-1))
+            finished, observed = self.scheduler.append_tokens(sampled), None
+        self.recorder.record(out, sampled, finished, planned.start, self.clock(), observed)
         self._retire(finished)
         done = {seq.seq_id for seq in finished}
         return [TokenOutput(*seq_id, token, seq_id in done) for seq_id, token in sampled.items()]
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> dict[Hashable, int]:
-        """The next token of every sequence whose step reached the end of its tokens (``seq_id -> token``)."""
-        argmax = logits.argmax(dim=-1).tolist()  # one call for the whole batch: most requests are greedy
-        sampled: dict[Hashable, int] = {}
+    def _take_next(self) -> _Planned | None:
+        """The step the previous call scheduled ahead (overlap), or ``None``; the error scheduling it raised, if
+        it did (the scheduler was rolled back then): this call raises it, as it would without overlap."""
+        planned, error, self._next, self._next_error = self._next, self._next_error, None, None
+        if error is not None:
+            raise error
+        return planned
+
+    def _plan(self) -> _Planned:
+        """Schedule a step and pack its inputs. If scheduling (a preemption policy, a prefix lookup) or packing
+        fails, the scheduler and the pool go back to where they were, and the error propagates."""
+        start, state = self.clock(), self.scheduler.snapshot()
+        try:
+            out = self.scheduler.schedule()
+            if not out.scheduled:  # add_request guarantees the oldest request fits alone
+                raise RuntimeError("the scheduler found nothing to run although requests are waiting")
+            return _Planned(out, self.runner.prepare(out), state, start)
+        except BaseException:
+            self.scheduler.rollback(state)
+            raise
+
+    def _plan_ahead(self, targets: list[tuple[int, Request, list[Sequence]]], logits: torch.Tensor):
+        """Overlap: schedule and pack the next step while this one runs on the device, then read its tokens.
+
+        The sampled tokens stay on the device, where the next step's input ids are gathered from them. The next
+        step is scheduled as if no sequence stopped on a token: each sequence that samples gets an
+        :data:`UNKNOWN_TOKEN`, so every length (and every stop at ``max_new_tokens``) is already right. If a
+        sequence did stop on a token, the guess and the next step are rolled back and the tokens appended as
+        without overlap (the next call schedules again): either way the scheduler decides exactly as without
+        overlap. Returns the tokens (``seq_id -> token``), the finished sequences and the queues and pool after
+        them (:meth:`StepRecorder.observe`).
+        """
+        argmax = logits.argmax(dim=-1)  # on the device; nothing waits for it yet
+        before = self.scheduler.snapshot()
+        seqs = [seq for _, _, samples in targets for seq in samples]
+        finished = self.scheduler.append_tokens(dict.fromkeys((seq.seq_id for seq in seqs), UNKNOWN_TOKEN))
+        observed = self.recorder.observe()
+        if self.scheduler.has_unfinished():
+            try:
+                self._next = self._plan()
+                self._feed(argmax, {seq.seq_id: row for row, _, samples in targets for seq in samples})
+            except BaseException as error:  # the next call raises it, as it would schedule without overlap
+                self._discard_next()
+                self._next_error = error
+        sampled = self._pick(targets, logits, argmax)  # the next step packed, the host waits for this one
+        if any(not seq.is_finished and sampled[seq.seq_id] in seq.stop_token_ids for seq in seqs):
+            self.scheduler.rollback(before)  # undoes the unknown tokens and the next step's schedule
+            self._next = self._next_error = None
+            self.recorder.counters["overlap_rollbacks"] += 1
+            return sampled, self.scheduler.append_tokens(sampled), None
+        for seq in seqs:
+            seq.token_ids[-1] = sampled[seq.seq_id]
+        redraw = [seq.seq_id for seq in seqs if not self._request_of[seq.seq_id].params.greedy]
+        if self._next is not None and redraw:  # sampled, not the argmax: written from the host
+            tokens = torch.tensor([sampled[i] for i in redraw], device=argmax.device)
+            self._feed(tokens, {seq_id: i for i, seq_id in enumerate(redraw)})
+        self.recorder.counters["overlapped_steps"] += self._next is not None
+        return sampled, finished, observed
+
+    def _feed(self, tokens: torch.Tensor, index_of: dict[Hashable, int]) -> None:
+        """Write ``tokens[index_of[seq_id]]`` into the next step's input ids, on the device, for each sequence it
+        feeds the unknown token of (its one new token: it sampled in this step)."""
+        rows, picks, row = [], [], 0
+        for s in self._next.out.scheduled:
+            row += s.num_new_tokens
+            if s.seq.seq_id in index_of:
+                rows.append(row - 1)
+                picks.append(index_of[s.seq.seq_id])
+        if rows:
+            self.runner.feed_tokens(self._next.packed, rows, tokens, picks)
+
+    def _discard_next(self) -> None:
+        """Forget the step scheduled ahead (a request came or went since): its reservations go back."""
+        self._next_error = None
+        if self._next is not None:
+            self.scheduler.rollback(self._next.state)
+            self._next = None
+
+    def _fork(self, out: SchedulerOutput) -> list[tuple[int, Request, list[Sequence]]]:
+        """``(row, request, samples)`` for each sequence whose step reached the end of its tokens: the logits row
+        that gives their next token, and the samples it gives it to (a request with ``n > 1`` samples forks
+        them at its first token: they start on the parent's blocks)."""
+        targets = []
         for row, s in enumerate(out.scheduled):
             if not s.samples:
                 continue  # a prefill chunk short of the prompt's end: its logits are not needed
             request = self._request_of[s.seq.seq_id]
-            for seq, token in request.sample(s.seq, logits[row], argmax[row]):
-                if seq is not s.seq:  # a sample forked at the first token: it starts on the parent's blocks
-                    self.scheduler.fork(s.seq, seq)
-                    self._request_of[seq.seq_id] = request
-                sampled[seq.seq_id] = token
-        return sampled
+            samples = request.samples_of(s.seq)
+            for seq in samples[:-1]:
+                self.scheduler.fork(s.seq, seq)
+                self._request_of[seq.seq_id] = request
+            targets.append((row, request, samples))
+        return targets
+
+    def _pick(self, targets, logits: torch.Tensor, argmax: torch.Tensor) -> dict[Hashable, int]:
+        """The next token of every sample in ``targets`` (``seq_id -> token``), in order (each draws from its own
+        generator). ``argmax``: the logits' argmax on the device, read here in one call (most requests are greedy):
+        the host waits for the step."""
+        argmax = argmax.tolist()
+        return {
+            seq.seq_id: request.pick(seq, logits[row], argmax[row])
+            for row, request, samples in targets
+            for seq in samples
+        }
 
     def _retire(self, finished: list[Sequence]) -> None:
         """Forget the finished sequences; a request leaves the unfinished ones with its last sample."""
@@ -322,7 +439,9 @@ class Engine:
         and ``prefix_cache_evictions`` cached blocks were given to new tokens (``prefix_cache_offloaded_blocks``
         of them kept in the host tier, from which ``prefix_cache_host_hit_tokens`` hits were copied back).
         ``swapped_out``/``swapped_in`` count swap-mode preemptions and returns; ``blocks_to_host``,
-        ``blocks_to_device`` and ``transfer_seconds`` the block copies between the pools.
+        ``blocks_to_device`` and ``transfer_seconds`` the block copies between the pools. With ``overlap``,
+        ``overlapped_steps`` steps had the next one scheduled while they ran; ``overlap_rollbacks`` times a stop
+        token undid that guess.
         """
         return self.recorder.stats(self.requests, self.runner)
 

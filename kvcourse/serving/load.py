@@ -120,9 +120,9 @@ class _ChargedRunner:
     def __init__(self, runner, clock: ModelledClock, cost: StepCost) -> None:
         self._runner, self._clock, self._cost = runner, clock, cost
 
-    def execute(self, out):
-        logits = self._runner.execute(out)
-        self._clock.advance(self._cost.seconds(out.num_batched_tokens, len(out.scheduled)))
+    def launch(self, step):
+        logits = self._runner.launch(step)
+        self._clock.advance(self._cost.seconds(step.out.num_batched_tokens, len(step.out.scheduled)))
         return logits
 
     def __getattr__(self, name: str):

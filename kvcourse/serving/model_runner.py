@@ -1,18 +1,22 @@
 """The model runner: one step of many sequences on a paged pool.
 
 The engine hands it the scheduler's decision for the step, a
-:class:`~kvcourse.serving.SchedulerOutput` whose slots are already reserved, and
-:meth:`ModelRunner.execute`
+:class:`~kvcourse.serving.SchedulerOutput` whose slots are already reserved;
 
-1. moves blocks between the device and host pools, then does the copy-on-write copies;
-2. packs every scheduled sequence's new tokens into one :class:`~kvcourse.batch.ForwardBatch`;
-3. runs the model once: ``model.forward_batch(batch, kv_store, backend)``.
+1. :meth:`ModelRunner.prepare` packs every scheduled sequence's new tokens into one
+   :class:`~kvcourse.batch.ForwardBatch` on the device (or a graph's static buffers), a :class:`PackedStep`;
+2. :meth:`ModelRunner.launch` moves blocks between the device and host pools, does the copy-on-write copies,
+   then runs the model once: ``model.forward_batch(batch, kv_store, backend)``.
+
+Two calls, so that an engine can pack step n+1 while the device runs step n (the engine's ``overlap``): a token
+sampled in step n that the host has not read yet is written into step n+1's inputs on the device
+(:meth:`ModelRunner.feed_tokens`).
 
 It decides nothing: which sequences run and how many tokens each feeds is the scheduler's job
 (chapter 6). A sequence's share may be its whole prompt, the next chunk of a long prompt, or the one
 token it just generated, all mixed in one step. Without a scheduler (chapters 4-5),
 :meth:`ModelRunner.step` takes ``(seq_id, new_token_ids)`` pairs, reserves their slots itself (all or
-nothing) and runs steps 2-3.
+nothing), packs them and runs them.
 
 The backend names the pool it needs (:mod:`kvcourse.backends`): ``backend="paged-int8-torch"`` gets
 an int8 pool.
@@ -25,23 +29,44 @@ per token count. A step larger than the largest graph, or one that asks for ever
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-
 import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..backends import backend_class
-from .step_graphs import StepGraphs
+from .step_graphs import GraphKey, StepGraphs
 from .step_profile import FORWARD_SCOPE
 from ..batch import ForwardBatch, SeqSlice
 from ..checks import check_bool, check_hashable, check_int, check_token_ids
 from ..paged import (BlockManager, BlockTransfer, NoFreeBlocksError, PagedKVStore, PrefixCachingBlockManager,
                      allocate_slots, apply_transfers)  # fmt: skip
 
-__all__ = ["GRAPH_MODES", "ModelRunner", "graph_mode"]
+if TYPE_CHECKING:
+    from .scheduler import SchedulerOutput
+
+__all__ = ["GRAPH_MODES", "UNKNOWN_TOKEN", "ModelRunner", "PackedStep", "graph_mode"]
 
 GRAPH_MODES = ("capture", "eager", "off")
+UNKNOWN_TOKEN = -1  # a sampled token the host has not read yet (the engine's overlap): its value is on the device
+
+
+@dataclass
+class PackedStep:
+    """One step's inputs, packed on the device and not yet run (:meth:`ModelRunner.prepare`).
+
+    ``input_ids``: the device rows of its token ids (what :meth:`ModelRunner.feed_tokens` writes); ``graph`` and
+    ``last``: the graph that runs it and its rows whose logits are wanted, or ``batch``: the batch run eagerly.
+    """
+
+    out: SchedulerOutput | None  # its block moves and copies run at launch (None: ModelRunner.step's, none)
+    input_ids: torch.Tensor
+    graph: GraphKey | None = None
+    last: torch.Tensor | slice | None = None
+    batch: ForwardBatch | None = None
+    all_logits: bool = False
 
 
 def graph_mode(cuda_graphs: str | bool | None) -> str | None:
@@ -193,9 +218,38 @@ class ModelRunner:
             all_logits,
         )
 
-    def execute(self, out, all_logits: bool = False) -> torch.Tensor:
-        """Run the step the scheduler chose (a :class:`~kvcourse.serving.SchedulerOutput`, its slots
-        reserved): its block moves, its copy-on-write copies, then one forward. Logits as :meth:`step`.
+    def prepare(self, out, all_logits: bool = False) -> PackedStep:
+        """Pack the step the scheduler chose (a :class:`~kvcourse.serving.SchedulerOutput`, its slots reserved)
+        into device inputs, without running it: :meth:`launch` runs it (logits as :meth:`step`). A token the host
+        has not read yet (:data:`UNKNOWN_TOKEN`, the last one a sequence feeds) is packed as 0;
+        :meth:`feed_tokens` writes it on the device.
+
+        Packing step n+1 while the device runs step n is safe: every write into device memory (a graph's static
+        buffers too) is a copy queued on the stream behind step n, from a pinned host buffer that torch's caching
+        allocator hands out again only once its copy is done, so the host-side inputs are double-buffered (and
+        more) without a second set of device buffers."""
+        table = self.block_manager.block_table
+        seqs = []
+        for s in out.scheduled:
+            ids = s.token_ids  # a copy: changing it leaves the sequence alone
+            if ids[-1] == UNKNOWN_TOKEN:
+                ids[-1] = 0
+            seqs.append(SeqSlice(ids, s.num_computed_tokens, table(s.seq.seq_id)))
+        return self.pack(seqs, all_logits, out)
+
+    def pack(self, seqs: Sequence[SeqSlice], all_logits: bool = False, out=None) -> PackedStep:
+        """Pack ``seqs`` (slots reserved, K/V of earlier tokens in the pool): into the graphs' static buffers when
+        every sequence decodes one token and a decode graph holds them, or the step fits a mixed-step graph
+        (:meth:`StepGraphs.lookup`); else into a :class:`~kvcourse.batch.ForwardBatch` run eagerly."""
+        key = None if all_logits or self.graphs is None else self.graphs.lookup(seqs)
+        if key is not None:
+            return PackedStep(out, self.graphs.input_ids, graph=key, last=self.graphs.load_inputs(seqs, key))
+        batch = ForwardBatch.build(seqs, self.block_size, self.kv_store.device)
+        return PackedStep(out, batch.input_ids, batch=batch, all_logits=all_logits)
+
+    def launch(self, step: PackedStep) -> torch.Tensor:
+        """Run a packed step: its block moves and copy-on-write copies, then one forward. Returns its logits
+        (on the device: nothing here waits for it).
 
         Why transfers first: a copy's ``dst_block`` was free when the scheduler took it, so it may be
         a block that the same step moves to the host (swapped out, or a cached block evicted to the
@@ -205,14 +259,24 @@ class ModelRunner:
         from swap-ins and admissions, which happen after that, only in a step that preempted nobody,
         into blocks no running sequence holds. Tested in ``tests/test_bad_input.py``.
         """
-        if out.transfers:
-            self.move_blocks(out.transfers)
-        for cow in out.copies:
-            self.kv_store.copy_block(cow.src_block, cow.dst_block)
-        table = self.block_manager.block_table
-        return self.forward(
-            [SeqSlice(s.token_ids, s.num_computed_tokens, table(s.seq.seq_id)) for s in out.scheduled], all_logits
-        )
+        if step.out is not None:  # a scheduled step (ModelRunner.step's have no moves and no copies)
+            if step.out.transfers:
+                self.move_blocks(step.out.transfers)
+            for cow in step.out.copies:
+                self.kv_store.copy_block(cow.src_block, cow.dst_block)
+        with torch.profiler.record_function(FORWARD_SCOPE):  # a label for profile_step (else a no-op)
+            if step.graph is not None:
+                return self.graphs.replay(step.graph, step.last)
+            return self.model.forward_batch(step.batch, self.kv_store, self.backend, all_logits=step.all_logits)
+
+    def feed_tokens(self, step: PackedStep, rows: Sequence[int], tokens: torch.Tensor, picks: Sequence[int]) -> None:
+        """Write ``tokens[picks[i]]`` into the packed step's input id at row ``rows[i]``, on the device: the tokens
+        the step before sampled, which the host has not read (``tokens`` lives where the inputs do)."""
+        index = torch.tensor([list(rows), list(picks)], dtype=torch.int64)
+        if tokens.device.type == "cuda":  # pinned: the copy does not wait for the device
+            index = index.pin_memory()
+        index = index.to(tokens.device, non_blocking=True)
+        step.input_ids.index_copy_(0, index[0], tokens[index[1]])
 
     @property
     def graph_steps(self) -> int:
@@ -220,15 +284,8 @@ class ModelRunner:
         return sum(self.graphs.replays.values()) if self.graphs is not None else 0
 
     def forward(self, seqs: Sequence[SeqSlice], all_logits: bool = False) -> torch.Tensor:
-        """Pack ``seqs`` (slots reserved, K/V of earlier tokens in the pool) into one batch and run it:
-        from a decode graph when every sequence decodes one token, else from a mixed-step graph if the
-        step fits one (:meth:`StepGraphs.lookup`), else eagerly."""
-        if not all_logits and self.graphs is not None and self.graphs.lookup(seqs) is not None:
-            with torch.profiler.record_function(FORWARD_SCOPE):  # a label for profile_step (else a no-op)
-                return self.graphs.run(seqs)
-        batch = ForwardBatch.build(seqs, self.block_size, self.kv_store.device)
-        with torch.profiler.record_function(FORWARD_SCOPE):
-            return self.model.forward_batch(batch, self.kv_store, self.backend, all_logits=all_logits)
+        """Pack ``seqs`` (:meth:`pack`) and run them (:meth:`launch`): logits as :meth:`step`."""
+        return self.launch(self.pack(seqs, all_logits))
 
     def move_blocks(self, transfers: Sequence[BlockTransfer]) -> None:
         """Copy blocks between the device pool and the host pool, in order, and time it."""

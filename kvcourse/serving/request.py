@@ -74,7 +74,7 @@ class RequestMetrics:
 
 class Request:
     """One prompt and its samples. ``seqs[i]`` is sample ``i`` (only ``seqs[0]`` until the first token),
-    with id ``(request_id, i)``. It picks its samples' tokens and forks them (:meth:`sample`)."""
+    with id ``(request_id, i)``. It picks its samples' tokens and forks them (:meth:`samples_of`, :meth:`pick`)."""
 
     def __init__(self, request_id: Hashable, seq: Sequence, metrics: RequestMetrics) -> None:
         self.request_id = request_id
@@ -90,18 +90,16 @@ class Request:
         """Its first token is being sampled and it wants more than one sample."""
         return self.params.n > 1 and len(self.seqs) == 1
 
-    def sample(self, seq: Sequence, logits: torch.Tensor, argmax: int) -> list[tuple[Sequence, int]]:
-        """The next token of sample ``seq`` from its ``logits`` row; ``argmax`` is that row's argmax (taken
-        for the whole batch at once: most requests are greedy).
+    def samples_of(self, seq: Sequence) -> list[Sequence]:
+        """The sequences whose next token ``seq``'s logits give: ``seq`` alone, or, at the first token of a
+        request with ``n > 1`` samples, the ``n - 1`` forked from it (new sequences for the caller to start on
+        ``seq``'s blocks) and then ``seq``."""
+        return [*(self.fork() if self.needs_fork else []), seq]
 
-        At the first token of a request with ``n > 1`` samples, the other ``n - 1`` are forked from
-        ``seq`` and pick theirs too: they come first in the list, new sequences for the caller to start
-        on ``seq``'s blocks.
-        """
-        children = self.fork() if self.needs_fork else []
-        if self.params.greedy:
-            return [(s, argmax) for s in (*children, seq)]
-        return [(s, self.samplers[s.seq_id[1]](logits)) for s in (*children, seq)]
+    def pick(self, seq: Sequence, logits: torch.Tensor, argmax: int) -> int:
+        """Sample ``seq``'s next token from its ``logits`` row; ``argmax`` is that row's argmax (taken for the
+        whole batch at once: most requests are greedy). A sampled token draws from ``seq``'s own generator."""
+        return argmax if self.params.greedy else self.samplers[seq.seq_id[1]](logits)
 
     def fork(self) -> list[Sequence]:
         """Samples ``1 .. n-1``, copies of sample 0 with their own seeds (call before sample 0's first token)."""

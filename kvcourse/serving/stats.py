@@ -84,7 +84,8 @@ class StepRecorder:
 
     COUNTERS = ("steps", "preemptions", "prompt_tokens", "recomputed_tokens", "generated_tokens",
                 "batched_tokens", "finished", "cancelled", "copy_on_write_copies", "max_blocks_saved_by_sharing",
-                "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "swapped_out", "swapped_in")  # fmt: skip
+                "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "swapped_out", "swapped_in",
+                "overlapped_steps", "overlap_rollbacks")  # fmt: skip
 
     def __init__(self, scheduler: Scheduler, request_of: Mapping[Hashable, Request], t0: float) -> None:
         self.scheduler, self.request_of, self.t0 = scheduler, request_of, t0
@@ -106,21 +107,37 @@ class StepRecorder:
         request.metrics.finish_time, request.metrics.finish_step = now - self.t0, self.num_steps
         self.counters["cancelled"] += 1
 
+    def observe(self) -> dict:
+        """The scheduler's queues and pool as a step leaves them (its tokens appended, before the next step is
+        scheduled): what :meth:`record` logs. The overlapped engine reads them before it schedules ahead."""
+        sched = self.scheduler
+        bm = sched.block_manager  # blocks held by the running samples, less those they hold once
+        held = sum(len(bm.block_table(seq.seq_id)) for seq in sched.running)
+        return {"num_free_blocks": bm.num_free_blocks, "num_waiting": len(sched.waiting),
+                "num_running": len(sched.running), "blocks_saved_by_sharing": held - bm.num_used_blocks}  # fmt: skip
+
     def record(
-        self, out: SchedulerOutput, sampled: Mapping[Hashable, int], finished: list, start: float, end: float
+        self,
+        out: SchedulerOutput,
+        sampled: Mapping[Hashable, int],
+        finished: list,
+        start: float,
+        end: float,
+        observed: dict | None = None,
     ) -> None:
         """Count one step: what the scheduler did (``out``), the tokens ``sampled`` (``seq_id -> token``),
-        the sequences that ``finished``; ``start`` and ``end`` on the engine's clock."""
+        the sequences that ``finished``; ``start`` and ``end`` on the engine's clock; ``observed``: the queues
+        and pool after the step (:meth:`observe`; ``None``: as they are now)."""
         step = self.num_steps
-        self._count(out, sampled)
+        observed = dict(self.observe() if observed is None else observed)
+        self._count(out, sampled, observed.pop("blocks_saved_by_sharing"))
         self._time_requests(out, sampled, finished, step, start, end)
         ids = lambda seqs: tuple(seq.seq_id for seq in seqs)  # noqa: E731  (request_id, sample index)
         self.events.append(StepEvent(
             step=step, start=start - self.t0, duration=end - start,
             scheduled=tuple((s.seq.seq_id[0], s.seq.seq_id[1], s.num_new_tokens, s.kind) for s in out.scheduled),
             admitted=ids(out.admitted), preempted=ids(out.preempted), finished=ids(finished),
-            num_free_blocks=self.scheduler.block_manager.num_free_blocks, num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running), num_copies=len(out.copies),
+            num_copies=len(out.copies), **observed,
         ))  # fmt: skip
 
     def stats(self, requests: Mapping[Hashable, Request], runner) -> dict:
@@ -142,7 +159,7 @@ class StepRecorder:
         stats["requests"] = {rid: r.metrics for rid, r in requests.items()}
         return stats
 
-    def _count(self, out: SchedulerOutput, sampled: Mapping[Hashable, int]) -> None:
+    def _count(self, out: SchedulerOutput, sampled: Mapping[Hashable, int], saved: int) -> None:
         c = self.counters
         c["steps"] += 1
         c["preemptions"] += len(out.preempted)
@@ -154,9 +171,7 @@ class StepRecorder:
         c["generated_tokens"] += len(sampled)
         c["batched_tokens"] += out.num_batched_tokens
         c["recomputed_tokens"] += sum(s.num_recomputed_tokens for s in out.scheduled)
-        bm = self.scheduler.block_manager  # blocks held by the running samples, less those they hold once
-        held = sum(len(bm.block_table(seq.seq_id)) for seq in self.scheduler.running)
-        c["max_blocks_saved_by_sharing"] = max(c["max_blocks_saved_by_sharing"], held - bm.num_used_blocks)
+        c["max_blocks_saved_by_sharing"] = max(c["max_blocks_saved_by_sharing"], saved)
 
     def _time_requests(self, out, sampled, finished, step: int, start: float, end: float) -> None:
         for seq in out.admitted:

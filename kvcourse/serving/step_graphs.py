@@ -155,9 +155,13 @@ class StepGraphs:
                 f"{self.token_sizes[-1]} tokens, and only while every kernel compiles "
                 f"(fell back: {self.fell_back})"
             )
+        return self.replay(key, self.load_inputs(seqs, key))
+
+    def replay(self, key: GraphKey, last: torch.Tensor | slice) -> torch.Tensor:
+        """Run graph ``key`` on the inputs :meth:`load_inputs` wrote (it returned ``last``); logits as :meth:`run`.
+        Loading and replaying are two calls so that an engine can pack the next step while this one runs."""
         if self.capture and key not in self.graphs:
             raise RuntimeError(f"the {key[0]} graph for {key[1]} was not recorded: call capture_all() first")
-        last = self.load_inputs(seqs, key)
         if self.capture:
             self.graphs[key].replay()
         else:
