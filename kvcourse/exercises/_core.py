@@ -22,6 +22,7 @@ computed too.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import inspect
@@ -44,7 +45,13 @@ __all__ = [
     "Unfinished",
     "passed",
     "reports_unfinished",
-    "wrap_checks",
+    "check",
+    "hidden_rng",
+    "hidden_generator",
+    "diagnose",
+    "same",
+    "an_int",
+    "a_number",
     "fail",
     "describe",
     "tensor_diff",
@@ -175,13 +182,6 @@ CheckResult = Passed | NotDone
 def _not_done(message: str) -> NotDone:
     print(f"Not done yet: {message}")
     return NotDone(message)
-
-
-def wrap_checks(namespace: dict) -> None:
-    """Apply :func:`reports_unfinished` to every ``check_*`` function of a chapter module's ``namespace``."""
-    for name, value in list(namespace.items()):
-        if name.startswith("check_") and callable(value):
-            namespace[name] = reports_unfinished(value)
 
 
 def describe(value: Any, limit: int = 12) -> str:
@@ -372,8 +372,8 @@ def expect_equal(name: str, got: object, want: object, hint: str = "") -> None:
         raise ExerciseError(f"{name} = {got!r} is not right. {hint}".strip())
 
 
-def expect_tensor(case: str, got: Any, shape: tuple[int, ...], dtype=None, what: str = "") -> None:
-    """Raise :class:`ExerciseError` unless ``got`` is a tensor of ``shape`` (and ``dtype``, if given)."""
+def expect_tensor(case: str, got: Any, shape: tuple[int, ...], dtype=None, what: str = "") -> Any:
+    """``got``, or :class:`ExerciseError` unless it is a tensor of ``shape`` (and ``dtype``, if given)."""
     import torch
 
     if not isinstance(got, torch.Tensor):
@@ -389,6 +389,7 @@ def expect_tensor(case: str, got: Any, shape: tuple[int, ...], dtype=None, what:
         )
     if dtype is not None and got.dtype != dtype:
         fail(case, expected=f"dtype {dtype}", got=f"dtype {got.dtype}", hint=f"Return a {dtype} tensor.")
+    return got
 
 
 # ---- the references a check refuses, watched while the learner's code runs --------------------------
@@ -621,8 +622,7 @@ def refuse_references(fn: Any, references: dict[str, Any], task: str) -> None:
     ``functools.partial``, ``getattr``, ``importlib``, a subclass, a bound method, or a kvcourse function that
     calls it).
 
-    Call it first thing in a check (inside :func:`reports_unfinished`, which :func:`wrap_checks` applies to every
-    ``check_*``): from then until the check returns, each time the code of a reference starts, the stack says who
+    :func:`check` calls it first thing with the references it is given (inside :func:`reports_unfinished`): from then until the check returns, each time the code of a reference starts, the stack says who
     started it, and the learner's code doing so fails the check with a message that names the reference (see the
     comment above). The check's own calls of the references, and callables it hands the learner through
     :func:`lend`, are not the learner's. A class refuses every method it defines, and those of kvcourse's
@@ -632,7 +632,7 @@ def refuse_references(fn: Any, references: dict[str, Any], task: str) -> None:
     if watch is None:
         raise RuntimeError(
             "refuse_references watches the learner's calls until the check returns: call it inside a "
-            "check_* function wrapped by wrap_checks (or reports_unfinished)"
+            "check made with @check (or wrapped by reports_unfinished)"
         )
     if not isinstance(references, dict) or not references:
         raise TypeError(f"references must be a non-empty dict of name -> object, got {references!r}")
@@ -670,3 +670,161 @@ def lend(fn: Callable) -> Callable:
         return fn(*args, **kwargs)
 
     return lent
+
+
+# ---- the skeleton every check shares -----------------------------------------------------------------
+#
+# A check is its hidden cases, the right answer (the reference) and the typical wrong ones (the mistakes): @check
+# gives it a seed key, validates and refuses the answer and reports an unwritten one; diagnose() runs the cases.
+
+
+class _Seeded:
+    """The running check's seed key and ``seed`` (nested: a check may run another), for :func:`hidden_rng`."""
+
+    current: list[tuple[str, Any]] = []
+
+
+def hidden_rng(part: str = "") -> random.Random:
+    """The running check's :func:`case_rng`: seeded from its key (``key.part`` for a second stream) and ``seed``."""
+    key, seed = _Seeded.current[-1]
+    return case_rng(f"{key}.{part}" if part else key, seed)
+
+
+def hidden_generator(part: str = ""):
+    """The running check's :func:`case_generator`, as :func:`hidden_rng`."""
+    key, seed = _Seeded.current[-1]
+    return case_generator(f"{key}.{part}" if part else key, seed)
+
+
+def check(key: str, takes: str | None = None, *, references: dict[str, Any] | None = None, task: str = ""):
+    """Make a function a chapter's check: ``@check("ch01.check_causal_mask", takes="fn(num_queries, num_keys)")``.
+
+    ``key`` seeds the hidden cases (:func:`hidden_rng`, :func:`hidden_generator`; never change it: the cases would
+    change). The check's first argument is the learner's answer: ``takes`` says what it must be (a function's call,
+    shown in the error, or ``"... class"`` for a class itself), ``references`` are kvcourse's own versions of it,
+    refused as the answer (:func:`refuse_references`, with ``task`` saying what to do instead), and an unwritten
+    answer is reported, not raised (:func:`reports_unfinished`).
+    """
+
+    def decorate(body: Callable) -> Callable:
+        signature = inspect.signature(body)
+        answer = next(iter(signature.parameters))
+
+        @functools.wraps(body)
+        def run(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            given = bound.arguments[answer]
+            if takes is not None and takes.endswith("class") and not isinstance(given, type):
+                raise ExerciseError(f"pass your {takes} itself (not an instance), got {type(given).__name__}")
+            if takes is not None and not callable(given):
+                raise ExerciseError(f"pass your function {takes}, got {type(given).__name__}")
+            if references:
+                refuse_references(given, references, task)
+            _Seeded.current.append((key, bound.arguments.get("seed", 0)))
+            try:
+                return body(*args, **kwargs)
+            finally:
+                _Seeded.current.pop()
+
+        run.key, run.references = key, dict(references or {})
+        return reports_unfinished(run)
+
+    return decorate
+
+
+def same(
+    got: Any, want: Any, *, rel: float = 1e-9, abs_tol: float = 1e-9, atol: float = 1e-5, rtol: float = 1e-4
+) -> bool:
+    """Whether ``got`` matches ``want`` (or a typical mistake's answer): numbers within ``rel`` (or ``abs_tol``),
+    tensors of one shape within ``atol`` and ``rtol`` (compared as float), anything else equal."""
+    import torch
+
+    if isinstance(want, torch.Tensor):
+        return (
+            isinstance(got, torch.Tensor)
+            and got.shape == want.shape
+            and torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol)
+        )
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (got, want))
+    return math.isclose(got, want, rel_tol=rel, abs_tol=abs_tol) if numbers else got == want
+
+
+def an_int(what: str = "") -> Callable[..., int]:
+    """A ``returns`` for :func:`diagnose`: the answer must be an int (a float with no fraction is taken)."""
+
+    def returns(case: str, got: Any, *args) -> int:
+        if isinstance(got, float) and got.is_integer():
+            got = int(got)
+        if isinstance(got, bool) or not isinstance(got, int):
+            raise ExerciseError(
+                f"{case} should return an int{f' ({what})' if what else ''}, got {type(got).__name__}: {describe(got)}",
+                case=case,
+            )
+        return got
+
+    return returns
+
+
+def a_number(what: str, finite: bool = False) -> Callable[..., float]:
+    """A ``returns`` for :func:`diagnose`: the answer must be a number (``what``: its unit), ``finite`` if asked."""
+    kind = "a finite number" if finite else "a number"
+
+    def returns(case: str, got: Any, *args) -> float:
+        if isinstance(got, bool) or not isinstance(got, (int, float)) or (finite and not math.isfinite(got)):
+            raise ExerciseError(
+                f"{case} should return {kind} ({what}), got {type(got).__name__}: {describe(got)}", case=case
+            )
+        return got
+
+    return returns
+
+
+def _copy_for_learner(value: Any, device: Any) -> Any:
+    """What the learner's code is given for a case's input: tensors on ``device`` (copies), containers copied."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return handed(value, learner_device(device))
+    if isinstance(value, (dict, list, tuple, set)):
+        if isinstance(value, dict):
+            return {k: _copy_for_learner(v, device) for k, v in value.items()}
+        return type(value)(_copy_for_learner(v, device) for v in value)
+    return copy.copy(value) if isinstance(value, (bytearray,)) else value
+
+
+def diagnose(
+    fn: Callable,
+    cases: list[tuple],
+    *,
+    label: Callable[..., str],
+    reference: Callable[..., Any],
+    mistakes: list[tuple[str, Callable[..., Any]]],
+    hint: str,
+    compare: Callable[[Any, Any], bool] = same,
+    returns: Callable[..., Any] | None = None,
+    device: Any = None,
+    diff: bool = False,
+    call: Callable[..., Any] = call_learner,
+) -> None:
+    """Run the learner's ``fn`` on every case and raise :class:`ExerciseError` if any is wrong, with the hint of
+    the mistake that explains them all (:class:`Diagnosis`), else ``hint``.
+
+    Each case is the tuple of inputs ``reference(*case)`` takes (so do the ``mistakes``); the expected answers are
+    all computed before the learner's code runs. ``fn`` gets copies (tensors on ``device``, :func:`learner_device`).
+    ``label(*case)`` names the call in a failure (``"causal_mask(4, 4)"``: ``causal_mask`` names ``fn`` in a crash);
+    ``returns(label, got, *case)`` checks what came back and returns it (:func:`an_int`, :func:`a_number`,
+    :func:`expect_tensor`). ``compare(got, want)`` says right or wrong (and whether a mistake explains it);
+    ``diff`` adds where two tensors differ most; ``call`` (:func:`call_learner`'s signature) may explain a crash.
+    """
+    cases = list(cases)
+    wants = [reference(*case) for case in cases]
+    diagnosis = Diagnosis(mistakes, hint, compare)
+    for case, want in zip(cases, wants):
+        name = label(*case)
+        got = call(name.split("(")[0], fn, *(_copy_for_learner(x, device) for x in case))
+        got = on_host(returns(name, got, *case) if returns is not None else got)
+        if not compare(got, want):
+            extra = f"\n            ({tensor_diff(got, want)})" if diff else ""
+            diagnosis.record(name, case, got, want, extra=extra)
+    diagnosis.raise_if_wrong()

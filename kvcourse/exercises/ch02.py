@@ -15,6 +15,7 @@ the expected and returned values and a hint on the first wrong one.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -24,25 +25,9 @@ import kvcourse
 import kvcourse.costs
 from kvcourse.serving.load import StepCost
 
-from ._core import (
-    call_learner,
-    case_generator,
-    case_rng,
-    CheckResult,
-    describe,
-    Diagnosis,
-    ExerciseError,
-    expect_tensor,
-    fail,
-    handed,
-    learner_device,
-    on_host,
-    passed,
-    learner_runs,
-    refuse_references,
-    tensor_diff,
-    wrap_checks,
-)
+from ._core import CheckResult, ExerciseError, a_number, an_int, call_learner, check, describe, diagnose
+from ._core import expect_tensor, fail, handed, hidden_generator, hidden_rng, learner_device, learner_runs, on_host
+from ._core import passed, same
 
 __all__ = [
     "check_new_positions",
@@ -57,6 +42,12 @@ __all__ = [
 # --- Exercise 1: positions of the new tokens -----------------------------------------------------
 
 
+def _new(seq_lens: torch.Tensor, n: int, start_shift: int = 0) -> torch.Tensor:
+    """[B, n]: seq_lens[b] + shift + j, the right positions (shift 0) and the typical off-by-one answers."""
+    return seq_lens[:, None] + torch.arange(n, device="cpu") + start_shift
+
+
+@check("ch02.check_new_positions", takes="fn(seq_lens, num_new)")
 def check_new_positions(
     fn: Callable[[torch.Tensor, int], torch.Tensor], seed: int = 0, *, device: torch.device | str | None = None
 ) -> CheckResult:
@@ -65,53 +56,47 @@ def check_new_positions(
     Sequence ``b`` already has ``seq_lens[b]`` tokens in its cache (positions ``0 .. seq_lens[b]-1``);
     ``seq_lens`` is handed to ``fn`` on ``device`` (the chapter's device, default_device(), by default).
     """
-    device = learner_device(device)
-    if not callable(fn):
-        raise ExerciseError(f"pass your function fn(seq_lens, num_new), got {type(fn).__name__}")
-    rng = case_rng("ch02.check_new_positions", seed)
+    rng = hidden_rng()
     cases = [([5], 1), ([0], 4), ([3, 7], 1), ([6, 2, 9], 3)]
     for _ in range(10):
         cases.append(([rng.randint(0, 40) for _ in range(rng.randint(1, 4))], rng.randint(1, 6)))
 
-    def new(lens, n, start_shift=0):  # [B, n] on the host: seq_lens[b] + shift + j, the typical answers
-        return torch.tensor(lens, device="cpu")[:, None] + torch.arange(n, device="cpu") + start_shift
+    def integers(case: str, got, seq_lens: torch.Tensor, n: int):
+        expect_tensor(case, got, (len(seq_lens), n), what="[B, num_new]")
+        if got.is_floating_point() or got.dtype == torch.bool:
+            fail(case, expected="an integer tensor", got=f"dtype {got.dtype}", hint="Positions are integers (int64).")
+        return got
 
-    diagnosis = Diagnosis(
-        [
+    diagnose(
+        fn,
+        [(torch.tensor(lens, device="cpu"), n) for lens, n in cases],
+        label=lambda seq_lens, n: f"positions(seq_lens={seq_lens.tolist()}, num_new={n})",
+        reference=_new,
+        mistakes=[
             (
                 "No RoPE offset: every sequence's new tokens start at position 0, as if nothing were cached. They continue "
                 "after the cached ones, at seq_lens[b].",
-                lambda lens, n: new([0] * len(lens), n),
+                lambda lens, n: _new(lens * 0, n),
             ),
             (
                 "Off by one: with s tokens cached (positions 0 .. s-1), the next token is at position s, not s + 1.",
-                lambda lens, n: new(lens, n, 1),
+                lambda lens, n: _new(lens, n, 1),
             ),
             (
                 "Off by one: with s tokens cached (positions 0 .. s-1), the next token is at position s, not s - 1.",
-                lambda lens, n: new(lens, n, -1),
+                lambda lens, n: _new(lens, n, -1),
             ),
             (
                 "Each sequence continues from its own length. The longest one's length is where the padded tensor ends, "
                 "not where a shorter sequence does.",
-                lambda lens, n: new([max(lens)] * len(lens), n),
+                lambda lens, n: _new(torch.full_like(lens, int(lens.max())), n),
             ),
         ],
-        "New token j of sequence b sits at position seq_lens[b] + j.",
-        lambda a, w: torch.equal(a.long(), w.long()),
+        hint="New token j of sequence b sits at position seq_lens[b] + j.",
+        compare=lambda a, w: torch.equal(a.long(), w.long()),
+        returns=integers,
+        device=device,
     )
-    for lens, n in cases:
-        seq_lens = torch.tensor(lens, device="cpu")
-        case = f"positions(seq_lens={lens}, num_new={n})"
-        want = new(lens, n)
-        got = call_learner("positions", fn, handed(seq_lens, device), n)
-        expect_tensor(case, got, (len(lens), n), what="[B, num_new]")
-        if got.is_floating_point() or got.dtype == torch.bool:
-            fail(case, expected="an integer tensor", got=f"dtype {got.dtype}", hint="Positions are integers (int64).")
-        got = on_host(got)
-        if not torch.equal(got.long(), want):
-            diagnosis.record(case, (lens, n), got, want)
-    diagnosis.raise_if_wrong()
     return passed("new token j of sequence b is at position seq_lens[b] + j: RoPE and the causal mask both use it.")
 
 
@@ -153,6 +138,12 @@ def _read_seq_len(cache: Any) -> Any:
     return value
 
 
+@check(
+    "ch02.check_cache_update",
+    takes="cache class",
+    references={"KVCache": kvcourse.KVCache},
+    task="write update yourself.",
+)
 def check_cache_update(
     cache_cls: type, model=None, seed: int = 0, *, device: torch.device | str | None = None
 ) -> CheckResult:
@@ -170,13 +161,9 @@ def check_cache_update(
     if model is not None and device is not None:
         raise ValueError(f"give model or device, not both: the cases go to the model's device, got device={device!r}")
     device = model.device if model is not None else learner_device(device)
-    if not isinstance(cache_cls, type):
-        raise ExerciseError(f"pass your cache class itself (not an instance), got {type(cache_cls).__name__}")
     if issubclass(cache_cls, kvcourse.KVCache):
         raise ExerciseError("your class inherits from kvcourse.KVCache; write update yourself.")
-    refuse_references(cache_cls, {"KVCache": kvcourse.KVCache}, "write update yourself.")
-    rng = case_rng("ch02.check_cache_update", seed)
-    gen = case_generator("ch02.check_cache_update", seed)
+    rng, gen = hidden_rng(), hidden_generator()
     for trial in range(4):
         layers, batch, heads, dim = rng.randint(1, 3), rng.randint(1, 2), rng.randint(1, 3), rng.choice([2, 4, 8])
         max_len = rng.randint(8, 20)
@@ -299,16 +286,16 @@ def check_cache_update(
                 "drop tokens silently.",
             )
     if model is not None:
-        _generate_with(cache_cls, model, seed)
+        _generate_with(cache_cls, model)
     on_model = " and generates the same tokens as kvcourse.generate on the real model" if model is not None else ""
     return passed(
         f"update writes at the layer's offset into memory allocated once and returns views of the history{on_model}."
     )
 
 
-def _generate_with(cache_cls: type, model, seed: int, steps: int = 6) -> None:
+def _generate_with(cache_cls: type, model, steps: int = 6) -> None:
     cfg = model.config
-    rng = case_rng("ch02.check_cache_update.model", seed)
+    rng = hidden_rng("model")
     ids = [rng.randrange(cfg.vocab_size) for _ in range(6)]
     want = kvcourse.generate(model, ids, steps, eos_token_ids=())
     shape = dict(
@@ -340,17 +327,16 @@ def _generate_with(cache_cls: type, model, seed: int, steps: int = 6) -> None:
 # --- Exercise 3 (bug hunt): prefill a chunk at a time --------------------------------------------
 
 
+@check("ch02.check_chunked_prefill", takes="fn(model, ids, chunk_size)")
 def check_chunked_prefill(fn: Callable, model=None, seed: int = 0) -> CheckResult:
     """``fn(model, ids, chunk_size)`` -> ``(logits, cache)``: prefill ``ids`` into a new cache with forward
     passes of at most ``chunk_size`` tokens; ``logits`` are the last prompt token's ``[vocab]`` scores.
 
     Compared with a single forward pass over the whole prompt, on the real model (loaded if not given).
     """
-    if not callable(fn):
-        raise ExerciseError(f"pass your function fn(model, ids, chunk_size), got {type(fn).__name__}")
     if model is None:
         model, _ = kvcourse.load_pretrained()
-    rng = case_rng("ch02.check_chunked_prefill", seed)
+    rng = hidden_rng()
     cases = [(5, 3), (9, 4), (1, 4), (6, 6), (3, 8), (7, 1), (13, 4), (12, 4)]
     cases += [(rng.randint(2, 16), rng.randint(2, 6)) for _ in range(3)]
     for n, chunk in cases:
@@ -437,6 +423,12 @@ def _decode(q, k, v, lens, *, scale=None, heads="grouped", softmax=True):
     return torch.einsum("bhs,bhsd->bhd", weights, v)
 
 
+@check(
+    "ch02.check_decode_attention",
+    takes="attend(q, k, v, seq_lens)",
+    references={"decode_attention_ref": kvcourse.decode_attention_ref, "causal_attention": kvcourse.causal_attention},
+    task="write the decode step yourself in plain torch.",
+)
 def check_decode_attention(attend: Callable, seed: int = 0, *, device: torch.device | str | None = None) -> CheckResult:
     """``attend(q [B, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], seq_lens [B])`` -> ``[B, Hq, D]``.
 
@@ -445,54 +437,12 @@ def check_decode_attention(attend: Callable, seed: int = 0, *, device: torch.dev
     :func:`kvcourse.decode_attention_ref` on hidden random inputs, handed to ``attend`` on ``device`` (the CPU by
     default).
     """
-    device = learner_device(device)
-    refuse_references(
-        attend,
-        {"decode_attention_ref": kvcourse.decode_attention_ref, "causal_attention": kvcourse.causal_attention},
-        "write the decode step yourself in plain torch.",
-    )
-    if not callable(attend):
-        raise ExerciseError(f"pass your function attend(q, k, v, seq_lens), got {type(attend).__name__}")
-    rng = case_rng("ch02.check_decode_attention", seed)
-    gen = case_generator("ch02.check_decode_attention", seed)
+    rng, gen = hidden_rng(), hidden_generator()
     shapes = [(2, 9, 3, 6, 64), (3, 4, 4, 5, 8), (2, 6, 2, 9, 16)]  # (B, Hq, Hkv, S, D)
     for _ in range(6):
         hkv, group = rng.randint(1, 3), rng.randint(1, 3)
         shapes.append((rng.randint(2, 4), hkv * group, hkv, rng.randint(3, 12), rng.choice([8, 16, 32])))
-    diagnosis = Diagnosis(
-        [
-            (
-                "The scores are not scaled: divide q . k by sqrt(head_dim) before the softmax.",
-                lambda q, k, v, lens: _decode(q, k, v, lens, scale=1.0),
-            ),
-            (
-                "The padding is not masked: sequence b may only read its first seq_lens[b] keys; the slots after them "
-                "hold leftovers, not its tokens.",
-                lambda q, k, v, lens: _decode(q, k, v, [k.shape[2]] * len(lens)),
-            ),
-            (
-                "Off by one: the valid keys are positions 0 .. seq_lens[b] - 1, i.e. arange(S) < seq_lens[b]; you dropped "
-                "the last one.",
-                lambda q, k, v, lens: _decode(q, k, v, [max(n - 1, 1) for n in lens]),
-            ),
-            (
-                "Off by one: the valid keys are positions 0 .. seq_lens[b] - 1, i.e. arange(S) < seq_lens[b]; you read "
-                "one slot of padding.",
-                lambda q, k, v, lens: _decode(q, k, v, [min(n + 1, k.shape[2]) for n in lens]),
-            ),
-            (
-                "Query head h reads KV head h // (Hq // Hkv) (consecutive query heads share a KV head), not h % Hkv.",
-                lambda q, k, v, lens: _decode(q, k, v, lens, heads="interleaved"),
-            ),
-            (
-                "The scores need a softmax over the valid keys before they weight the values.",
-                lambda q, k, v, lens: _decode(q, k, v, lens, softmax=False),
-            ),
-        ],
-        "Scale q . k by 1/sqrt(D), set padded keys to -inf, softmax over the keys, weight the values; query head h "
-        "reads KV head h // (Hq // Hkv).",
-        lambda a, w: torch.allclose(a.float(), w, atol=1e-5, rtol=1e-4),
-    )
+    cases = []
     for b, hq, hkv, s, d in shapes:
         lens = [s] + [rng.randint(1, s - 1) for _ in range(b - 1)]
         rng.shuffle(lens)
@@ -503,20 +453,55 @@ def check_decode_attention(attend: Callable, seed: int = 0, *, device: torch.dev
         pad = torch.arange(s, device="cpu")[None, :] >= seq_lens[:, None]  # [B, S]: slots past a sequence's end
         k[pad[:, None].expand_as(k[..., 0])] *= 3.0  # padding holds stale data, not zeros
         v[pad[:, None].expand_as(v[..., 0])] += 5.0
-        case = f"attend(q {list(q.shape)}, k/v {list(k.shape)}, seq_lens={lens})"
-        want = kvcourse.decode_attention_ref(q, k, v, seq_lens)
-        got = call_learner("attend", attend, *(handed(x, device) for x in (q, k, v, seq_lens)))
-        expect_tensor(case, got, (b, hq, d), what="[B, Hq, D]")
-        got = on_host(got)
-        if not torch.allclose(got.float(), want, atol=1e-5, rtol=1e-4):
-            diagnosis.record(case, (q, k, v, lens), got, want, extra=f"\n            ({tensor_diff(got, want)})")
-    diagnosis.raise_if_wrong()
+        cases.append((q, k, v, seq_lens))
+    mistakes = [
+        (
+            "The scores are not scaled: divide q . k by sqrt(head_dim) before the softmax.",
+            lambda q, k, v, lens: _decode(q, k, v, lens, scale=1.0),
+        ),
+        (
+            "The padding is not masked: sequence b may only read its first seq_lens[b] keys; the slots after them "
+            "hold leftovers, not its tokens.",
+            lambda q, k, v, lens: _decode(q, k, v, [k.shape[2]] * len(lens)),
+        ),
+        (
+            "Off by one: the valid keys are positions 0 .. seq_lens[b] - 1, i.e. arange(S) < seq_lens[b]; you dropped "
+            "the last one.",
+            lambda q, k, v, lens: _decode(q, k, v, [max(n - 1, 1) for n in lens]),
+        ),
+        (
+            "Off by one: the valid keys are positions 0 .. seq_lens[b] - 1, i.e. arange(S) < seq_lens[b]; you read "
+            "one slot of padding.",
+            lambda q, k, v, lens: _decode(q, k, v, [min(n + 1, k.shape[2]) for n in lens]),
+        ),
+        (
+            "Query head h reads KV head h // (Hq // Hkv) (consecutive query heads share a KV head), not h % Hkv.",
+            lambda q, k, v, lens: _decode(q, k, v, lens, heads="interleaved"),
+        ),
+        (
+            "The scores need a softmax over the valid keys before they weight the values.",
+            lambda q, k, v, lens: _decode(q, k, v, lens, softmax=False),
+        ),
+    ]
+    diagnose(
+        attend,
+        cases,
+        label=lambda q, k, v, lens: f"attend(q {list(q.shape)}, k/v {list(k.shape)}, seq_lens={lens.tolist()})",
+        reference=kvcourse.decode_attention_ref,
+        mistakes=[(h, lambda q, k, v, lens, m=m: m(q, k, v, lens.tolist())) for h, m in mistakes],
+        hint="Scale q . k by 1/sqrt(D), set padded keys to -inf, softmax over the keys, weight the values; query head "
+        "h reads KV head h // (Hq // Hkv).",
+        returns=lambda case, got, q, *_: expect_tensor(case, got, tuple(q.shape), what="[B, Hq, D]"),
+        device=device,
+        diff=True,
+    )
     return passed("one query per head against its sequence's valid cached keys: no causal mask, only a length mask.")
 
 
 # --- Exercise 5: when the cache outweighs the weights --------------------------------------------
 
 
+@check("ch02.check_tokens_to_outweigh", takes="fn(config, batch_size)")
 def check_tokens_to_outweigh(fn: Callable[[dict, int], int], seed: int = 0) -> CheckResult:
     """``fn(config, batch_size)`` -> the fewest tokens per sequence at which the KV cache of ``batch_size``
     sequences holds at least as many bytes as the weights, both stored in the same dtype.
@@ -524,9 +509,7 @@ def check_tokens_to_outweigh(fn: Callable[[dict, int], int], seed: int = 0) -> C
     ``config`` has ``num_parameters``, ``num_hidden_layers``, ``num_attention_heads``,
     ``num_key_value_heads`` and ``head_dim``.
     """
-    if not callable(fn):
-        raise ExerciseError(f"pass your function fn(config, batch_size), got {type(fn).__name__}")
-    rng = case_rng("ch02.check_tokens_to_outweigh", seed)
+    rng = hidden_rng()
     configs = [
         dict(
             num_parameters=134_515_008, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64
@@ -569,8 +552,12 @@ def check_tokens_to_outweigh(fn: Callable[[dict, int], int], seed: int = 0) -> C
     def per_token(cfg: dict, batch: int, heads: str = "num_key_value_heads", kv: int = 2) -> int:
         return kv * cfg["num_hidden_layers"] * cfg[heads] * cfg["head_dim"] * batch
 
-    diagnosis = Diagnosis(
-        [
+    diagnose(
+        fn,
+        cases,
+        label=lambda cfg, batch: f"tokens_to_outweigh({cfg}, batch_size={batch})",
+        reference=lambda cfg, batch: -(-cfg["num_parameters"] // per_token(cfg, batch)),
+        mistakes=[
             (
                 "Each token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
                 lambda cfg, batch: -(-cfg["num_parameters"] // per_token(cfg, batch, kv=1)),
@@ -593,23 +580,11 @@ def check_tokens_to_outweigh(fn: Callable[[dict, int], int], seed: int = 0) -> C
                 lambda cfg, batch: cfg["num_parameters"] // per_token(cfg, batch) + 1,
             ),
         ],
-        "Bytes per token of the batch: 2 x layers x KV heads x head_dim x batch_size (x bytes per value, which "
+        hint="Bytes per token of the batch: 2 x layers x KV heads x head_dim x batch_size (x bytes per value, which "
         "cancels). Divide the parameters by that and round up.",
-        lambda a, w: a == w,
+        compare=operator.eq,
+        returns=an_int("a number of tokens"),
     )
-    for cfg, batch in cases:
-        case = f"tokens_to_outweigh({cfg}, batch_size={batch})"
-        got = call_learner("tokens_to_outweigh", fn, dict(cfg), batch)
-        if isinstance(got, float) and got.is_integer():
-            got = int(got)
-        if isinstance(got, bool) or not isinstance(got, int):
-            raise ExerciseError(
-                f"{case} should return an int (a number of tokens), got {type(got).__name__}", case=case
-            )
-        want = -(-cfg["num_parameters"] // per_token(cfg, batch))
-        if got != want:
-            diagnosis.record(case, (cfg, batch), got, want)
-    diagnosis.raise_if_wrong()
     smol = -(-configs[0]["num_parameters"] // (2 * 30 * 3 * 64))
     return passed(
         f"SmolLM2-135M's cache outweighs its weights at {smol:,} tokens, more than its 8,192-token "
@@ -640,10 +615,6 @@ def _generation_ms(
     return cost.seconds(tokens, 0) + fixed_ms * ((steps if fixed_steps is None else fixed_steps) - 1)
 
 
-def _same_ms(got: float, want: float) -> bool:
-    return math.isclose(float(got), float(want), rel_tol=1e-6, abs_tol=1e-9)
-
-
 _GENERATION_MISTAKES = [
     (
         "Off by one token: step i of the naive loop feeds the prompt_len + i tokens there are, not the token it is "
@@ -671,45 +642,35 @@ _GENERATION_MISTAKES = [
 ]
 
 
+@check(
+    "ch02.check_predicted_generation",
+    takes="predict_generation_ms",
+    references={"StepCost": StepCost, "kvcourse.costs.tokens_fed": kvcourse.costs.tokens_fed},
+    task="count the steps and the tokens each feeds yourself.",
+)
 def check_predicted_generation(fn: Callable[[int, int, float, float, bool], float], seed: int = 0) -> CheckResult:
     """``fn(prompt_len, new_tokens, fixed_ms, per_token_ms, use_cache)`` -> the predicted time (ms) of generating
     ``new_tokens`` tokens after a ``prompt_len``-token prompt, naive or cached, when a forward pass over ``t`` tokens
     costs ``fixed_ms + per_token_ms * t``. Compared with kvcourse's StepCost and costs.tokens_fed."""
-    if not callable(fn):
-        raise ExerciseError(f"pass your function predict_generation_ms, got {type(fn).__name__}")
-    refuse_references(
-        fn,
-        {"StepCost": StepCost, "kvcourse.costs.tokens_fed": kvcourse.costs.tokens_fed},
-        "count the steps and the tokens each feeds yourself.",
-    )
-    rng = case_rng("ch02.check_predicted_generation", seed)
+    rng = hidden_rng()
     cases = [(5, 128, 37.0, 1.5, False), (5, 128, 37.0, 1.5, True), (1, 1, 10.0, 1.0, False), (7, 1, 10.0, 1.0, True)]
     while len(cases) < 16:
         cases.append((rng.randint(1, 300), rng.randint(2, 400), round(rng.uniform(1, 100), 2),
                       round(rng.uniform(0.01, 5), 3), len(cases) % 2 == 0))  # fmt: skip
-    diagnosis = Diagnosis(
-        _GENERATION_MISTAKES,
-        (
-            "Step i (0 .. new_tokens-1) feeds prompt_len + i tokens naively; cached, the prompt at step 0 and one token "
-            "after. Each step costs fixed_ms + per_token_ms x the tokens it feeds."
-        ),
-        _same_ms,
+    diagnose(
+        fn,
+        cases,
+        label="predict_generation_ms({}, {}, {}, {}, use_cache={})".format,
+        reference=_generation_ms,
+        mistakes=_GENERATION_MISTAKES,
+        hint="Step i (0 .. new_tokens-1) feeds prompt_len + i tokens naively; cached, the prompt at step 0 and one "
+        "token after. Each step costs fixed_ms + per_token_ms x the tokens it feeds.",
+        compare=lambda got, want: same(got, want, rel=1e-6),
+        returns=a_number("milliseconds", finite=True),
     )
-    for args in cases:
-        case = "predict_generation_ms({}, {}, {}, {}, use_cache={})".format(*args)
-        got = call_learner("predict_generation_ms", fn, *args)
-        if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
-            raise ExerciseError(f"{case} should return a finite number of milliseconds, got {describe(got)}", case=case)
-        want = _generation_ms(*args)
-        if not _same_ms(got, want):
-            diagnosis.record(case, args, got, want)
-    diagnosis.raise_if_wrong()
     naive, cached = _generation_ms(5, 128, 37.0, 1.5, False), _generation_ms(5, 128, 37.0, 1.5, True)
     return passed(
         f"at 37 ms + 1.5 ms a token, 128 tokens after a 5-token prompt take {naive / 1e3:.1f} s naively "
         f"and {cached / 1e3:.1f} s cached, x{naive / cached:.1f}: the fixed part, paid by every step, "
         "keeps the cache's gain far below the FLOP ratio."
     )
-
-
-wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -16,23 +16,14 @@ that explains every failing case.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
 from .. import memory
 from ..memory import CATALOG, GB, kv_cache_bytes
-from ._core import (
-    call_learner,
-    case_rng,
-    CheckResult,
-    describe,
-    Diagnosis,
-    ExerciseError,
-    fail,
-    passed,
-    refuse_references,
-    wrap_checks,
-)
+from ._core import CheckResult, ExerciseError, a_number, an_int, call_learner, check, describe, diagnose, fail
+from ._core import hidden_rng, passed
 
 __all__ = [
     "check_bytes_per_token",
@@ -51,23 +42,10 @@ _FIT_REFERENCES = {
 }
 
 
-def _number(case: str, got: Any, what: str) -> float:
-    """``got`` as a number, or an ExerciseError saying a number was expected."""
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
-        raise ExerciseError(
-            f"{case} should return a number ({what}), got {type(got).__name__}: {describe(got)}", case=case
-        )
-    return got
-
-
-def _same(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
-
-
 def _call_on_config(name: str, fn: Callable, config: dict, *args) -> Any:
     """Call the learner; a missing optional key gets its own hint instead of a bare KeyError."""
     try:
-        return call_learner(name, fn, dict(config), *args)
+        return call_learner(name, fn, config, *args)
     except ExerciseError as exc:
         cause = exc.__cause__
         if isinstance(cause, KeyError) and cause.args and cause.args[0] in _OPTIONAL_KEYS:
@@ -126,6 +104,12 @@ def _llama_style_cases(rng) -> list[tuple[dict, int]]:
     return cases
 
 
+@check(
+    "ch03.check_bytes_per_token",
+    takes="fn(config, bytes_per_value)",
+    references=_REFERENCES,
+    task="compute the bytes from the config yourself.",
+)
 def check_bytes_per_token(fn: Callable[[dict, int], float], seed: int = 0) -> CheckResult:
     """``fn(config, bytes_per_value)`` -> bytes of K/V one more token adds to one sequence.
 
@@ -133,11 +117,12 @@ def check_bytes_per_token(fn: Callable[[dict, int], float], seed: int = 0) -> Ch
     ``hidden_size``, and sometimes ``num_key_value_heads`` (absent: multi-head attention) and
     ``head_dim`` (absent: ``hidden_size // num_attention_heads``).
     """
-    if not callable(fn):
-        raise ExerciseError(f"pass your function fn(config, bytes_per_value), got {type(fn).__name__}")
-    refuse_references(fn, _REFERENCES, "compute the bytes from the config yourself.")
-    diagnosis = Diagnosis(
-        [
+    diagnose(
+        fn,
+        _llama_style_cases(hidden_rng()),
+        label=lambda cfg, nbytes: f"bytes_per_token({cfg}, bytes_per_value={nbytes})",
+        reference=_per_token,
+        mistakes=[
             (
                 "Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
                 lambda c, b: _per_token(c, b, kv=1),
@@ -160,16 +145,10 @@ def check_bytes_per_token(fn: Callable[[dict, int], float], seed: int = 0) -> Ch
                 lambda c, b: _per_token(c, b, layers=False),
             ),
         ],
-        "2 (K and V) x layers x KV heads x head_dim x bytes per value.",
-        _same,
+        hint="2 (K and V) x layers x KV heads x head_dim x bytes per value.",
+        returns=a_number("bytes"),
+        call=_call_on_config,
     )
-    for cfg, nbytes in _llama_style_cases(case_rng("ch03.check_bytes_per_token", seed)):
-        case = f"bytes_per_token({cfg}, bytes_per_value={nbytes})"
-        got = _number(case, _call_on_config("bytes_per_token", fn, cfg, nbytes), "bytes")
-        want = _per_token(cfg, nbytes)
-        if not _same(got, want):
-            diagnosis.record(case, (cfg, nbytes), got, want)
-    diagnosis.raise_if_wrong()
     return passed("2 x layers x KV heads x head_dim x bytes per value, right for MHA, GQA and an explicit head_dim.")
 
 
@@ -246,6 +225,12 @@ def _tp_cases(rng) -> list[tuple[dict, int, int, int]]:
     return cases
 
 
+@check(
+    "ch03.check_bytes_per_rank",
+    takes="fn(config, seq_len, tp_size, bytes_per_value)",
+    references=_REFERENCES,
+    task="compute the bytes per rank yourself.",
+)
 def check_bytes_per_rank(fn: Callable[[dict, int, int, int], float], seed: int = 0) -> CheckResult:
     """``fn(config, seq_len, tp_size, bytes_per_value)`` -> bytes of K/V that one of ``tp_size``
     tensor-parallel ranks holds for one sequence of ``seq_len`` tokens.
@@ -255,18 +240,19 @@ def check_bytes_per_rank(fn: Callable[[dict, int, int, int], float], seed: int =
     ``qk_rope_head_dim``, ``qk_nope_head_dim``, ``v_head_dim``). KV heads are split evenly across
     ranks; with more ranks than KV heads, each rank stores one whole head.
     """
-    if not callable(fn):
-        raise ExerciseError(
-            f"pass your function fn(config, seq_len, tp_size, bytes_per_value), got {type(fn).__name__}"
-        )
-    refuse_references(fn, _REFERENCES, "compute the bytes per rank yourself.")
     split_hint = (
         "Dividing by tp_size assumes tp_size KV heads to share out. With more ranks than KV heads every rank "
         "still stores one whole head (each head is replicated on tp_size / KV-heads ranks), and an MLA "
         "latent serves all heads, so every rank stores all of it."
     )
-    diagnosis = Diagnosis(
-        [
+    diagnose(
+        fn,
+        _tp_cases(hidden_rng()),
+        label=lambda cfg, seq_len, tp, nbytes: (
+            f"bytes_per_rank({cfg}, seq_len={seq_len}, tp_size={tp}, bytes_per_value={nbytes})"
+        ),
+        reference=_per_rank,
+        mistakes=[
             (
                 "The MLA config also says num_key_value_heads (DeepSeek-V3: 128), but MLA caches no per-head K and V: per "
                 "token and layer it caches one latent of kv_lora_rank values and one RoPE key of qk_rope_head_dim values.",
@@ -297,17 +283,10 @@ def check_bytes_per_rank(fn: Callable[[dict, int, int, int], float], seed: int =
             ),
             ("The answer is for a whole sequence: multiply by seq_len.", lambda c, s, t, b: _per_rank(c, 1, t, b)),
         ],
-        "GQA: 2 x layers x max(1, KV heads // tp_size) x head_dim x seq_len x bytes. MLA: layers x (kv_lora_rank + "
-        "qk_rope_head_dim) x seq_len x bytes on every rank.",
-        _same,
+        hint="GQA: 2 x layers x max(1, KV heads // tp_size) x head_dim x seq_len x bytes. MLA: layers x "
+        "(kv_lora_rank + qk_rope_head_dim) x seq_len x bytes on every rank.",
+        returns=a_number("bytes"),
     )
-    for cfg, seq_len, tp, nbytes in _tp_cases(case_rng("ch03.check_bytes_per_rank", seed)):
-        case = f"bytes_per_rank({cfg}, seq_len={seq_len}, tp_size={tp}, bytes_per_value={nbytes})"
-        got = _number(case, call_learner("bytes_per_rank", fn, dict(cfg), seq_len, tp, nbytes), "bytes")
-        want = _per_rank(cfg, seq_len, tp, nbytes)
-        if not _same(got, want):
-            diagnosis.record(case, (cfg, seq_len, tp, nbytes), got, want)
-    diagnosis.raise_if_wrong()
     ds = CATALOG["deepseek-v3"].config
     latent = ds["kv_lora_rank"] + ds["qk_rope_head_dim"]
     per_head = ds["num_attention_heads"] * (ds["qk_nope_head_dim"] + ds["qk_rope_head_dim"] + ds["v_head_dim"])
@@ -358,6 +337,12 @@ def _quant_cases(rng) -> list[tuple[dict, int, int, int, int]]:
     return cases
 
 
+@check(
+    "ch03.check_quantized_bytes",
+    takes="fn(config, seq_len, bits, group_size, residual_len)",
+    references=_REFERENCES,
+    task="count the bytes of the quantized cache yourself.",
+)
 def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed: int = 0) -> CheckResult:
     """``fn(config, seq_len, bits, group_size, residual_len)`` -> bytes of one sequence's K/V, quantized the
     KIVI way.
@@ -367,13 +352,14 @@ def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed:
     bits, and each group of ``group_size`` of those values also stores an fp16 scale and an fp16 zero
     point (``group_size`` divides ``head_dim`` in every case).
     """
-    if not callable(fn):
-        raise ExerciseError(
-            f"pass your function fn(config, seq_len, bits, group_size, residual_len), got {type(fn).__name__}"
-        )
-    refuse_references(fn, _REFERENCES, "count the bytes of the quantized cache yourself.")
-    diagnosis = Diagnosis(
-        [
+    diagnose(
+        fn,
+        _quant_cases(hidden_rng()),
+        label=lambda cfg, seq_len, bits, group, residual: (
+            f"quantized_bytes({cfg}, seq_len={seq_len}, bits={bits}, group_size={group}, residual_len={residual})"
+        ),
+        reference=_quantized,
+        mistakes=[
             (
                 "KIVI is asymmetric: a group is stored as q with x = scale * q + zero_point, so each group keeps a scale "
                 "AND a zero point, 2 + 2 bytes in fp16. Counting the scale alone halves the overhead (for int4 in groups "
@@ -401,17 +387,10 @@ def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed:
                 lambda *a: _quantized(*a, mistake="no_kv"),
             ),
         ],
-        "Price the two kinds of token separately: which ones are not quantized yet, and what does an asymmetric "
-        "group keep beside its values?",
-        _same,
+        hint="Price the two kinds of token separately: which ones are not quantized yet, and what does an "
+        "asymmetric group keep beside its values?",
+        returns=a_number("bytes"),
     )
-    for cfg, seq_len, bits, group, residual in _quant_cases(case_rng("ch03.check_quantized_bytes", seed)):
-        case = f"quantized_bytes({cfg}, seq_len={seq_len}, bits={bits}, group_size={group}, residual_len={residual})"
-        got = _number(case, call_learner("quantized_bytes", fn, dict(cfg), seq_len, bits, group, residual), "bytes")
-        want = _quantized(cfg, seq_len, bits, group, residual)
-        if not _same(got, want):
-            diagnosis.record(case, (cfg, seq_len, bits, group, residual), got, want)
-    diagnosis.raise_if_wrong()
     l38 = {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128}
     ratio = _quantized(l38, 131072, 2, 32, 128) / (2 * 32 * 8 * 128 * 131072 * 2)
     return passed(
@@ -500,44 +479,40 @@ def _fit_args(name: str, *rest) -> tuple:
     return (dict(CATALOG[name].config), CATALOG[name].num_parameters, *rest)
 
 
+def _catalog_label(call: str, count: str) -> Callable[..., str]:
+    """How the fit exercises name a case: by its catalog entry, not its whole config."""
+
+    def label(config: dict, num_parameters: int, n: int, gpu_bytes: float, w: float, k: float, u: float) -> str:
+        name = next(name for name in _FIT_MODELS if CATALOG[name].config == config)
+        return (
+            f"{call}(CATALOG[{name!r}].config, {num_parameters:_}, {count}={n}, gpu_bytes={gpu_bytes / GB:g}e9, "
+            f"weight_bytes_per_value={w}, kv_bytes_per_value={k}, utilization={u})"
+        )
+
+    return label
+
+
+@check(
+    "ch03.check_max_sequences",
+    takes="fn(config, num_parameters, seq_len, gpu_bytes, weight_bytes_per_value, kv_bytes_per_value, utilization)",
+    references={**_REFERENCES, **_FIT_REFERENCES},
+    task="count the bytes yourself (your bytes_per_token may help).",
+)
 def check_max_sequences(fn: Callable[..., int], seed: int = 0) -> CheckResult:
     """``fn(config, num_parameters, seq_len, gpu_bytes, weight_bytes_per_value, kv_bytes_per_value, utilization)``
     -> how many ``seq_len``-token sequences fit at once on a GPU of ``gpu_bytes`` bytes, of which the engine may
     use the fraction ``utilization`` (vLLM's ``gpu_memory_utilization``) for the weights and the cache together.
     ``config`` and ``num_parameters`` are a :data:`~kvcourse.memory.CATALOG` entry's."""
-    if not callable(fn):
-        raise ExerciseError(
-            "pass your function fn(config, num_parameters, seq_len, gpu_bytes, weight_bytes_per_value, "
-            f"kv_bytes_per_value, utilization), got {type(fn).__name__}"
-        )
-    refuse_references(
-        fn, {**_REFERENCES, **_FIT_REFERENCES}, "count the bytes yourself (your bytes_per_token may help)."
+    diagnose(
+        fn,
+        [_fit_args(*case) for case in _fit_cases(hidden_rng())],
+        label=_catalog_label("max_sequences", "seq_len"),
+        reference=_fit,
+        mistakes=_FIT_MISTAKES,
+        hint="Budget = utilization x gpu_bytes - weight bytes; divide by one sequence's cache and round down.",
+        compare=operator.eq,
+        returns=an_int("a number of sequences"),
     )
-    cases = _fit_cases(case_rng("ch03.check_max_sequences", seed))
-    wants = [_fit(*_fit_args(*case)) for case in cases]  # computed before the learner's code runs
-    diagnosis = Diagnosis(
-        _FIT_MISTAKES,
-        "Budget = utilization x gpu_bytes - weight bytes; divide by one sequence's cache and round down.",
-        lambda got, wrong: got == wrong,
-    )
-    for (name, *rest), want in zip(cases, wants):
-        seq_len, gpu_bytes, w, k, u = rest
-        case = (
-            f"max_sequences(CATALOG[{name!r}].config, {CATALOG[name].num_parameters:_}, seq_len={seq_len}, "
-            f"gpu_bytes={gpu_bytes / GB:g}e9, weight_bytes_per_value={w}, kv_bytes_per_value={k}, utilization={u})"
-        )
-        args = _fit_args(name, *rest)
-        got = call_learner("max_sequences", fn, *args)
-        if isinstance(got, float) and got.is_integer():
-            got = int(got)
-        if isinstance(got, bool) or not isinstance(got, int):
-            raise ExerciseError(
-                f"{case} should return an int (a number of sequences), got {type(got).__name__}: {describe(got)}",
-                case=case,
-            )
-        if got != want:
-            diagnosis.record(case, args, got, want)
-    diagnosis.raise_if_wrong()
     n = _fit(*_fit_args(*_FIT_CHAPTER))
     per_seq = kv_cache_bytes(_FIT_CHAPTER[0], _FIT_CHAPTER[1], dtype="fp8")
     return passed(
@@ -608,50 +583,31 @@ def _context_cases(rng) -> list[tuple]:
     return cases
 
 
+@check(
+    "ch03.check_max_context",
+    takes="fn(config, num_parameters, num_sequences, gpu_bytes, weight_bytes_per_value, kv_bytes_per_value, "
+    "utilization)",
+    references={**_REFERENCES, **_FIT_REFERENCES},
+    task="count the bytes yourself (your bytes_per_token may help).",
+)
 def check_max_context(fn: Callable[..., int], seed: int = 0) -> CheckResult:
     """``fn(config, num_parameters, num_sequences, gpu_bytes, weight_bytes_per_value, kv_bytes_per_value,
     utilization)`` -> the longest context (tokens) each of ``num_sequences`` sequences can hold at once on a GPU of
     ``gpu_bytes`` bytes, of which the engine may use ``utilization`` for the weights and the cache together; 0 if
     the weights leave nothing. The model's own context limit is left out."""
-    if not callable(fn):
-        raise ExerciseError(
-            "pass your function fn(config, num_parameters, num_sequences, gpu_bytes, "
-            f"weight_bytes_per_value, kv_bytes_per_value, utilization), got {type(fn).__name__}"
-        )
-    refuse_references(
-        fn, {**_REFERENCES, **_FIT_REFERENCES}, "count the bytes yourself (your bytes_per_token may help)."
-    )
-    cases = _context_cases(case_rng("ch03.check_max_context", seed))
-    wants = [_context(*_fit_args(*case)) for case in cases]  # computed before the learner's code runs
-    diagnosis = Diagnosis(
-        _CONTEXT_MISTAKES,
-        "Budget = utilization x gpu_bytes - weight bytes; divide by "
+    diagnose(
+        fn,
+        [_fit_args(*case) for case in _context_cases(hidden_rng())],
+        label=_catalog_label("max_context", "num_sequences"),
+        reference=_context,
+        mistakes=_CONTEXT_MISTAKES,
+        hint="Budget = utilization x gpu_bytes - weight bytes; divide by "
         "num_sequences x one token's K/V bytes and round down.",
-        lambda got, wrong: got == wrong,
+        compare=operator.eq,
+        returns=an_int("a number of tokens"),
     )
-    for (name, *rest), want in zip(cases, wants):
-        n, gpu_bytes, w, k, u = rest
-        case = (
-            f"max_context(CATALOG[{name!r}].config, {CATALOG[name].num_parameters:_}, num_sequences={n}, "
-            f"gpu_bytes={gpu_bytes / GB:g}e9, weight_bytes_per_value={w}, kv_bytes_per_value={k}, utilization={u})"
-        )
-        args = _fit_args(name, *rest)
-        got = call_learner("max_context", fn, *args)
-        if isinstance(got, float) and got.is_integer():
-            got = int(got)
-        if isinstance(got, bool) or not isinstance(got, int):
-            raise ExerciseError(
-                f"{case} should return an int (a number of tokens), got {type(got).__name__}: {describe(got)}",
-                case=case,
-            )
-        if got != want:
-            diagnosis.record(case, args, got, want)
-    diagnosis.raise_if_wrong()
     tokens = _context(*_fit_args("llama-3-8b", 64, 80 * GB, 2, 2, 0.9))
     return passed(
         f"the chapter's question: 64 Llama-3-8B users on 80 GB in bf16 can each hold {tokens:,} tokens, "
         "just under 7k: the 8k of the fit section leaves room for 52."
     )
-
-
-wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished
