@@ -750,11 +750,12 @@ def same(
     return math.isclose(got, want, rel_tol=rel, abs_tol=abs_tol) if numbers else got == want
 
 
-def an_int(what: str = "") -> Callable[..., int]:
-    """A ``returns`` for :func:`diagnose`: the answer must be an int (a float with no fraction is taken)."""
+def an_int(what: str = "", strict: bool = False) -> Callable[..., int]:
+    """A ``returns`` for :func:`diagnose`: the answer must be an int (a float with no fraction is taken, unless
+    ``strict``)."""
 
     def returns(case: str, got: Any, *args) -> int:
-        if isinstance(got, float) and got.is_integer():
+        if not strict and isinstance(got, float) and got.is_integer():
             got = int(got)
         if isinstance(got, bool) or not isinstance(got, int):
             raise ExerciseError(

@@ -14,26 +14,15 @@ returned values and a hint for the typical mistake it recognises.
 
 from __future__ import annotations
 
-import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
 from .. import batch as _batch
 from .. import fragmentation as _fragmentation
 from ..paged import BlockManager
-from ._core import (
-    call_learner,
-    case_rng,
-    CheckResult,
-    describe,
-    Diagnosis,
-    ExerciseError,
-    fail,
-    passed,
-    learner_runs,
-    refuse_references,
-    wrap_checks,
-)
+from ._core import CheckResult, ExerciseError, a_number, an_int, call_learner, check, describe, diagnose, fail
+from ._core import hidden_rng, learner_runs, passed, same
 
 __all__ = [
     "check_slot_mapping",
@@ -102,6 +91,17 @@ def _step_cases(rng) -> list[tuple[list[list[int]], list[int], list[int], int]]:
     return cases
 
 
+def _call_or_past_table(name: str, fn: Callable, *args) -> Any:
+    """The learner's slot mapping, or ``_PAST_THE_TABLE`` if it read past a block table (an off-by-one, diagnosed
+    with the other cases)."""
+    try:
+        return call_learner(name, fn, *args)
+    except ExerciseError as exc:
+        if not isinstance(exc.__cause__, IndexError):
+            raise
+        return _PAST_THE_TABLE
+
+
 def _as_int_list(case: str, got: Any, length: int) -> list[int]:
     try:
         values = [int(x) for x in (got.tolist() if hasattr(got, "tolist") else got)]
@@ -125,6 +125,12 @@ def _as_int_list(case: str, got: Any, length: int) -> list[int]:
     return values
 
 
+@check(
+    "ch04.check_slot_mapping",
+    takes="fn(block_tables, seq_lens, query_lens, block_size)",
+    references={"slot_mapping": _batch.slot_mapping, "ForwardBatch": _batch.ForwardBatch, "SeqSlice": _batch.SeqSlice},
+    task="write the slot mapping yourself.",
+)
 def check_slot_mapping(
     fn: Callable[[list[list[int]], list[int], list[int], int], list[int]], seed: int = 0
 ) -> CheckResult:
@@ -135,17 +141,14 @@ def check_slot_mapping(
     The answer lists the new tokens' slots, sequence after sequence, in position order; the pool is
     viewed as one flat array of ``num_blocks * block_size`` slots.
     """
-    if not callable(fn):
-        raise ExerciseError(
-            f"pass your function fn(block_tables, seq_lens, query_lens, block_size), got {type(fn).__name__}"
-        )
-    refuse_references(
+    diagnose(
         fn,
-        {"slot_mapping": _batch.slot_mapping, "ForwardBatch": _batch.ForwardBatch, "SeqSlice": _batch.SeqSlice},
-        "write the slot mapping yourself.",
-    )
-    diagnosis = Diagnosis(
-        [
+        _step_cases(hidden_rng()),
+        label=lambda tables, seq_lens, query_lens, block_size: (
+            f"slot_mapping({tables}, seq_lens={seq_lens}, query_lens={query_lens}, block_size={block_size})"
+        ),
+        reference=_slots,
+        mistakes=[
             (
                 "The new tokens come after the cached ones: sequence b's new tokens sit at positions seq_lens[b] - "
                 "query_lens[b] .. seq_lens[b] - 1, not from 0.",
@@ -174,24 +177,13 @@ def check_slot_mapping(
                 lambda *a: _slots(*a, mistake="first_table"),
             ),
         ],
-        "Position pos of sequence b lives at block_tables[b][pos // block_size] * block_size + pos % block_size.",
-        lambda a, w: a == w,
+        hint="Position pos of sequence b lives at block_tables[b][pos // block_size] * block_size + pos % block_size.",
+        compare=operator.eq,
+        returns=lambda case, got, tables, seq_lens, query_lens, block_size: (
+            got if got is _PAST_THE_TABLE else _as_int_list(case, got, sum(query_lens))
+        ),
+        call=_call_or_past_table,
     )
-    for tables, seq_lens, query_lens, block_size in _step_cases(case_rng("ch04.check_slot_mapping", seed)):
-        case = f"slot_mapping({tables}, seq_lens={seq_lens}, query_lens={query_lens}, block_size={block_size})"
-        try:
-            got = call_learner(
-                "slot_mapping", fn, [list(t) for t in tables], list(seq_lens), list(query_lens), block_size
-            )
-            got = _as_int_list(case, got, sum(query_lens))
-        except ExerciseError as exc:
-            if not isinstance(exc.__cause__, IndexError):
-                raise
-            got = _PAST_THE_TABLE  # an off-by-one reads past a table: diagnosed with the other cases
-        want = _slots(tables, seq_lens, query_lens, block_size)
-        if got != want:
-            diagnosis.record(case, (tables, seq_lens, query_lens, block_size), got, want)
-    diagnosis.raise_if_wrong()
     return passed(
         "every new token's slot, prefills, chunks and decodes alike: vLLM builds this slot_mapping for "
         "each step, and the K/V write kernel stores the step's keys and values at exactly these slots."
@@ -305,6 +297,12 @@ def _run_op(manager: Any, op: tuple) -> Any:
     return call_learner(f"{kind}{op[1:]}", method, *op[1:])
 
 
+@check(
+    "ch04.check_block_manager",
+    takes="class",
+    references={"BlockManager": BlockManager},
+    task="write the allocator yourself.",
+)
 def check_block_manager(cls: type, seed: int = 0) -> CheckResult:
     """``cls(num_blocks, block_size)``: a block allocator with ``allocate(seq_id, num_tokens)``,
     ``append_slot(seq_id)`` (returns ``None`` or the copy-on-write ``(src_block, dst_block)``),
@@ -314,12 +312,9 @@ def check_block_manager(cls: type, seed: int = 0) -> CheckResult:
     operation the free-block count and the copy-on-write reports must agree, and tokens written
     through the learner's block tables (copies included) must read back right for every sequence.
     """
-    if not isinstance(cls, type):
-        raise ExerciseError(f"pass your class itself (not an instance), got {type(cls).__name__}")
     if issubclass(cls, BlockManager):
         raise ExerciseError("your class inherits from kvcourse.paged.BlockManager; write the allocator yourself.")
-    refuse_references(cls, {"BlockManager": BlockManager}, "write the allocator yourself.")
-    rng = case_rng("ch04.check_block_manager", seed)
+    rng = hidden_rng()
     for trial in range(6):
         block_size = rng.choice([1, 2, 4, 16])
         num_blocks = rng.randint(24, 64)
@@ -451,18 +446,18 @@ def _sharing_blocks(prompt_len: int, n: int, new_tokens: int, block_size: int) -
     return bm.num_used_blocks
 
 
+@check(
+    "ch04.check_parallel_sampling_blocks",
+    takes="blocks_with_sharing(prompt_len, n, new_tokens, block_size)",
+    references={"BlockManager": BlockManager},
+    task="write it as a formula.",
+)
 def check_parallel_sampling_blocks(
     blocks_with_sharing: Callable[[int, int, int, int], int], seed: int = 0
 ) -> CheckResult:
     """``blocks_with_sharing(prompt_len, n, new_tokens, block_size)`` (``new_tokens >= 1``): blocks in use
     once ``n`` samples forked from one prefilled prompt have each appended ``new_tokens`` tokens."""
-    if not callable(blocks_with_sharing):
-        raise ExerciseError(
-            f"pass your function blocks_with_sharing(prompt_len, n, new_tokens, block_size), got "
-            f"{type(blocks_with_sharing).__name__}"
-        )
-    refuse_references(blocks_with_sharing, {"BlockManager": BlockManager}, "write it as a formula.")
-    rng = case_rng("ch04.check_parallel_sampling_blocks", seed)
+    rng = hidden_rng()
     cases = [(300, 4, 64, 16), (32, 4, 10, 16), (33, 4, 10, 16), (300, 1, 64, 16), (5, 3, 1, 16), (17, 2, 15, 16)]
     for _ in range(10):
         block_size = rng.choice([1, 4, 8, 16, 32])
@@ -471,8 +466,12 @@ def check_parallel_sampling_blocks(
     def full(p, b):
         return p // b
 
-    diagnosis = Diagnosis(
-        [
+    diagnose(
+        blocks_with_sharing,
+        cases,
+        label=lambda *args: f"blocks_with_sharing{args}",
+        reference=_sharing_blocks,
+        mistakes=[
             (
                 "After fork the prompt's full blocks are stored once, whatever n is: count them once, not per sample.",
                 lambda p, n, t, b: n * _ceil_div(p + t, b),
@@ -496,20 +495,10 @@ def check_parallel_sampling_blocks(
                 lambda p, n, t, b: full(p, b) + (n - 1) * (_ceil_div(p + t, b) - full(p, b)),
             ),
         ],
-        "Count the full prompt blocks once, then each of the n samples' own blocks.",
-        lambda a, w: a == w,
+        hint="Count the full prompt blocks once, then each of the n samples' own blocks.",
+        compare=operator.eq,
+        returns=an_int("a number of blocks", strict=True),
     )
-    for args in cases:
-        case = f"blocks_with_sharing{args}"
-        got = call_learner("blocks_with_sharing", blocks_with_sharing, *args)
-        if isinstance(got, bool) or not isinstance(got, int):
-            raise ExerciseError(
-                f"{case} should return an int (a number of blocks), got {type(got).__name__}", case=case
-            )
-        want = _sharing_blocks(*args)
-        if got != want:
-            diagnosis.record(case, args, got, want)
-    diagnosis.raise_if_wrong()
     return passed(
         "the full prompt blocks once, then each sample's own blocks, among them a copy of the partly "
         "filled prompt block for every sample but its last owner."
@@ -533,14 +522,11 @@ def _live(lengths: list[int], block_size: int, mistake: str = "") -> float:
     return 1 - live if mistake == "empty" else live
 
 
+@check("ch04.check_live_fraction", takes="live_fraction(lengths, block_size)")
 def check_live_fraction(live_fraction: Callable[[list[int], int], float], seed: int = 0) -> CheckResult:
     """``live_fraction(lengths, block_size)``: the share of the slots held by sequences of ``lengths`` tokens
     (each in whole blocks of ``block_size`` slots) that hold tokens. Compared on hidden traces."""
-    if not callable(live_fraction):
-        raise ExerciseError(
-            f"pass your function live_fraction(lengths, block_size), got {type(live_fraction).__name__}"
-        )
-    rng = case_rng("ch04.check_live_fraction", seed)
+    rng = hidden_rng()
     cases = [([16, 32], 16), ([1], 16), ([17, 15, 300], 16), ([5, 5, 5], 1), ([100], 256), ([31, 33, 64], 32)]
     for _ in range(12):
         n = rng.randint(1, 40)
@@ -551,8 +537,12 @@ def check_live_fraction(live_fraction: Callable[[list[int], int], float], seed: 
                 rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256]),
             )
         )
-    diagnosis = Diagnosis(
-        [
+    diagnose(
+        live_fraction,
+        cases,
+        label=lambda lengths, block_size: f"live_fraction({lengths}, block_size={block_size})",
+        reference=_live,
+        mistakes=[
             (
                 "A sequence's partly filled last block is still a whole block: round the blocks up, not down.",
                 lambda lengths, b: _live(lengths, b, "floor"),
@@ -571,18 +561,10 @@ def check_live_fraction(live_fraction: Callable[[list[int], int], float], seed: 
                 lambda lengths, b: _live(lengths, b, "half_block"),
             ),
         ],
-        "Count the slots each sequence holds: whole blocks, enough for its tokens.",
-        lambda a, w: abs(a - w) <= 1e-9 * max(1.0, abs(w)),
+        hint="Count the slots each sequence holds: whole blocks, enough for its tokens.",
+        compare=lambda a, w: abs(a - w) <= 1e-9 * max(1.0, abs(w)),
+        returns=lambda case, got, *_: float(a_number("a fraction")(case, got)),
     )
-    for lengths, block_size in cases:
-        case = f"live_fraction({lengths}, block_size={block_size})"
-        got = call_learner("live_fraction", live_fraction, list(lengths), block_size)
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
-            raise ExerciseError(f"{case} should return a number (a fraction), got {type(got).__name__}", case=case)
-        want = _live(lengths, block_size)
-        if abs(float(got) - want) > 1e-9 * max(1.0, abs(want)):
-            diagnosis.record(case, (lengths, block_size), float(got), want)
-    diagnosis.raise_if_wrong()
     return passed(
         "tokens over whole-block slots: each sequence wastes the empty tail of its last block, "
         "up to block_size - 1 slots, which weighs more the shorter the sequences."
@@ -632,42 +614,34 @@ _RESERVATION_MISTAKES = [
 ]
 
 
+@check(
+    "ch04.check_reservation_live",
+    takes="predict_reservation_live",
+    references={"reservation_live_fraction": _fragmentation.reservation_live_fraction},
+    task="weigh the requests yourself.",
+)
 def check_reservation_live(fn: Callable[[list[int], list[int], int], float], seed: int = 0) -> CheckResult:
     """``fn(prompt_lens, output_lens, max_len)`` -> the share of a pool of max-length reservations that holds tokens,
     averaged over time: each request runs ``output_len`` steps and at its ``k``-th holds ``prompt_len + k`` tokens.
     Compared with :func:`kvcourse.fragmentation.reservation_live_fraction` on hidden traces."""
-    if not callable(fn):
-        raise ExerciseError(f"pass your function predict_reservation_live, got {type(fn).__name__}")
-    refuse_references(
-        fn, {"reservation_live_fraction": _fragmentation.reservation_live_fraction}, "weigh the requests yourself."
-    )
-    rng = case_rng("ch04.check_reservation_live", seed)
+    rng = hidden_rng()
     cases = [([10], [4], 100), ([10, 10], [2, 8], 100)]
     while len(cases) < 12:
         max_len, n = rng.choice([256, 2048, 4096]), rng.randint(2, 40)
         prompts = [rng.randint(1, max_len // 4) for _ in range(n)]
         cases.append((prompts, [rng.randint(1, max_len - p) for p in prompts], max_len))
-    diagnosis = Diagnosis(
-        _RESERVATION_MISTAKES,
-        (
-            "Weight each request by output_len (the steps it runs) and count what it holds on average, "
-            "prompt_len + (output_len + 1) / 2, over max_len."
-        ),
-        lambda got, wrong: math.isclose(got, wrong, rel_tol=1e-9),
+    diagnose(
+        fn,
+        cases,
+        label=lambda prompts, outputs, max_len: f"predict_reservation_live({prompts}, {outputs}, max_len={max_len})",
+        reference=_fragmentation.reservation_live_fraction,
+        mistakes=_RESERVATION_MISTAKES,
+        hint="Weight each request by output_len (the steps it runs) and count what it holds on average, "
+        "prompt_len + (output_len + 1) / 2, over max_len.",
+        compare=lambda got, want: same(got, want, abs_tol=0.0),
+        returns=lambda case, got, *_: float(a_number("a fraction", finite=True)(case, got)),
     )
-    for prompts, outputs, max_len in cases:
-        case = f"predict_reservation_live({prompts}, {outputs}, max_len={max_len})"
-        got = call_learner("predict_reservation_live", fn, list(prompts), list(outputs), max_len)
-        if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
-            raise ExerciseError(f"{case} should return a fraction (a float), got {describe(got)}", case=case)
-        want = _fragmentation.reservation_live_fraction(prompts, outputs, max_len)
-        if not math.isclose(got, want, rel_tol=1e-9):
-            diagnosis.record(case, (prompts, outputs, max_len), float(got), want)
-    diagnosis.raise_if_wrong()
     return passed(
         "a running batch is a time sample: long requests are in it longer, so weighting by output_len "
         "predicts the snapshot where the trace's averages do not."
     )
-
-
-wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished
