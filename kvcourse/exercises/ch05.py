@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import warnings
 from collections.abc import Callable
 
@@ -34,22 +35,8 @@ from ..kernels.reference import paged_decode_attention_ref
 from ..kernels.roofline import GPU_PEAKS, decode_attention_bytes, int8_speedup_bound
 from ..kernels.testing import random_paged_case
 from ..kernels.triton_runtime import kernel_device, triton  # settles where kernels run before the learner's launch
-from ._core import (
-    call_learner,
-    case_generator,
-    case_rng,
-    CheckResult,
-    describe,
-    Diagnosis,
-    ExerciseError,
-    fail,
-    handed,
-    on_host,
-    passed,
-    refuse_references,
-    tensor_diff,
-    wrap_checks,
-)
+from ._core import CheckResult, Diagnosis, ExerciseError, call_learner, check, describe, diagnose, fail, handed
+from ._core import hidden_generator, hidden_rng, on_host, passed, same, tensor_diff
 
 __all__ = [
     "check_int8_speedup",
@@ -194,6 +181,7 @@ def _per_sequence(q, k, v, lens, scale, extra: int = 0) -> torch.Tensor:
 MASK_BLOCK_S, MASK_D = 64, 16
 
 
+@check("ch05.check_masked_decode")
 def check_masked_decode(kernel, seed: int = 0) -> CheckResult:
     """``masked_decode_kernel(Q, K, V, Seq_lens, Out, scale, BLOCK_S, D)``, grid ``(B,)``.
 
@@ -201,8 +189,7 @@ def check_masked_decode(kernel, seed: int = 0) -> CheckResult:
     ``Out [B, D]``, all fp32 and contiguous. Slots past ``seq_len`` hold stale numbers, then NaN.
     """
     _expect_kernel(kernel, "masked_decode_kernel")
-    rng = case_rng("ch05.check_masked_decode", seed)
-    gen = case_generator("ch05.check_masked_decode", seed)
+    rng, gen = hidden_rng(), hidden_generator()
     scale = 1 / math.sqrt(MASK_D)
 
     def pad_mask(lens):  # [B, BLOCK_S, 1]: True where the slot belongs to the sequence (on the host, as the cases)
@@ -284,6 +271,7 @@ def _online(q, k, v, lens, scale, mistake: str = "", block_n: int = ONLINE_BLOCK
     return out
 
 
+@check("ch05.check_online_softmax")
 def check_online_softmax(kernel, seed: int = 0) -> CheckResult:
     """``online_decode_kernel(Q, K, V, Seq_lens, Out, scale, S_MAX, BLOCK_N, D)``, grid ``(B,)``.
 
@@ -291,8 +279,7 @@ def check_online_softmax(kernel, seed: int = 0) -> CheckResult:
     tiles of ``BLOCK_N`` positions with an online softmax.
     """
     _expect_kernel(kernel, "online_decode_kernel")
-    rng = case_rng("ch05.check_online_softmax", seed)
-    gen = case_generator("ch05.check_online_softmax", seed)
+    rng, gen = hidden_rng(), hidden_generator()
     scale = 1 / math.sqrt(ONLINE_D)
     diagnosis = Diagnosis([
         ("The output has inf or NaN: exponentiate against the new maximum, p = exp(s - m_new), and rescale by "
@@ -359,6 +346,7 @@ def _read_as(case, rows_of: Callable, head_stride: int | None = None, q: torch.T
     return torch.stack(rows)
 
 
+@check("ch05.check_paged_offsets")
 def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
     """``paged_decode_kernel(Q, K_cache, V_cache, Block_tables, Seq_lens, Out, scale, stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh, stride_bt, GROUP, BLOCK_SIZE, BLOCK_N, D)``, grid ``(B, Hq)``.
@@ -368,7 +356,7 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
     packed array); ``Block_tables`` int32 ``[B, max_blocks]``, rows ``stride_bt`` apart; fp32 data.
     """
     _expect_kernel(kernel, "paged_decode_kernel")
-    rng = case_rng("ch05.check_paged_offsets", seed)
+    rng = hidden_rng()
     hints = {
         "contiguous": "You read slot n as if the pool were one contiguous cache: look up the physical block "
         "block_tables[b, n // BLOCK_SIZE] first.",
@@ -394,8 +382,8 @@ def check_paged_offsets(kernel, seed: int = 0) -> CheckResult:
         "padded rows": ((0, 1, 2, 3), 8),  # every head's D values followed by 8 unused ones
         "K and V side by side": 1,  # one [num_blocks, 2, BLOCK_SIZE, Hkv, D] buffer, as FlashInfer keeps it
     }
-    layout_rng = case_rng("ch05.check_paged_offsets.layout", seed)
-    filler = case_generator("ch05.check_paged_offsets.layout", seed)  # the layouts' unused elements
+    layout_rng = hidden_rng("layout")
+    filler = hidden_generator("layout")  # the layouts' unused elements
     cases = []
     for (block_size, nan), layout, padded in zip(
         ((4, False), (16, False), (1, True), (8, True))
@@ -573,6 +561,7 @@ class _Merged(tuple):
         return f"Out {describe(self[0], limit=4)}; Out_lse {describe(self[1], limit=4)}"
 
 
+@check("ch05.check_merge_splits")
 def check_merge_splits(kernel, seed: int = 0) -> CheckResult:
     """``merge_splits_kernel(Partial, Lse, Out, Out_lse, NUM_SPLITS, BLOCK_S, D)``, grid ``(rows,)``.
 
@@ -583,10 +572,9 @@ def check_merge_splits(kernel, seed: int = 0) -> CheckResult:
     All fp32, contiguous.
     """
     _expect_kernel(kernel, "merge_splits_kernel")
-    rng = case_rng("ch05.check_merge_splits", seed)
-    gen = case_generator("ch05.check_merge_splits", seed)
+    rng, gen = hidden_rng(), hidden_generator()
 
-    def same(got, wrong):  # a mistake's None part is whatever the kernel wrote there
+    def both(got, wrong):  # a mistake's None part is whatever the kernel wrote there
         return all(w is None or _same(g, w) for g, w in zip(got, wrong))
 
     diagnosis = Diagnosis([
@@ -615,7 +603,7 @@ def check_merge_splits(kernel, seed: int = 0) -> CheckResult:
          "splits' denominators, so Out_lse = M + log(sum_i exp(lse_i - M)).",
          lambda p, l, rows, bs: _merge_as(p, l, rows, bs, "lse_sum")),
     ], "Merge with M = max_i lse_i and w_i = exp(lse_i - M): Out = sum_i w_i o_i / sum_i w_i, "
-       "Out_lse = M + log(sum_i w_i); empty splits (lse = -inf) weigh nothing.", same)  # fmt: skip
+       "Out_lse = M + log(sum_i w_i); empty splits (lse = -inf) weigh nothing.", both)  # fmt: skip
     cases = [(4, [1, 37, 9], 0.0), (3, [2, 50, 5], 0.0), (5, [3, 21, 64], 0.0), (4, [30, 6, 47], 200.0),
              (3, [13, 1, 40], -200.0)]  # fmt: skip
     cases += [(rng.choice([2, 3, 4, 5, 6]), [rng.randint(1, 64) for _ in range(3)], 0.0)]
@@ -688,6 +676,7 @@ def _tiled_as(q, k, v, lens, group, block_n, scale, mistake: str = "") -> torch.
     return out
 
 
+@check("ch05.check_tiled_decode")
 def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
     """``tiled_decode_kernel(Q, K, V, Seq_lens, Out, scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_ks,
     GROUP, BLOCK_N, D)``, grid ``(B, Hkv)``: one program per (sequence, KV head) for the ``GROUP`` query heads
@@ -698,8 +687,7 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
     sequence ``b`` owns positions ``0 .. Seq_lens[b] - 1``, the slots after it hold stale numbers or NaN.
     """
     _expect_kernel(kernel, "tiled_decode_kernel")
-    rng = case_rng("ch05.check_tiled_decode", seed)
-    gen = case_generator("ch05.check_tiled_decode", seed)
+    rng, gen = hidden_rng(), hidden_generator()
     scale = 1 / math.sqrt(TILED_D)
 
     def mistake(name):
@@ -754,7 +742,7 @@ def check_tiled_decode(kernel, seed: int = 0) -> CheckResult:
                rng.choice(["nan", "stale"]), rng.random() < 0.5, rng.choice(list(kv_layouts)),
                rng.random() < 0.5)]  # fmt: skip
     s_max = 48  # a multiple of every BLOCK_N: even an unmasked tile stays inside the cache
-    filler = case_generator("ch05.check_tiled_decode.layout", seed)  # the layouts' unused elements
+    filler = hidden_generator("layout")  # the layouts' unused elements
     for group, block_n, lens, pad, growing, kv_layout, padded_heads in cases:
         hq = TILED_HKV * group
         q = torch.randn(len(lens), hq, TILED_D, generator=gen, device="cpu")
@@ -801,17 +789,25 @@ def _kv_bytes(seq_lens: list[int], num_kv_heads: int, head_dim: int, bytes_per_v
     return 2 * sum(seq_lens) * num_kv_heads * head_dim * bytes_per_value
 
 
+def _a_byte_count(case: str, got, *_):
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        fail(case, expected="a number of bytes", got=type(got).__name__, hint="Return an int.")
+    return got
+
+
+def _lengths(lens: list[int]) -> str:
+    return str(lens) if len(lens) < 5 else f"[{lens[0]}, ... {len(lens)} lengths]"
+
+
+@check("ch05.check_kv_bytes", takes="fn(seq_lens, num_kv_heads, head_dim, bytes_per_value)")
 def check_kv_bytes(fn: Callable[[list[int], int, int, int], int], seed: int = 0) -> CheckResult:
     """``fn(seq_lens, num_kv_heads, head_dim, bytes_per_value)``: bytes of K and V one layer's decode step reads."""
-    if not callable(fn):
-        raise ExerciseError(
-            f"pass your function fn(seq_lens, num_kv_heads, head_dim, bytes_per_value), got {type(fn).__name__}"
-        )
-    rng = case_rng("ch05.check_kv_bytes", seed)
+    rng = hidden_rng()
     cases = [([512], 8, 128, 2), ([100, 2000, 7], 8, 128, 2), ([4096] * 32, 8, 128, 1), ([1, 1], 3, 64, 4)]
     cases += [([rng.randint(1, 5000) for _ in range(rng.randint(2, 6))], rng.choice([1, 2, 4, 8]),
                rng.choice([64, 128, 256]), rng.choice([1, 2, 4])) for _ in range(4)]  # fmt: skip
-    diagnosis = Diagnosis([
+    diagnose(fn, cases, label=lambda lens, hkv, d, nbytes: f"kv_bytes({_lengths(lens)}, {hkv}, {d}, {nbytes})",
+             reference=_kv_bytes, mistakes=[
         ("Both K and V are read: twice the bytes of K alone.", lambda lens, h, d, nb: _kv_bytes(lens, h, d, nb) // 2),
         ("Each sequence reads its own seq_len, not the longest one: sum the lengths.",
          lambda lens, h, d, nb: 2 * len(lens) * max(lens) * h * d * nb),
@@ -819,17 +815,8 @@ def check_kv_bytes(fn: Callable[[list[int], int, int, int], int], seed: int = 0)
          lambda lens, h, d, nb: 8 * _kv_bytes(lens, h, d, nb)),
         ("Every KV head stores its own K and V: multiply by num_kv_heads.",
          lambda lens, h, d, nb: _kv_bytes(lens, 1, d, nb)),
-    ], "Count tokens x KV heads x head_dim x bytes per value, for K and for V.", lambda a, b: a == b)  # fmt: skip
-    for seq_lens, hkv, d, nbytes in cases:
-        shown = seq_lens if len(seq_lens) < 5 else f"[{seq_lens[0]}, ... {len(seq_lens)} lengths]"
-        case = f"kv_bytes({shown}, {hkv}, {d}, {nbytes})"
-        got = call_learner("kv_bytes", fn, list(seq_lens), hkv, d, nbytes)
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
-            fail(case, expected="a number of bytes", got=type(got).__name__, hint="Return an int.")
-        want = _kv_bytes(seq_lens, hkv, d, nbytes)
-        if got != want:
-            diagnosis.record(case, (seq_lens, hkv, d, nbytes), got, want)
-    diagnosis.raise_if_wrong()
+    ], hint="Count tokens x KV heads x head_dim x bytes per value, for K and for V.", compare=operator.eq,
+             returns=_a_byte_count)  # fmt: skip
     # The chapter's scenario fits on one H100 SXM (80 GB): 17.2 GB of cache and 16.1 GB of fp16 weights.
     step = 32 * _kv_bytes([4096] * 32, 8, 128, 2)
     h100 = GPU_PEAKS["H100-SXM"]
@@ -903,37 +890,37 @@ def _int8_cases(rng) -> list[tuple[list[int], int, int, int, int]]:
     return cases
 
 
+def _a_speedup(case: str, got, *_):
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        fail(case, expected="a speed-up (a number)", got=type(got).__name__, hint="Return a float.")
+    return got
+
+
+@check(
+    "ch05.check_int8_speedup",
+    takes="predict_speedup",
+    references={"int8_speedup_bound": int8_speedup_bound},
+    task="count the bytes yourself; decode_attention_bytes is allowed, the finished model is not.",
+)
 def check_int8_speedup(predict_speedup: Callable[[list[int], int, int, int, int], float], seed: int = 0) -> CheckResult:
     """``predict_speedup(seq_lens, num_q_heads, num_kv_heads, head_dim, block_size)``: the roofline's speed-up of the
     int8 paged decode kernel over the fp16 one, from the bytes each must move (the course's model:
     :func:`kvcourse.kernels.roofline.int8_speedup_bound`)."""
-    if not callable(predict_speedup):
-        raise ExerciseError(f"pass your function predict_speedup, got {type(predict_speedup).__name__}")
-    refuse_references(
+    diagnose(
         predict_speedup,
-        {"int8_speedup_bound": int8_speedup_bound},
-        "count the bytes yourself; decode_attention_bytes is allowed, the finished model is not.",
+        _int8_cases(hidden_rng()),
+        label=lambda lens, hq, hkv, d, bs: f"predict_speedup({_lengths(lens)}, {hq}, {hkv}, {d}, {bs})",
+        reference=int8_speedup_bound,
+        mistakes=_INT8_MISTAKES,
+        hint="Count each kernel's bytes: K and V of every cached token and KV head (fp16: 2 bytes a value; int8: 1 "
+        "byte a value plus a 4-byte scale per token and head), the fp16 query and output, the block-table entries; "
+        "divide fp16's by int8's.",
+        compare=lambda got, want: same(got, want, abs_tol=0.0),
+        returns=_a_speedup,
     )
-    diagnosis = Diagnosis(_INT8_MISTAKES, same=lambda a, b: math.isclose(a, b, rel_tol=1e-9), default=(
-        "Count each kernel's bytes: K and V of every cached token and KV head (fp16: 2 bytes a value; int8: 1 byte a "
-        "value plus a 4-byte scale per token and head), the fp16 query and output, the block-table entries; divide "
-        "fp16's by int8's."))  # fmt: skip
-    for lens, hq, hkv, d, bs in _int8_cases(case_rng("ch05.check_int8_speedup", seed)):
-        shown = lens if len(lens) < 5 else f"[{lens[0]}, ... {len(lens)} lengths]"
-        case = f"predict_speedup({shown}, {hq}, {hkv}, {d}, {bs})"
-        got = call_learner("predict_speedup", predict_speedup, list(lens), hq, hkv, d, bs)
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
-            fail(case, expected="a speed-up (a number)", got=type(got).__name__, hint="Return a float.")
-        want = int8_speedup_bound(lens, hq, hkv, d, bs)
-        if not math.isclose(got, want, rel_tol=1e-9):
-            diagnosis.record(case, (lens, hq, hkv, d, bs), got, want)
-    diagnosis.raise_if_wrong()
     big = int8_speedup_bound([2048] * 32, 32, 8, 128, 16)
     return passed(
         f"at 32 x 2,048 tokens of a Llama-3-8B layer the bytes promise int8 a {big:.2f}x speed-up, and "
         f"{int8_speedup_bound([1], 32, 8, 128, 16):.2f}x at one token: the roofline's bound, not a "
         "measurement."
     )
-
-
-wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished
