@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvcourse.exercises import ExerciseError, ch06, ch06_phases
+from kvcourse.exercises._core import case_rng
 
 
 def ceil(a, b):
@@ -81,12 +82,12 @@ def test_the_hidden_traces_chunk_and_preempt():
         ("check_schedule_running", ch06_phases._running_traces),
         ("check_schedule_waiting", ch06_phases._waiting_traces),
     ):
-        logs = [ch06_phases._log(t) for t in traces(ch06_phases.case_rng(check, 0))]
+        logs = [ch06_phases._log(t) for t in traces(case_rng(check, 0))]
         steps = [step for log in logs for step in log]
         assert any(step[2] for step in steps)  # somebody is preempted
         assert any(
             n < total
-            for log, t in zip(logs, traces(ch06_phases.case_rng(check, 0)))
+            for log, t in zip(logs, traces(case_rng(check, 0)))
             for step in log
             for i, c, n in step[0]
             if c == 0 and (total := t[0][i]) > n

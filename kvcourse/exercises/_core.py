@@ -751,15 +751,15 @@ def same(
 
 
 def an_int(what: str = "", strict: bool = False) -> Callable[..., int]:
-    """A ``returns`` for :func:`diagnose`: the answer must be an int (a float with no fraction is taken, unless
-    ``strict``)."""
+    """A ``returns`` for :func:`diagnose`: the answer must be an int (``what``: "number of tokens", say; a float with
+    no fraction is taken, unless ``strict``)."""
 
     def returns(case: str, got: Any, *args) -> int:
         if not strict and isinstance(got, float) and got.is_integer():
             got = int(got)
         if isinstance(got, bool) or not isinstance(got, int):
             raise ExerciseError(
-                f"{case} should return an int{f' ({what})' if what else ''}, got {type(got).__name__}: {describe(got)}",
+                f"{case} should return an int{f' {what}' if what else ''}, got {type(got).__name__}: {describe(got)}",
                 case=case,
             )
         return got

@@ -583,7 +583,7 @@ def check_tokens_to_outweigh(fn: Callable[[dict, int], int], seed: int = 0) -> C
         hint="Bytes per token of the batch: 2 x layers x KV heads x head_dim x batch_size (x bytes per value, which "
         "cancels). Divide the parameters by that and round up.",
         compare=operator.eq,
-        returns=an_int("a number of tokens"),
+        returns=an_int("number of tokens"),
     )
     smol = -(-configs[0]["num_parameters"] // (2 * 30 * 3 * 64))
     return passed(

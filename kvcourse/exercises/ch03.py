@@ -511,7 +511,7 @@ def check_max_sequences(fn: Callable[..., int], seed: int = 0) -> CheckResult:
         mistakes=_FIT_MISTAKES,
         hint="Budget = utilization x gpu_bytes - weight bytes; divide by one sequence's cache and round down.",
         compare=operator.eq,
-        returns=an_int("a number of sequences"),
+        returns=an_int("number of sequences"),
     )
     n = _fit(*_fit_args(*_FIT_CHAPTER))
     per_seq = kv_cache_bytes(_FIT_CHAPTER[0], _FIT_CHAPTER[1], dtype="fp8")
@@ -604,7 +604,7 @@ def check_max_context(fn: Callable[..., int], seed: int = 0) -> CheckResult:
         hint="Budget = utilization x gpu_bytes - weight bytes; divide by "
         "num_sequences x one token's K/V bytes and round down.",
         compare=operator.eq,
-        returns=an_int("a number of tokens"),
+        returns=an_int("number of tokens"),
     )
     tokens = _context(*_fit_args("llama-3-8b", 64, 80 * GB, 2, 2, 0.9))
     return passed(

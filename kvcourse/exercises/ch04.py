@@ -497,7 +497,7 @@ def check_parallel_sampling_blocks(
         ],
         hint="Count the full prompt blocks once, then each of the n samples' own blocks.",
         compare=operator.eq,
-        returns=an_int("a number of blocks", strict=True),
+        returns=an_int("number of blocks", strict=True),
     )
     return passed(
         "the full prompt blocks once, then each sample's own blocks, among them a copy of the partly "

@@ -20,22 +20,13 @@ reference that ``tests/test_exercises_ch06.py`` tests. Wrong answers are compare
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 
 from ..paged import BlockManager
 from ..sequence import SamplingParams, Sequence
 from ..serving.scheduler import Scheduler, preempt_newest
-from ._core import (
-    call_learner,
-    case_rng,
-    CheckResult,
-    describe,
-    Diagnosis,
-    ExerciseError,
-    passed,
-    refuse_references,
-    wrap_checks,
-)
+from ._core import CheckResult, ExerciseError, an_int, call_learner, check, describe, diagnose, hidden_rng, passed
 from .ch06_phases import check_schedule_running, check_schedule_waiting
 
 __all__ = [
@@ -45,10 +36,6 @@ __all__ = [
     "check_schedule_waiting",
     "check_victims",
 ]
-
-
-def _same(a, b) -> bool:
-    return a == b
 
 
 # --- Exercise 3: the victim policy, in the real engine ----------------------------------------------
@@ -196,6 +183,12 @@ def _engine_case(rng, vocab_size: int) -> tuple[list[list[int]], int, int, int, 
             return prompts, *case[1:]
 
 
+@check(
+    "check_victims",
+    takes="pick_victim(candidates)",
+    references={"preempt_newest": preempt_newest},
+    task="write the choice yourself.",
+)
 def check_victims(pick_victim: Callable[[list[Sequence]], Sequence], model=None, seed: int = 0) -> CheckResult:
     """``pick_victim(candidates) -> victim``: the scheduler's preemption policy (``Engine(...,
     preemption_policy=...)``). ``candidates``: the running sequences that may give way, oldest first, each as a
@@ -203,27 +196,19 @@ def check_victims(pick_victim: Callable[[list[Sequence]], Sequence], model=None,
     needs a block and none is free. First on workloads without a model, then in the engine on ``model``
     (SmolLM2, loaded if not given): the outputs must equal each request run alone, and the preemptions the
     expected ones."""
-    if not callable(pick_victim):
-        raise ExerciseError(f"pass your function pick_victim(candidates), got {type(pick_victim).__name__}")
-    refuse_references(pick_victim, {"preempt_newest": preempt_newest}, "write the choice yourself.")
-    diagnosis = Diagnosis(
-        _VICTIM_MISTAKES,
-        same=_same,
-        default=(
-            "Under vLLM's policy the newest running request gives way, whatever its size: the last of the candidates."
+    rng = hidden_rng()
+    diagnose(
+        pick_victim,
+        [(case,) for case in _victim_cases(rng)],
+        label=lambda case: (
+            f"preemptions in workload (prompt_lens, max_new_tokens, num_blocks, block_size, budget) = {case}"
         ),
+        reference=lambda case: _run(case, _pick_victim),
+        mistakes=_VICTIM_MISTAKES,
+        hint="Under vLLM's policy the newest running request gives way, whatever its size: the last of the candidates.",
+        compare=operator.eq,
+        call=lambda name, pick_victim, case: _describe_run(*_run_trace(case, pick_victim)),  # inside the Scheduler
     )
-    rng = case_rng("check_victims", seed)
-    for case in _victim_cases(rng):
-        got, want = _describe_run(*_run_trace(case, pick_victim)), _run(case, _pick_victim)
-        if got != want:
-            diagnosis.record(
-                f"preemptions in workload (prompt_lens, max_new_tokens, num_blocks, block_size, budget) = {case}",
-                (case,),
-                got,
-                want,
-            )
-    diagnosis.raise_if_wrong()
 
     import kvcourse  # the real model, only once the policy is right on the traces
     from ..serving.engine import Engine
@@ -290,22 +275,19 @@ def _chunk_cases(rng) -> list[tuple[float, float, int, float]]:
     return cases
 
 
+@check("check_chunk_size", takes="chunk_size(fixed_ms, per_token_ms, num_decodes, tpot_ms)")
 def check_chunk_size(chunk_size: Callable[[float, float, int, float], int], seed: int = 0) -> CheckResult:
     """``chunk_size(fixed_ms, per_token_ms, num_decodes, tpot_ms)`` -> the largest chunk (tokens, >= 0)."""
-    diagnosis = Diagnosis(
-        _CHUNK_MISTAKES,
-        same=_same,
-        default=("Solve fixed_ms + per_token_ms * (num_decodes + chunk) <= tpot_ms for the largest whole chunk."),
+    diagnose(
+        chunk_size,
+        _chunk_cases(hidden_rng()),
+        label=lambda *case: f"chunk_size{case}",
+        reference=_chunk_size,
+        mistakes=_CHUNK_MISTAKES,
+        hint="Solve fixed_ms + per_token_ms * (num_decodes + chunk) <= tpot_ms for the largest whole chunk.",
+        compare=operator.eq,
+        returns=an_int("number of tokens", strict=True),
     )
-    for case in _chunk_cases(case_rng("check_chunk_size", seed)):
-        label = f"chunk_size{case}"
-        got = call_learner("chunk_size", chunk_size, *case)
-        if isinstance(got, bool) or not isinstance(got, int):
-            raise ExerciseError(f"{label} should return an int number of tokens, got {describe(got)}", case=label)
-        want = _chunk_size(*case)
-        if got != want:
-            diagnosis.record(label, case, got, want)
-    diagnosis.raise_if_wrong()
     return passed(
         f"with 40 ms per step plus 0.25 ms per token and 8 decodes, a 100 ms target leaves room for a "
         f"chunk of {_chunk_size(40.0, 0.25, 8, 100.0)} tokens."
@@ -360,25 +342,25 @@ _PREDICT_MISTAKES = [
     (
         "The decodes go first: each step, the older requests' decode tokens come out of the budget, and the prompt's "
         "chunk gets what is left, budget - num_decodes.",
-        lambda c: _predict_wrong(c, chunk_full=True),
+        lambda *c: _predict_wrong(c, chunk_full=True),
     ),
     (
         "The decodes share every step with the chunk: the steps feed the prompt's tokens and num_decodes decode tokens "
         "each, and the per-token cost counts them all.",
-        lambda c: _predict_wrong(c, no_decodes=True),
+        lambda *c: _predict_wrong(c, no_decodes=True),
     ),
     (
         "Every step pays the fixed cost: steps * fixed_ms, not fixed_ms once.",
-        lambda c: _predict_wrong(c, one_fixed=True),
+        lambda *c: _predict_wrong(c, one_fixed=True),
     ),
     (
         "A partial chunk is a step too: ceil(prompt_len / chunk) steps, not floor.",
-        lambda c: _predict_wrong(c, floor=True),
+        lambda *c: _predict_wrong(c, floor=True),
     ),
     (
         "The last chunk is usually smaller than the others: count the tokens fed (the prompt, plus the decodes of every "
         "step), not steps * budget.",
-        lambda c: _predict_wrong(c, full_steps=True),
+        lambda *c: _predict_wrong(c, full_steps=True),
     ),
 ]
 
@@ -397,6 +379,26 @@ def _predict_cases(rng) -> list[PredictCase]:
     return cases
 
 
+def _a_prediction(case: str, got, *_) -> tuple[int, float]:
+    if not (
+        isinstance(got, (tuple, list))
+        and len(got) == 2
+        and isinstance(got[0], int)
+        and not isinstance(got[0], bool)
+        and isinstance(got[1], (int, float))
+    ):
+        raise ExerciseError(
+            f"{case} should return (steps, milliseconds): an int and a number, got {describe(got)}", case=case
+        )
+    return tuple(got)
+
+
+@check(
+    "check_predicted_ttft",
+    takes="predict_ttft",
+    references={"Scheduler": Scheduler},
+    task="predict from the rules, without running a scheduler.",
+)
 def check_predicted_ttft(
     predict_ttft: Callable[[int, int, int, float, float], tuple[int, float]], seed: int = 0
 ) -> CheckResult:
@@ -404,39 +406,19 @@ def check_predicted_ttft(
     arrival to the step that computes its last prompt token, beside ``num_decodes`` older requests that keep
     decoding, with chunked prefill under ``budget`` tokens a step, each step costing ``fixed_ms + per_token_ms *
     tokens``. Compared with the package's Scheduler driven without a model."""
-    if not callable(predict_ttft):
-        raise ExerciseError(f"pass your function predict_ttft, got {type(predict_ttft).__name__}")
-    refuse_references(predict_ttft, {"Scheduler": Scheduler}, "predict from the rules, without running a scheduler.")
-    diagnosis = Diagnosis(
-        _PREDICT_MISTAKES,
-        same=_same_prediction,
-        default=(
-            "Each step feeds num_decodes decode tokens and a chunk of budget - num_decodes prompt tokens (the last one "
-            "smaller); count the steps, the tokens fed, and charge fixed_ms per step plus per_token_ms per token."
-        ),
+    diagnose(
+        predict_ttft,
+        _predict_cases(hidden_rng()),
+        label=lambda *case: f"predict_ttft{case}",
+        reference=_predicted_ttft,
+        mistakes=_PREDICT_MISTAKES,
+        hint="Each step feeds num_decodes decode tokens and a chunk of budget - num_decodes prompt tokens (the last "
+        "one smaller); count the steps, the tokens fed, and charge fixed_ms per step plus per_token_ms per token.",
+        compare=_same_prediction,
+        returns=_a_prediction,
     )
-    for case in _predict_cases(case_rng("check_predicted_ttft", seed)):
-        label = f"predict_ttft{case}"
-        got = call_learner("predict_ttft", predict_ttft, *case)
-        if not (
-            isinstance(got, (tuple, list))
-            and len(got) == 2
-            and isinstance(got[0], int)
-            and not isinstance(got[0], bool)
-            and isinstance(got[1], (int, float))
-        ):
-            raise ExerciseError(
-                f"{label} should return (steps, milliseconds): an int and a number, got {describe(got)}", case=label
-            )
-        want = _predicted_ttft(*case)
-        if not _same_prediction(got, want):
-            diagnosis.record(label, (case,), tuple(got), want)
-    diagnosis.raise_if_wrong()
     steps, ms = _predicted_ttft(1024, 4, 128, 56.0, 1.45)
     return passed(
         f"a 1,024-token prompt beside 4 decodes with a budget of 128 takes {steps} steps: "
         f"{ms / 1e3:.2f} s at 56 ms + 1.45 ms per token."
     )
-
-
-wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished
