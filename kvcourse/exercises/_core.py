@@ -737,7 +737,8 @@ def same(
     got: Any, want: Any, *, rel: float = 1e-9, abs_tol: float = 1e-9, atol: float = 1e-5, rtol: float = 1e-4
 ) -> bool:
     """Whether ``got`` matches ``want`` (or a typical mistake's answer): numbers within ``rel`` (or ``abs_tol``),
-    tensors of one shape within ``atol`` and ``rtol`` (compared as float), anything else equal."""
+    tensors of one shape within ``atol`` and ``rtol`` (compared as float; a tuple of them, each), anything else
+    equal."""
     import torch
 
     if isinstance(want, torch.Tensor):
@@ -746,6 +747,8 @@ def same(
             and got.shape == want.shape
             and torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol)
         )
+    if isinstance(want, tuple) and isinstance(got, tuple) and any(isinstance(w, torch.Tensor) for w in want):
+        return len(got) == len(want) and all(same(g, w, atol=atol, rtol=rtol) for g, w in zip(got, want))
     numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (got, want))
     return math.isclose(got, want, rel_tol=rel, abs_tol=abs_tol) if numbers else got == want
 
@@ -806,7 +809,7 @@ def diagnose(
     returns: Callable[..., Any] | None = None,
     device: Any = None,
     diff: bool = False,
-    call: Callable[..., Any] = call_learner,
+    call: Callable[..., Any] | None = None,
 ) -> None:
     """Run the learner's ``fn`` on every case and raise :class:`ExerciseError` if any is wrong, with the hint of
     the mistake that explains them all (:class:`Diagnosis`), else ``hint``.
@@ -816,14 +819,16 @@ def diagnose(
     ``label(*case)`` names the call in a failure (``"causal_mask(4, 4)"``: ``causal_mask`` names ``fn`` in a crash);
     ``returns(label, got, *case)`` checks what came back and returns it (:func:`an_int`, :func:`a_number`,
     :func:`expect_tensor`). ``compare(got, want)`` says right or wrong (and whether a mistake explains it);
-    ``diff`` adds where two tensors differ most; ``call`` (:func:`call_learner`'s signature) may explain a crash.
+    ``diff`` adds where two tensors differ most; ``call(label, fn, *inputs)``, in place of :func:`call_learner`, runs
+    ``fn`` another way (inside a simulation, say) or explains a crash.
     """
     cases = list(cases)
     wants = [reference(*case) for case in cases]
     diagnosis = Diagnosis(mistakes, hint, compare)
     for case, want in zip(cases, wants):
         name = label(*case)
-        got = call(name.split("(")[0], fn, *(_copy_for_learner(x, device) for x in case))
+        given = (_copy_for_learner(x, device) for x in case)
+        got = call(name, fn, *given) if call is not None else call_learner(name.split("(")[0], fn, *given)
         got = on_host(returns(name, got, *case) if returns is not None else got)
         if not compare(got, want):
             extra = f"\n            ({tensor_diff(got, want)})" if diff else ""

@@ -42,8 +42,9 @@ _FIT_REFERENCES = {
 }
 
 
-def _call_on_config(name: str, fn: Callable, config: dict, *args) -> Any:
+def _call_on_config(label: str, fn: Callable, config: dict, *args) -> Any:
     """Call the learner; a missing optional key gets its own hint instead of a bare KeyError."""
+    name = label.split("(")[0]
     try:
         return call_learner(name, fn, config, *args)
     except ExerciseError as exc:

@@ -91,11 +91,11 @@ def _step_cases(rng) -> list[tuple[list[list[int]], list[int], list[int], int]]:
     return cases
 
 
-def _call_or_past_table(name: str, fn: Callable, *args) -> Any:
+def _call_or_past_table(label: str, fn: Callable, *args) -> Any:
     """The learner's slot mapping, or ``_PAST_THE_TABLE`` if it read past a block table (an off-by-one, diagnosed
     with the other cases)."""
     try:
-        return call_learner(name, fn, *args)
+        return call_learner("slot_mapping", fn, *args)
     except ExerciseError as exc:
         if not isinstance(exc.__cause__, IndexError):
             raise

@@ -207,7 +207,7 @@ def check_victims(pick_victim: Callable[[list[Sequence]], Sequence], model=None,
         mistakes=_VICTIM_MISTAKES,
         hint="Under vLLM's policy the newest running request gives way, whatever its size: the last of the candidates.",
         compare=operator.eq,
-        call=lambda name, pick_victim, case: _describe_run(*_run_trace(case, pick_victim)),  # inside the Scheduler
+        call=lambda label, pick_victim, case: _describe_run(*_run_trace(case, pick_victim)),  # inside the Scheduler
     )
 
     import kvcourse  # the real model, only once the policy is right on the traces

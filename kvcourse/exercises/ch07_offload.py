@@ -11,25 +11,14 @@ hint and checks the private reference against :func:`~kvcourse.paged.apply_trans
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 from ..paged.offload import apply_transfers
-from ._core import (
-    call_learner,
-    case_rng,
-    CheckResult,
-    describe,
-    Diagnosis,
-    ExerciseError,
-    handed,
-    learner_device,
-    on_host,
-    passed,
-    refuse_references,
-    wrap_checks,
-)
+from ._core import CheckResult, ExerciseError, call_learner, check, describe, diagnose, hidden_rng, learner_device
+from ._core import on_host, passed, same
 
 __all__ = ["check_replay"]
 
@@ -87,10 +76,6 @@ _MISTAKES = [
 ]
 
 
-def _same(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
 def _cases(rng) -> list[tuple[torch.Tensor, torch.Tensor, list[tuple[str, int, int]]]]:
     def pools(num_device: int, num_host: int):
         # Every block a different value, device positive and host negative, so any wrong copy shows.
@@ -117,6 +102,24 @@ def _cases(rng) -> list[tuple[torch.Tensor, torch.Tensor, list[tuple[str, int, i
     return cases
 
 
+def _replayed(label: str, replay: Callable, device_pool, host_pool, transfers, *, pool_device) -> tuple:
+    """The two pools after the learner's ``replay`` wrote into them (what it returns is not looked at)."""
+    device_pool = device_pool.to(pool_device)  # the device pool where this check runs; the host pool on the CPU
+    try:
+        call_learner("replay", replay, device_pool, host_pool, transfers)
+    except ExerciseError as exc:
+        if isinstance(exc.__cause__, IndexError):  # a block number read in the wrong pool
+            raise ExerciseError(f"{exc}\nHint: {_ROLES}", case=label, hint=_ROLES) from exc
+        raise
+    return on_host(device_pool), host_pool
+
+
+@check(
+    "check_replay",
+    takes="replay(device, host, transfers)",
+    references={"apply_transfers": apply_transfers},
+    task="replay the moves yourself.",
+)
 def check_replay(replay: Callable, seed: int = 0, *, device: torch.device | str | None = None) -> CheckResult:
     """``replay(device, host, transfers)`` copies blocks in place: ``transfers`` lists ``(direction, src,
     dst)`` with ``direction`` ``"to_host"`` (device block ``src`` into host block ``dst``) or
@@ -126,29 +129,20 @@ def check_replay(replay: Callable, seed: int = 0, *, device: torch.device | str 
     The host pool is on the CPU; the device pool on this check's ``device`` argument (default_device() by
     default: the GPU on Colab, where every move crosses between GPU and CPU memory)."""
     pool_device = learner_device(device)
-    refuse_references(replay, {"apply_transfers": apply_transfers}, "replay the moves yourself.")
-    diagnosis = Diagnosis(_MISTAKES, same=_same, default=(
-        "For each (direction, src, dst) in order: host[dst] = device[src] for 'to_host', device[dst] = host[src] for "
-        "'to_device', writing into the tensors you were given."))  # fmt: skip
-    for device_pool, host_pool, transfers in _cases(case_rng("check_replay", seed)):
-        label = (
-            f"replay(device {tuple(device_pool.shape)}, host {tuple(host_pool.shape)}, {describe(transfers, limit=6)})"
-        )
-        want = _replay(device_pool, host_pool, transfers)
-        got_device, got_host = handed(device_pool, pool_device), host_pool.clone()
-        try:
-            call_learner("replay", replay, got_device, got_host, list(transfers))
-        except ExerciseError as exc:
-            if isinstance(exc.__cause__, IndexError):  # a block number read in the wrong pool
-                raise ExerciseError(f"{exc}\nHint: {_ROLES}", case=label, hint=_ROLES) from exc
-            raise
-        got = (on_host(got_device), got_host)
-        if not _same(got, want):
-            diagnosis.record(label, (device_pool, host_pool, transfers), got, want)
-    diagnosis.raise_if_wrong()
+    diagnose(
+        replay,
+        _cases(hidden_rng()),
+        label=lambda d, h, transfers: (
+            f"replay(device {tuple(d.shape)}, host {tuple(h.shape)}, {describe(transfers, limit=6)})"
+        ),
+        reference=_replay,
+        mistakes=_MISTAKES,
+        hint="For each (direction, src, dst) in order: host[dst] = device[src] for 'to_host', device[dst] = host[src] "
+        "for 'to_device', writing into the tensors you were given.",
+        compare=lambda got, want: same(got, want, atol=0.0, rtol=0.0),
+        device="cpu",  # copies on the CPU, the device pool then moved to pool_device
+        call=functools.partial(_replayed, pool_device=pool_device),
+    )
     return passed(
         "every move reads what the moves before it left, so a block reused within a step holds the right data."
     )
-
-
-wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished

@@ -14,30 +14,15 @@ mistakes (:class:`~kvcourse.exercises._core.Diagnosis`) to say which one they lo
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from collections.abc import Callable
 
 from ..paged.prefix_cache import FreeBlockQueue, PrefixCachingBlockManager, hash_block_tokens
-from ._core import (
-    call_learner,
-    case_rng,
-    CheckResult,
-    describe,
-    Diagnosis,
-    ExerciseError,
-    fail,
-    passed,
-    learner_runs,
-    lend,
-    refuse_references,
-    wrap_checks,
-)
+from ._core import CheckResult, ExerciseError, call_learner, case_rng, check, describe, diagnose, fail, hidden_rng
+from ._core import learner_runs, lend, passed
 
 __all__ = ["check_block_hashes", "check_lru_takes", "check_prefix_lookup"]
-
-
-def _same(a, b) -> bool:
-    return a == b
 
 
 # --- Exercise 1: a block hash chain --------------------------------------------------------------
@@ -116,28 +101,39 @@ def _hash_cases(rng) -> list[tuple[list[int], int, str | None]]:
     return cases
 
 
+def _a_list(what: str, ints: bool = False) -> Callable:
+    """A ``returns`` for diagnose: the answer must be a list (``what``: of what), of ints if asked."""
+
+    def returns(case: str, got, *_) -> list:
+        if not isinstance(got, list) or (ints and not all(isinstance(b, int) and not isinstance(b, bool) for b in got)):
+            raise ExerciseError(f"{case} should return a list {what}, got {describe(got)}", case=case)
+        return got
+
+    return returns
+
+
+@check(
+    "check_block_hashes",
+    takes="block_hashes(token_ids, block_size, cache_salt, hash_fn)",
+    references={"PrefixCachingBlockManager": PrefixCachingBlockManager, "hash_block_tokens": hash_block_tokens},
+    task="chain the hashes yourself.",
+)
 def check_block_hashes(block_hashes: Callable, seed: int = 0) -> CheckResult:
     """``block_hashes(token_ids, block_size, cache_salt, hash_fn)`` -> one hash per full block, in order,
     each ``hash_fn(parent_block_hash, block_token_ids, extra_keys)``."""
-    refuse_references(
+    diagnose(
         block_hashes,
-        {"PrefixCachingBlockManager": PrefixCachingBlockManager, "hash_block_tokens": hash_block_tokens},
-        "chain the hashes yourself.",
+        [(*case, _readable_hash) for case in _hash_cases(hidden_rng())],
+        label=lambda tokens, bs, salt, _: (
+            f"block_hashes({describe(tokens, limit=6)}, block_size={bs}, cache_salt={salt!r})"
+        ),
+        reference=_block_hashes,
+        mistakes=_HASH_MISTAKES,
+        hint="For each full block i: hash_fn(hash of block i-1 or None, its block_size tokens, (cache_salt,) for "
+        "block 0 with a salt, else ()).",
+        compare=operator.eq,
+        returns=_a_list("(one hash per full block)"),
     )
-    diagnosis = Diagnosis(_HASH_MISTAKES, same=_same, default=(
-        "For each full block i: hash_fn(hash of block i-1 or None, its block_size tokens, (cache_salt,) for block 0 "
-        "with a salt, else ())."))  # fmt: skip
-    for tokens, bs, salt in _hash_cases(case_rng("check_block_hashes", seed)):
-        label = f"block_hashes({describe(tokens, limit=6)}, block_size={bs}, cache_salt={salt!r})"
-        got = call_learner("block_hashes", block_hashes, list(tokens), bs, salt, _readable_hash)
-        if not isinstance(got, list):
-            raise ExerciseError(
-                f"{label} should return a list (one hash per full block), got {describe(got)}", case=label
-            )
-        want = _block_hashes(tokens, bs, salt, _readable_hash)
-        if got != want:
-            diagnosis.record(label, (tokens, bs, salt, _readable_hash), got, want)
-    diagnosis.raise_if_wrong()
     return passed("each full block's hash chains from its parent's, and a tenant's salt reaches every block.")
 
 
@@ -251,34 +247,40 @@ def _lru_cases(rng) -> list[tuple[int, list[tuple]]]:
     return cases
 
 
+def _lru_call(label: str, lru_takes: Callable, n: int, ops: list[tuple]) -> list:
+    """The learner's takes; a crash at a hit on a block its queue lost gets the hint of the mistake that lost it."""
+    try:
+        return call_learner("lru_takes", lru_takes, n, ops)
+    except ExerciseError as exc:
+        if isinstance(exc.__cause__, (KeyError, ValueError, IndexError)):
+            _explain_lru_crash(lru_takes, n, ops, label, exc)
+        raise
+
+
+@check(
+    "check_lru_takes",
+    takes="lru_takes(num_blocks, ops)",
+    references={"FreeBlockQueue": FreeBlockQueue, "PrefixCachingBlockManager": PrefixCachingBlockManager},
+    task="keep the queue yourself (an OrderedDict or a list will do).",
+)
 def check_lru_takes(lru_takes: Callable, seed: int = 0) -> CheckResult:
     """``lru_takes(num_blocks, ops)`` -> the block each ``("take",)`` op gets, in order.
 
     The queue starts as ``0, 1, ..., num_blocks - 1``; ops are ``("take",)``, ``("free", block)``,
     ``("hit", block)``.
     """
-    refuse_references(
+    diagnose(
         lru_takes,
-        {"FreeBlockQueue": FreeBlockQueue, "PrefixCachingBlockManager": PrefixCachingBlockManager},
-        "keep the queue yourself (an OrderedDict or a list will do).",
+        _lru_cases(hidden_rng()),
+        label=lambda n, ops: f"lru_takes({n}, {describe(ops, limit=5)})",
+        reference=_lru_takes,
+        mistakes=_LRU_MISTAKES,
+        hint="Keep the free blocks in order: take from the head, put a freed block at the tail, and remove a hit "
+        "block from wherever it is.",
+        compare=operator.eq,
+        returns=_a_list("of block ids", ints=True),
+        call=_lru_call,
     )
-    diagnosis = Diagnosis(_LRU_MISTAKES, same=_same, default=(
-        "Keep the free blocks in order: take from the head, put a freed block at the tail, and remove a hit block "
-        "from wherever it is."))  # fmt: skip
-    for n, ops in _lru_cases(case_rng("check_lru_takes", seed)):
-        label = f"lru_takes({n}, {describe(ops, limit=5)})"
-        try:
-            got = call_learner("lru_takes", lru_takes, n, [tuple(op) for op in ops])
-        except ExerciseError as exc:
-            if isinstance(exc.__cause__, (KeyError, ValueError, IndexError)):
-                _explain_lru_crash(lru_takes, n, ops, label, exc)
-            raise
-        if not isinstance(got, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in got):
-            raise ExerciseError(f"{label} should return a list of block ids, got {describe(got)}", case=label)
-        want = _lru_takes(n, ops)
-        if got != want:
-            diagnosis.record(label, (n, ops), got, want)
-    diagnosis.raise_if_wrong()
     return passed("cached blocks leave in the order they were last freed; a block in use is never evicted.")
 
 
@@ -464,6 +466,28 @@ def _fixed_lookup_cases() -> list[tuple[list[int], int, str | None, dict]]:
     ]
 
 
+def _lookup_call(label: str, find_longest_cache_hit: Callable, tokens, bs, salt, cache) -> list:
+    """The learner's lookup, handed a hash that refuses a partial block and the cache's getter."""
+    try:
+        return call_learner("find_longest_cache_hit", find_longest_cache_hit, tokens, bs, salt, _strict_hash(bs),
+                            cache.get)  # fmt: skip
+    except ExerciseError as exc:
+        if isinstance(exc.__cause__, _PartialBlock):
+            fail(
+                label,
+                expected="hashes of full blocks only",
+                got=f"hash_fn called with a block of {exc.__cause__.args[0]} tokens",
+                hint=_PARTIAL_HINT,
+            )
+        raise
+
+
+@check(
+    "check_prefix_lookup",
+    takes="find_longest_cache_hit(token_ids, block_size, cache_salt, hash_fn, get_cached_block)",
+    references={"PrefixCachingBlockManager": PrefixCachingBlockManager, "hash_block_tokens": hash_block_tokens},
+    task="walk the blocks yourself.",
+)
 def check_prefix_lookup(find_longest_cache_hit: Callable, model=None, seed: int = 0) -> CheckResult:
     """``find_longest_cache_hit(token_ids, block_size, cache_salt, hash_fn, get_cached_block)`` -> the ids of the
     cached blocks a sequence of ``token_ids`` can start on, in order.
@@ -473,38 +497,21 @@ def check_prefix_lookup(find_longest_cache_hit: Callable, model=None, seed: int 
     share prefixes (some an exact number of blocks, some with tenants' salts) through the real
     :class:`~kvcourse.serving.Engine`, which admits every request with your lookup.
     """
-    refuse_references(
+    diagnose(
         find_longest_cache_hit,
-        {"PrefixCachingBlockManager": PrefixCachingBlockManager, "hash_block_tokens": hash_block_tokens},
-        "walk the blocks yourself.",
+        _fixed_lookup_cases() + _lookup_cases(hidden_rng()),
+        label=lambda tokens, bs, salt, cache: (
+            f"find_longest_cache_hit({describe(tokens, limit=6)}, block_size={bs}, "
+            f"cache_salt={salt!r}) with {len(cache)} blocks cached"
+        ),
+        reference=lambda *case: _lookup_case(case),
+        mistakes=_LOOKUP_MISTAKES,
+        hint="For each full block of token_ids[:-1]: chain its hash from the previous one (salt in the first block's "
+        "extra keys), ask get_cached_block, and stop at the first None.",
+        compare=operator.eq,
+        returns=_a_list("of block ids"),
+        call=_lookup_call,
     )
-    diagnosis = Diagnosis(_LOOKUP_MISTAKES, same=_same, default=(
-        "For each full block of token_ids[:-1]: chain its hash from the previous one (salt in the first block's extra "
-        "keys), ask get_cached_block, and stop at the first None."))  # fmt: skip
-    rng = case_rng("check_prefix_lookup", seed)
-    for tokens, bs, salt, cache in _fixed_lookup_cases() + _lookup_cases(rng):
-        label = (
-            f"find_longest_cache_hit({describe(tokens, limit=6)}, block_size={bs}, cache_salt={salt!r}) "
-            f"with {len(cache)} blocks cached"
-        )
-        try:
-            got = call_learner("find_longest_cache_hit", find_longest_cache_hit, list(tokens), bs, salt,
-                               _strict_hash(bs), dict(cache).get)  # fmt: skip
-        except ExerciseError as exc:
-            if isinstance(exc.__cause__, _PartialBlock):
-                fail(
-                    label,
-                    expected="hashes of full blocks only",
-                    got=f"hash_fn called with a block of {exc.__cause__.args[0]} tokens",
-                    hint=_PARTIAL_HINT,
-                )
-            raise
-        if not isinstance(got, list):
-            raise ExerciseError(f"{label} should return a list of block ids, got {describe(got)}", case=label)
-        want = _lookup_case((tokens, bs, salt, cache))
-        if got != want:
-            diagnosis.record(label, (tokens, bs, salt, cache), got, want)
-    diagnosis.raise_if_wrong()
     if model is not None:
         _lookup_in_the_engine(find_longest_cache_hit, model, seed)
         return passed(
@@ -531,7 +538,7 @@ _ENGINE_BLOCK_SIZE = 4
 
 def _engine_rounds(seed: int) -> list[tuple[list[list[int]], str | None]]:
     """Rounds of ``Engine.generate`` calls, each (prompts, cache_salt), sharing the instruction's 4 blocks of 4."""
-    rng = case_rng("check_prefix_lookup.engine", seed)
+    rng = case_rng("check_prefix_lookup.engine", seed)  # check_prefix_lookup's key, and a stream of its own
     q = rng.sample(_QUESTION_IDS, 4)
     prompt = [_SYSTEM_IDS + x for x in q]
     exact = prompt[0][: len(prompt[0]) // _ENGINE_BLOCK_SIZE * _ENGINE_BLOCK_SIZE]  # an exact number of blocks
@@ -597,6 +604,3 @@ def _lookup_in_the_engine(find_longest_cache_hit: Callable, model, seed: int) ->
             fail(f"{label}: prompt {i}'s tokens", expected=f"{solo} (the prompt run alone)", got=got,
                  hint="The engine computed on the blocks you returned: they must be the prompt's own first blocks, "
                       "in order.")  # fmt: skip
-
-
-wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished
