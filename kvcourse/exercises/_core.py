@@ -49,6 +49,7 @@ __all__ = [
     "hidden_rng",
     "hidden_generator",
     "diagnose",
+    "diff_below",
     "same",
     "an_int",
     "a_number",
@@ -806,9 +807,10 @@ def diagnose(
     mistakes: list[tuple[str, Callable[..., Any]]],
     hint: str,
     compare: Callable[[Any, Any], bool] = same,
+    right: Callable[..., bool] | None = None,
     returns: Callable[..., Any] | None = None,
     device: Any = None,
-    diff: bool = False,
+    extra: Callable[[Any, Any], str] | None = None,
     call: Callable[..., Any] | None = None,
 ) -> None:
     """Run the learner's ``fn`` on every case and raise :class:`ExerciseError` if any is wrong, with the hint of
@@ -818,9 +820,10 @@ def diagnose(
     all computed before the learner's code runs. ``fn`` gets copies (tensors on ``device``, :func:`learner_device`).
     ``label(*case)`` names the call in a failure (``"causal_mask(4, 4)"``: ``causal_mask`` names ``fn`` in a crash);
     ``returns(label, got, *case)`` checks what came back and returns it (:func:`an_int`, :func:`a_number`,
-    :func:`expect_tensor`). ``compare(got, want)`` says right or wrong (and whether a mistake explains it);
-    ``diff`` adds where two tensors differ most; ``call(label, fn, *inputs)``, in place of :func:`call_learner`, runs
-    ``fn`` another way (inside a simulation, say) or explains a crash.
+    :func:`expect_tensor`). ``compare(got, want)`` says whether ``got`` is right, and whether a mistake's answer
+    explains it; ``right(got, want, *case)``, if given, says the former. ``extra(got, want)`` adds to what a failure
+    shows (:func:`diff_below`); ``call(label, fn, *inputs)``, in place of :func:`call_learner`, runs ``fn``
+    another way (inside a simulation, say) or explains a crash.
     """
     cases = list(cases)
     wants = [reference(*case) for case in cases]
@@ -830,7 +833,11 @@ def diagnose(
         given = (_copy_for_learner(x, device) for x in case)
         got = call(name, fn, *given) if call is not None else call_learner(name.split("(")[0], fn, *given)
         got = on_host(returns(name, got, *case) if returns is not None else got)
-        if not compare(got, want):
-            extra = f"\n            ({tensor_diff(got, want)})" if diff else ""
-            diagnosis.record(name, case, got, want, extra=extra)
+        if not (right(got, want, *case) if right is not None else compare(got, want)):
+            diagnosis.record(name, case, got, want, extra=extra(got, want) if extra is not None else "")
     diagnosis.raise_if_wrong()
+
+
+def diff_below(got: Any, want: Any) -> str:
+    """An ``extra`` for :func:`diagnose`: where two tensors differ most, on a line of its own."""
+    return f"\n            ({tensor_diff(got, want)})"

@@ -24,7 +24,18 @@ import kvcourse
 import kvcourse.costs
 import kvcourse.probe
 
-from ._core import CheckResult, ExerciseError, a_number, an_int, check, diagnose, expect_tensor, passed, same
+from ._core import (
+    CheckResult,
+    ExerciseError,
+    a_number,
+    an_int,
+    check,
+    diagnose,
+    diff_below,
+    expect_tensor,
+    passed,
+    same,
+)
 from ._core import hidden_generator, hidden_rng
 
 __all__ = [
@@ -196,7 +207,7 @@ def check_attention(
         "softmax over the keys, then the weighted sum of the values.",
         returns=lambda case, got, q, k, v: expect_tensor(case, got, tuple(q.shape), what="[B, Hq, T, D]"),
         device=device,
-        diff=True,
+        extra=diff_below,
     )
     return passed(
         "scores, scale, causal mask, softmax over the keys, weighted values: with queries at the end of "

@@ -25,7 +25,7 @@ import kvcourse
 import kvcourse.costs
 from kvcourse.serving.load import StepCost
 
-from ._core import CheckResult, ExerciseError, a_number, an_int, call_learner, check, describe, diagnose
+from ._core import CheckResult, ExerciseError, a_number, an_int, call_learner, check, describe, diagnose, diff_below
 from ._core import expect_tensor, fail, handed, hidden_generator, hidden_rng, learner_device, learner_runs, on_host
 from ._core import passed, same
 
@@ -493,7 +493,7 @@ def check_decode_attention(attend: Callable, seed: int = 0, *, device: torch.dev
         "h reads KV head h // (Hq // Hkv).",
         returns=lambda case, got, q, *_: expect_tensor(case, got, tuple(q.shape), what="[B, Hq, D]"),
         device=device,
-        diff=True,
+        extra=diff_below,
     )
     return passed("one query per head against its sequence's valid cached keys: no causal mask, only a length mask.")
 
