@@ -738,8 +738,8 @@ def same(
     got: Any, want: Any, *, rel: float = 1e-9, abs_tol: float = 1e-9, atol: float = 1e-5, rtol: float = 1e-4
 ) -> bool:
     """Whether ``got`` matches ``want`` (or a typical mistake's answer): numbers within ``rel`` (or ``abs_tol``),
-    tensors of one shape within ``atol`` and ``rtol`` (compared as float; a tuple of them, each), anything else
-    equal."""
+    tensors of one shape within ``atol`` and ``rtol`` (compared as float), tuples item by item, anything else equal
+    (a bool only to a bool)."""
     import torch
 
     if isinstance(want, torch.Tensor):
@@ -748,8 +748,14 @@ def same(
             and got.shape == want.shape
             and torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol)
         )
-    if isinstance(want, tuple) and isinstance(got, tuple) and any(isinstance(w, torch.Tensor) for w in want):
-        return len(got) == len(want) and all(same(g, w, atol=atol, rtol=rtol) for g, w in zip(got, want))
+    if isinstance(want, tuple):
+        return (
+            isinstance(got, (tuple, list))
+            and len(got) == len(want)
+            and all(same(g, w, rel=rel, abs_tol=abs_tol, atol=atol, rtol=rtol) for g, w in zip(got, want))
+        )
+    if isinstance(got, bool) != isinstance(want, bool):
+        return False
     numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (got, want))
     return math.isclose(got, want, rel_tol=rel, abs_tol=abs_tol) if numbers else got == want
 
@@ -771,15 +777,13 @@ def an_int(what: str = "", strict: bool = False) -> Callable[..., int]:
     return returns
 
 
-def a_number(what: str, finite: bool = False) -> Callable[..., float]:
-    """A ``returns`` for :func:`diagnose`: the answer must be a number (``what``: its unit), ``finite`` if asked."""
-    kind = "a finite number" if finite else "a number"
+def a_number(what: str = "a number", finite: bool = False) -> Callable[..., float]:
+    """A ``returns`` for :func:`diagnose`: the answer must be a number (``what``, e.g. "a number of bytes", says
+    what the failure asks for), ``finite`` if asked."""
 
     def returns(case: str, got: Any, *args) -> float:
         if isinstance(got, bool) or not isinstance(got, (int, float)) or (finite and not math.isfinite(got)):
-            raise ExerciseError(
-                f"{case} should return {kind} ({what}), got {type(got).__name__}: {describe(got)}", case=case
-            )
+            raise ExerciseError(f"{case} should return {what}, got {type(got).__name__}: {describe(got)}", case=case)
         return got
 
     return returns

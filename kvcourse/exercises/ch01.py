@@ -496,7 +496,7 @@ def check_predicted_naive_step(fn: Callable[[float, int, int, float, float], flo
         hint="A pass over T tokens costs per_token_flops x T + per_pair_flops x T(T+1)/2 FLOPs; the prediction is "
         "ms_short times the long pass's FLOPs over the short pass's.",
         compare=lambda got, want: same(got, want, rel=1e-6, abs_tol=0.0),
-        returns=a_number("milliseconds", finite=True),
+        returns=a_number("a finite number of milliseconds", finite=True),
     )
     return passed(
         "time in proportion to the FLOPs, attention's T(T+1)/2 pairs included; it leaves out the "

@@ -666,7 +666,7 @@ def check_predicted_generation(fn: Callable[[int, int, float, float, bool], floa
         hint="Step i (0 .. new_tokens-1) feeds prompt_len + i tokens naively; cached, the prompt at step 0 and one "
         "token after. Each step costs fixed_ms + per_token_ms x the tokens it feeds.",
         compare=lambda got, want: same(got, want, rel=1e-6),
-        returns=a_number("milliseconds", finite=True),
+        returns=a_number("a finite number of milliseconds", finite=True),
     )
     naive, cached = _generation_ms(5, 128, 37.0, 1.5, False), _generation_ms(5, 128, 37.0, 1.5, True)
     return passed(

@@ -147,7 +147,7 @@ def check_bytes_per_token(fn: Callable[[dict, int], float], seed: int = 0) -> Ch
             ),
         ],
         hint="2 (K and V) x layers x KV heads x head_dim x bytes per value.",
-        returns=a_number("bytes"),
+        returns=a_number("a number (bytes)"),
         call=_call_on_config,
     )
     return passed("2 x layers x KV heads x head_dim x bytes per value, right for MHA, GQA and an explicit head_dim.")
@@ -286,7 +286,7 @@ def check_bytes_per_rank(fn: Callable[[dict, int, int, int], float], seed: int =
         ],
         hint="GQA: 2 x layers x max(1, KV heads // tp_size) x head_dim x seq_len x bytes. MLA: layers x "
         "(kv_lora_rank + qk_rope_head_dim) x seq_len x bytes on every rank.",
-        returns=a_number("bytes"),
+        returns=a_number("a number (bytes)"),
     )
     ds = CATALOG["deepseek-v3"].config
     latent = ds["kv_lora_rank"] + ds["qk_rope_head_dim"]
@@ -390,7 +390,7 @@ def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed:
         ],
         hint="Price the two kinds of token separately: which ones are not quantized yet, and what does an "
         "asymmetric group keep beside its values?",
-        returns=a_number("bytes"),
+        returns=a_number("a number (bytes)"),
     )
     l38 = {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128}
     ratio = _quantized(l38, 131072, 2, 32, 128) / (2 * 32 * 8 * 128 * 131072 * 2)

@@ -563,7 +563,7 @@ def check_live_fraction(live_fraction: Callable[[list[int], int], float], seed: 
         ],
         hint="Count the slots each sequence holds: whole blocks, enough for its tokens.",
         compare=lambda a, w: abs(a - w) <= 1e-9 * max(1.0, abs(w)),
-        returns=lambda case, got, *_: float(a_number("a fraction")(case, got)),
+        returns=lambda case, got, *_: float(a_number("a number (a fraction)")(case, got)),
     )
     return passed(
         "tokens over whole-block slots: each sequence wastes the empty tail of its last block, "
@@ -639,7 +639,7 @@ def check_reservation_live(fn: Callable[[list[int], list[int], int], float], see
         hint="Weight each request by output_len (the steps it runs) and count what it holds on average, "
         "prompt_len + (output_len + 1) / 2, over max_len.",
         compare=lambda got, want: same(got, want, abs_tol=0.0),
-        returns=lambda case, got, *_: float(a_number("a fraction", finite=True)(case, got)),
+        returns=lambda case, got, *_: float(a_number("a fraction (a float)", finite=True)(case, got)),
     )
     return passed(
         "a running batch is a time sample: long requests are in it longer, so weighting by output_len "

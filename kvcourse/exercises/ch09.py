@@ -19,29 +19,13 @@ import math
 from collections.abc import Callable
 
 from ..serving import step_budget
-from ._core import (
-    call_learner,
-    case_rng,
-    CheckResult,
-    describe,
-    Diagnosis,
-    ExerciseError,
-    passed,
-    refuse_references,
-    wrap_checks,
-)
+from ._core import CheckResult, ExerciseError, a_number, check, describe, diagnose, hidden_rng, passed, same
 
 __all__ = ["check_gpu_floor", "check_overlap_gain", "check_step_bytes"]
 
 
 def _close(got, want) -> bool:
-    if isinstance(want, tuple):
-        return isinstance(got, (tuple, list)) and len(got) == len(want) and all(_close(g, w) for g, w in zip(got, want))
-    return (
-        isinstance(got, (int, float))
-        and not isinstance(got, bool)
-        and math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-9)
-    )
+    return same(got, want, rel=1e-6)
 
 
 # --- Exercise 1: the bytes of a decode step ------------------------------------------------------
@@ -104,30 +88,26 @@ def _bytes_cases(rng) -> list[tuple]:
     return cases
 
 
+@check(
+    "check_step_bytes",
+    takes="step_bytes(num_parameters, config, seq_lens, dtype_bytes)",
+    references={"step_budget.step_bytes": step_budget.step_bytes},
+    task="count the bytes yourself, from the config.",
+)
 def check_step_bytes(step_bytes: Callable[[int, dict, list, int], int], seed: int = 0) -> CheckResult:
     """``step_bytes(num_parameters, config, seq_lens, dtype_bytes)`` -> the bytes one decode step reads."""
-    refuse_references(
-        step_bytes, {"step_budget.step_bytes": step_budget.step_bytes}, "count the bytes yourself, from the config."
+    diagnose(
+        step_bytes,
+        _bytes_cases(hidden_rng()),
+        label=lambda p, cfg, lens, b: f"step_bytes({p:,}, {cfg}, <{len(lens)} sequences, {sum(lens):,} tokens>, {b})",
+        reference=_step_bytes,
+        mistakes=_BYTES_MISTAKES,
+        hint="A decode step reads num_parameters * dtype_bytes of weights once, and for every token of every sequence "
+        "2 * num_hidden_layers * num_key_value_heads * head_dim * dtype_bytes of K and V.",
+        compare=_close,
+        returns=a_number("a number of bytes"),
     )
-    diagnosis = Diagnosis(
-        _BYTES_MISTAKES,
-        same=_close,
-        default=(
-            "A decode step reads num_parameters * dtype_bytes of weights once, and for every token of every sequence "
-            "2 * num_hidden_layers * num_key_value_heads * head_dim * dtype_bytes of K and V."
-        ),
-    )
-    for case in _bytes_cases(case_rng("check_step_bytes", seed)):
-        p, cfg, lens, b = case
-        label = f"step_bytes({p:,}, {cfg}, <{len(lens)} sequences, {sum(lens):,} tokens>, {b})"
-        got = call_learner("step_bytes", step_bytes, p, dict(cfg), list(lens), b)
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
-            raise ExerciseError(f"{label} should return a number of bytes, got {describe(got)}", case=label)
-        want = _step_bytes(*case)
-        if not _close(got, want):
-            diagnosis.record(label, case, got, want)
-    diagnosis.raise_if_wrong()
-    smol = _step_bytes(*_bytes_cases(case_rng("check_step_bytes", seed))[0])
+    smol = _step_bytes(*_bytes_cases(hidden_rng())[0])
     return passed(
         f"a SmolLM2-135M step of 64 sequences of 600 tokens in bf16 reads {smol / 1e9:.2f} GB: "
         f"{smol / 3.35e12 * 1e3:.2f} ms at an H100's 3.35 TB/s."
@@ -173,28 +153,28 @@ def _floor_cases(rng) -> list[tuple]:
     return cases
 
 
+@check(
+    "check_gpu_floor",
+    takes="gpu_floor_ms(step_bytes, bandwidth, kernels, kernel_us)",
+    references={
+        "step_budget.bytes_floor_ms": step_budget.bytes_floor_ms,
+        "step_budget.kernel_floor_ms": step_budget.kernel_floor_ms,
+    },
+    task="write the two floors yourself.",
+)
 def check_gpu_floor(gpu_floor_ms: Callable[[float, float, int, float], float], seed: int = 0) -> CheckResult:
     """``gpu_floor_ms(step_bytes, bandwidth, kernels, kernel_us)`` -> the least milliseconds the GPU can take."""
-    refuse_references(gpu_floor_ms, {"step_budget.bytes_floor_ms": step_budget.bytes_floor_ms,
-                                     "step_budget.kernel_floor_ms": step_budget.kernel_floor_ms},
-                      "write the two floors yourself.")  # fmt: skip
-    diagnosis = Diagnosis(
-        _FLOOR_MISTAKES,
-        same=_close,
-        default=(
-            "The GPU needs step_bytes / bandwidth seconds to read the bytes, and at least kernel_us per kernel: the "
-            "floor is the larger of the two, in milliseconds."
-        ),
+    diagnose(
+        gpu_floor_ms,
+        _floor_cases(hidden_rng()),
+        label=lambda *case: f"gpu_floor_ms{case}",
+        reference=_gpu_floor,
+        mistakes=_FLOOR_MISTAKES,
+        hint="The GPU needs step_bytes / bandwidth seconds to read the bytes, and at least kernel_us per kernel: the "
+        "floor is the larger of the two, in milliseconds.",
+        compare=_close,
+        returns=a_number("milliseconds, a number"),
     )
-    for case in _floor_cases(case_rng("check_gpu_floor", seed)):
-        label = f"gpu_floor_ms{case}"
-        got = call_learner("gpu_floor_ms", gpu_floor_ms, *case)
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
-            raise ExerciseError(f"{label} should return milliseconds, a number, got {describe(got)}", case=label)
-        want = _gpu_floor(*case)
-        if not _close(got, want):
-            diagnosis.record(label, case, got, want)
-    diagnosis.raise_if_wrong()
     floor = _gpu_floor(1_153_766_016, 3.35e12, 343, 1.4)
     return passed(
         f"343 kernels of at least 1.4 µs bound a step at {floor:.2f} ms, above its bytes' floor: kernels, "
@@ -240,36 +220,36 @@ def _overlap_cases(rng) -> list[tuple]:
     return cases
 
 
+def _a_pair(case: str, got, *_) -> tuple:
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        raise ExerciseError(f"{case} should return (best_ms, speedup), got {describe(got)}", case=case)
+    return tuple(got)
+
+
+@check(
+    "check_overlap_gain",
+    takes="overlap_gain(step_ms, host_ms, gpu_ms)",
+    references={"step_budget.overlap_bound": step_budget.overlap_bound},
+    task="bound the gain yourself.",
+)
 def check_overlap_gain(
     overlap_gain: Callable[[float, float, float], tuple[float, float]], seed: int = 0
 ) -> CheckResult:
     """``overlap_gain(step_ms, host_ms, gpu_ms)`` -> ``(best_ms, speedup)``: the step with the host's work
     overlapped with the GPU's, and the old step over it."""
-    refuse_references(
-        overlap_gain, {"step_budget.overlap_bound": step_budget.overlap_bound}, "bound the gain yourself."
+    diagnose(
+        overlap_gain,
+        _overlap_cases(hidden_rng()),
+        label=lambda *case: f"overlap_gain{case}",
+        reference=_overlap,
+        mistakes=_OVERLAP_MISTAKES,
+        hint="With the host preparing the next step while the GPU runs this one, a step takes max(host_ms, gpu_ms); "
+        "the speed-up is step_ms over that.",
+        compare=_close,
+        returns=_a_pair,
     )
-    diagnosis = Diagnosis(
-        _OVERLAP_MISTAKES,
-        same=_close,
-        default=(
-            "With the host preparing the next step while the GPU runs this one, a step takes max(host_ms, gpu_ms); "
-            "the speed-up is step_ms over that."
-        ),
-    )
-    for case in _overlap_cases(case_rng("check_overlap_gain", seed)):
-        label = f"overlap_gain{case}"
-        got = call_learner("overlap_gain", overlap_gain, *case)
-        if not (isinstance(got, (tuple, list)) and len(got) == 2):
-            raise ExerciseError(f"{label} should return (best_ms, speedup), got {describe(got)}", case=label)
-        want = _overlap(*case)
-        if not _close(tuple(got), want):
-            diagnosis.record(label, case, tuple(got), want)
-    diagnosis.raise_if_wrong()
     best, speedup = _overlap(2.42, 1.11, 1.79)
     return passed(
         f"a 2.42 ms step with 1.11 ms of host work and a 1.79 ms GPU span could take {best:.2f} ms "
         f"overlapped: {speedup:.2f}x, and no more."
     )
-
-
-wrap_checks(globals())  # an unwritten answer is reported ("Not done yet"), not raised: see _core.reports_unfinished
