@@ -6,8 +6,8 @@ proxies for functions and classes, :mod:`.wire`) and calls the catalog's check o
 imports the checks and holds their references; the sandbox never does. Whatever the student's code
 does, it does in its own process: the verdict is what the check returns here.
 
-The references a check refuses as answers (``refuse_references(...)`` in its body) are read from the
-check's source, not listed by hand, and sent to the sandbox to be neutered there.
+The references a check refuses as answers (its ``@check(references=...)``) are read from the check, not listed
+by hand, and sent to the sandbox to be neutered there.
 
 Devices: the check runs here on whatever device it chooses (chapter 5's on the GPU when there is one);
 its tensors reach the student's code as host tensors and what that code writes into them comes back
@@ -16,18 +16,15 @@ its tensors reach the student's code as host tensors and what that code writes i
 
 from __future__ import annotations
 
-import ast
 import atexit
 import contextlib
 import importlib
-import inspect
 import io
 import multiprocessing
 import os
 import re
 import shutil
 import tempfile
-import textwrap
 import time
 from dataclasses import dataclass
 from ..exercises.catalog import MODEL, ExerciseSpec
@@ -122,17 +119,12 @@ def load_check(spec: ExerciseSpec):
 
 
 def references_of(check) -> list[list[str]]:
-    """``[module, qualname]`` of every object ``check`` passes to ``refuse_references`` (read from its source)."""
-    check = inspect.unwrap(check)  # the chapter's own function, not the wrapper that reports unwritten answers
-    tree = ast.parse(textwrap.dedent(inspect.getsource(check)))
+    """``[module, qualname]`` of every object ``check`` refuses as an answer (its ``@check(references=...)``)."""
     found: list[list[str]] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "refuse_references" and len(node.args) > 1:
-            refs = eval(compile(ast.Expression(node.args[1]), "<references>", "eval"), check.__globals__)  # noqa: S307
-            for obj in refs.values():
-                entry = [obj.__module__, obj.__qualname__]
-                if entry not in found:
-                    found.append(entry)
+    for obj in getattr(check, "references", {}).values():
+        entry = [obj.__module__, obj.__qualname__]
+        if entry not in found:
+            found.append(entry)
     return found
 
 
