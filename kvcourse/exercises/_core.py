@@ -49,6 +49,7 @@ __all__ = [
     "hidden_rng",
     "hidden_generator",
     "diagnose",
+    "mistaken",
     "diff_below",
     "same",
     "an_int",
@@ -63,8 +64,6 @@ __all__ = [
     "handed",
     "learner_device",
     "on_host",
-    "expect_close",
-    "expect_equal",
     "expect_tensor",
     "refuse_references",
     "lend",
@@ -357,20 +356,6 @@ DEVICE_HINT = (
 
 def _is_device_mismatch(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, ValueError)) and any(m in str(exc) for m in _DEVICE_MISMATCH)
-
-
-def expect_close(name: str, got: object, want: float, rel: float = 1e-6, hint: str = "") -> None:
-    """Raise :class:`ExerciseError` unless ``got`` is a number within ``rel`` of ``want``."""
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
-        raise ExerciseError(f"{name} should be a number, got {type(got).__name__}. {hint}".strip())
-    if not math.isclose(float(got), float(want), rel_tol=rel, abs_tol=0.0 if want else 1e-12):
-        raise ExerciseError(f"{name} = {got!r} is not right. {hint}".strip())
-
-
-def expect_equal(name: str, got: object, want: object, hint: str = "") -> None:
-    """Raise :class:`ExerciseError` unless ``got == want``."""
-    if got != want:
-        raise ExerciseError(f"{name} = {got!r} is not right. {hint}".strip())
 
 
 def expect_tensor(case: str, got: Any, shape: tuple[int, ...], dtype=None, what: str = "") -> Any:
@@ -758,6 +743,15 @@ def same(
         return False
     numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (got, want))
     return math.isclose(got, want, rel_tol=rel, abs_tol=abs_tol) if numbers else got == want
+
+
+def mistaken(mirror: Callable[..., Any], **hints: str) -> list[tuple[str, Callable[..., Any]]]:
+    """Typical mistakes that are flags of ``mirror`` (the reference, which computes the wrong answer when told):
+    ``mistaken(_quantized, no_window="hint", ...)`` computes ``mirror(*case, no_window=True)`` where ``mirror`` has
+    that keyword, else ``mirror(*case, mistake="no_window")``; a :class:`Diagnosis`'s ``mistakes``, in order."""
+    keywords = inspect.signature(mirror).parameters
+    flags = {flag: {flag: True} if flag in keywords else {"mistake": flag} for flag in hints}
+    return [(hint, lambda *case, kw=flags[flag]: mirror(*case, **kw)) for flag, hint in hints.items()]
 
 
 def an_int(what: str = "", strict: bool = False) -> Callable[..., int]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import memory
 from ..memory import CATALOG, GB, kv_cache_bytes
-from ._core import CheckResult, ExerciseError, a_number, an_int, call_learner, check, describe, diagnose, fail
+from ._core import CheckResult, ExerciseError, a_number, an_int, call_learner, check, describe, diagnose, mistaken, fail
 from ._core import hidden_rng, passed
 
 __all__ = [
@@ -254,38 +254,28 @@ def check_bytes_per_rank(fn: Callable[[dict, int, int, int], float], seed: int =
         ),
         reference=_per_rank,
         mistakes=[
-            (
-                "The MLA config also says num_key_value_heads (DeepSeek-V3: 128), but MLA caches no per-head K and V: per "
-                "token and layer it caches one latent of kv_lora_rank values and one RoPE key of qk_rope_head_dim values.",
-                lambda c, s, t, b: _per_rank(c, s, t, b, "mla_as_gqa"),
-            ),
-            (
-                "That is the cache of MLA decompressed into per-head keys and values, which is what MLA avoids storing: "
-                "cache kv_lora_rank + qk_rope_head_dim values per token and layer, once for all heads.",
-                lambda c, s, t, b: _per_rank(c, s, t, b, "mla_per_head"),
-            ),
-            (
-                "MLA caches one latent vector per token and layer, not a K and a V: no factor 2 for it.",
-                lambda c, s, t, b: _per_rank(c, s, t, b, "mla_kv"),
-            ),
-            (
-                "The MLA latent is kv_lora_rank values plus the shared RoPE key of qk_rope_head_dim values.",
-                lambda c, s, t, b: _per_rank(c, s, t, b, "mla_no_rope"),
+            *mistaken(
+                _per_rank,
+                mla_as_gqa="The MLA config also says num_key_value_heads (DeepSeek-V3: 128), but MLA caches no "
+                "per-head K and V: per token and layer it caches one latent of kv_lora_rank values and one RoPE key of "
+                "qk_rope_head_dim values.",
+                mla_per_head="That is the cache of MLA decompressed into per-head keys and values, which is what MLA "
+                "avoids storing: cache kv_lora_rank + qk_rope_head_dim values per token and layer, once for all heads.",
+                mla_kv="MLA caches one latent vector per token and layer, not a K and a V: no factor 2 for it.",
+                mla_no_rope="The MLA latent is kv_lora_rank values plus the shared RoPE key of qk_rope_head_dim values.",
             ),
             (split_hint, lambda c, s, t, b: _per_rank(c, s, t, b, "split")),
             (split_hint, lambda c, s, t, b: _per_rank(c, s, t, b, "mla_split")),
-            (
-                "Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
-                lambda c, s, t, b: _per_rank(c, s, t, b, "no_kv"),
-            ),
-            (
-                "Only the num_key_value_heads KV heads are cached, not the query heads (grouped-query attention).",
-                lambda c, s, t, b: _per_rank(c, s, t, b, "query_heads"),
+            *mistaken(
+                _per_rank,
+                no_kv="Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
+                query_heads="Only the num_key_value_heads KV heads are cached, not the query heads (grouped-query "
+                "attention).",
             ),
             ("The answer is for a whole sequence: multiply by seq_len.", lambda c, s, t, b: _per_rank(c, 1, t, b)),
         ],
-        hint="GQA: 2 x layers x max(1, KV heads // tp_size) x head_dim x seq_len x bytes. MLA: layers x "
-        "(kv_lora_rank + qk_rope_head_dim) x seq_len x bytes on every rank.",
+        hint="GQA: 2 x layers x max(1, KV heads // tp_size) x head_dim x seq_len x bytes. MLA: layers x (kv_lora_rank "
+        "+ qk_rope_head_dim) x seq_len x bytes on every rank.",
         returns=a_number("a number (bytes)"),
     )
     ds = CATALOG["deepseek-v3"].config
@@ -360,36 +350,23 @@ def check_quantized_bytes(fn: Callable[[dict, int, int, int, int], float], seed:
             f"quantized_bytes({cfg}, seq_len={seq_len}, bits={bits}, group_size={group}, residual_len={residual})"
         ),
         reference=_quantized,
-        mistakes=[
-            (
-                "KIVI is asymmetric: a group is stored as q with x = scale * q + zero_point, so each group keeps a scale "
-                "AND a zero point, 2 + 2 bytes in fp16. Counting the scale alone halves the overhead (for int4 in groups "
-                "of 32, a quarter of the payload, not an eighth).",
-                lambda *a: _quantized(*a, mistake="scale_only"),
-            ),
-            (
-                "The most recent residual_len tokens are not quantized: they stay in fp16 (KIVI keeps a window of recent "
-                "tokens in full precision and quantizes it once it fills).",
-                lambda *a: _quantized(*a, mistake="no_window"),
-            ),
-            (
-                "The recent tokens in the fp16 window are not also stored quantized: only the older "
-                "seq_len - residual_len tokens are.",
-                lambda *a: _quantized(*a, mistake="window_twice"),
-            ),
-            ("bits counts bits: a value takes bits / 8 bytes.", lambda *a: _quantized(*a, mistake="bits_as_bytes")),
-            (
-                "One scale and zero point per group of group_size values, not one per head vector of head_dim values.",
-                lambda *a: _quantized(*a, mistake="per_vector"),
-            ),
-            ("The recent window is fp16: 2 bytes per value.", lambda *a: _quantized(*a, mistake="window_fp32")),
-            (
-                "Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
-                lambda *a: _quantized(*a, mistake="no_kv"),
-            ),
-        ],
-        hint="Price the two kinds of token separately: which ones are not quantized yet, and what does an "
-        "asymmetric group keep beside its values?",
+        mistakes=mistaken(
+            _quantized,
+            scale_only="KIVI is asymmetric: a group is stored as q with x = scale * q + zero_point, so each group "
+            "keeps a scale AND a zero point, 2 + 2 bytes in fp16. Counting the scale alone halves the overhead (for "
+            "int4 in groups of 32, a quarter of the payload, not an eighth).",
+            no_window="The most recent residual_len tokens are not quantized: they stay in fp16 (KIVI keeps a window "
+            "of recent tokens in full precision and quantizes it once it fills).",
+            window_twice="The recent tokens in the fp16 window are not also stored quantized: only the older seq_len - "
+            "residual_len tokens are.",
+            bits_as_bytes="bits counts bits: a value takes bits / 8 bytes.",
+            per_vector="One scale and zero point per group of group_size values, not one per head vector of head_dim "
+            "values.",
+            window_fp32="The recent window is fp16: 2 bytes per value.",
+            no_kv="Every token stores two vectors per KV head and layer, K and V: you left out the factor 2.",
+        ),
+        hint="Price the two kinds of token separately: which ones are not quantized yet, and what does an asymmetric "
+        "group keep beside its values?",
         returns=a_number("a number (bytes)"),
     )
     l38 = {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128}
@@ -602,8 +579,8 @@ def check_max_context(fn: Callable[..., int], seed: int = 0) -> CheckResult:
         label=_catalog_label("max_context", "num_sequences"),
         reference=_context,
         mistakes=_CONTEXT_MISTAKES,
-        hint="Budget = utilization x gpu_bytes - weight bytes; divide by "
-        "num_sequences x one token's K/V bytes and round down.",
+        hint="Budget = utilization x gpu_bytes - weight bytes; divide by num_sequences x one token's K/V bytes and "
+        "round down.",
         compare=operator.eq,
         returns=an_int("number of tokens"),
     )

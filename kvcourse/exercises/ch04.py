@@ -21,7 +21,7 @@ from typing import Any
 from .. import batch as _batch
 from .. import fragmentation as _fragmentation
 from ..paged import BlockManager
-from ._core import CheckResult, ExerciseError, a_number, an_int, call_learner, check, describe, diagnose, fail
+from ._core import CheckResult, ExerciseError, a_number, an_int, call_learner, check, describe, diagnose, mistaken, fail
 from ._core import hidden_rng, learner_runs, passed, same
 
 __all__ = [
@@ -148,35 +148,21 @@ def check_slot_mapping(
             f"slot_mapping({tables}, seq_lens={seq_lens}, query_lens={query_lens}, block_size={block_size})"
         ),
         reference=_slots,
-        mistakes=[
-            (
-                "The new tokens come after the cached ones: sequence b's new tokens sit at positions seq_lens[b] - "
-                "query_lens[b] .. seq_lens[b] - 1, not from 0.",
-                lambda *a: _slots(*a, mistake="from_zero"),
-            ),
-            (
-                "Off by one: seq_lens[b] is the length AFTER this step, so the new tokens end at position seq_lens[b] - 1.",
-                lambda *a: _slots(*a, mistake="after_end"),
-            ),
-            (
-                "Off by one: the first new token is at position seq_lens[b] - query_lens[b] (a prefill starts at 0).",
-                lambda *a: _slots(*a, mistake="one_late"),
-            ),
-            (
-                "That is the slot of a contiguous cache: look the logical block pos // block_size up in the sequence's "
-                "block table first.",
-                lambda *a: _slots(*a, mistake="contiguous"),
-            ),
-            (
-                "A block id counts blocks, not slots: multiply it by block_size, then add the offset pos % block_size.",
-                lambda *a: _slots(*a, mistake="block_not_scaled"),
-            ),
-            ("Add the offset inside the block, pos % block_size.", lambda *a: _slots(*a, mistake="no_offset")),
-            (
-                "Each sequence has its own block table: use block_tables[b] for sequence b.",
-                lambda *a: _slots(*a, mistake="first_table"),
-            ),
-        ],
+        mistakes=mistaken(
+            _slots,
+            from_zero="The new tokens come after the cached ones: sequence b's new tokens sit at positions seq_lens[b] "
+            "- query_lens[b] .. seq_lens[b] - 1, not from 0.",
+            after_end="Off by one: seq_lens[b] is the length AFTER this step, so the new tokens end at position "
+            "seq_lens[b] - 1.",
+            one_late="Off by one: the first new token is at position seq_lens[b] - query_lens[b] (a prefill starts at "
+            "0).",
+            contiguous="That is the slot of a contiguous cache: look the logical block pos // block_size up in the "
+            "sequence's block table first.",
+            block_not_scaled="A block id counts blocks, not slots: multiply it by block_size, then add the offset pos "
+            "% block_size.",
+            no_offset="Add the offset inside the block, pos % block_size.",
+            first_table="Each sequence has its own block table: use block_tables[b] for sequence b.",
+        ),
         hint="Position pos of sequence b lives at block_tables[b][pos // block_size] * block_size + pos % block_size.",
         compare=operator.eq,
         returns=lambda case, got, tables, seq_lens, query_lens, block_size: (
@@ -542,25 +528,15 @@ def check_live_fraction(live_fraction: Callable[[list[int], int], float], seed: 
         cases,
         label=lambda lengths, block_size: f"live_fraction({lengths}, block_size={block_size})",
         reference=_live,
-        mistakes=[
-            (
-                "A sequence's partly filled last block is still a whole block: round the blocks up, not down.",
-                lambda lengths, b: _live(lengths, b, "floor"),
-            ),
-            (
-                "That is the empty share: the question asks for the slots that hold tokens.",
-                lambda lengths, b: _live(lengths, b, "empty"),
-            ),
-            (
-                "The pool's fraction is all tokens over all slots; the mean of each sequence's fraction weighs a short "
-                "sequence as much as a long one.",
-                lambda lengths, b: _live(lengths, b, "mean_of_fractions"),
-            ),
-            (
-                "(b - 1) / 2 empty slots per sequence is an average over lengths: count each sequence's own last block.",
-                lambda lengths, b: _live(lengths, b, "half_block"),
-            ),
-        ],
+        mistakes=mistaken(
+            _live,
+            floor="A sequence's partly filled last block is still a whole block: round the blocks up, not down.",
+            empty="That is the empty share: the question asks for the slots that hold tokens.",
+            mean_of_fractions="The pool's fraction is all tokens over all slots; the mean of each sequence's fraction "
+            "weighs a short sequence as much as a long one.",
+            half_block="(b - 1) / 2 empty slots per sequence is an average over lengths: count each sequence's own "
+            "last block.",
+        ),
         hint="Count the slots each sequence holds: whole blocks, enough for its tokens.",
         compare=lambda a, w: abs(a - w) <= 1e-9 * max(1.0, abs(w)),
         returns=lambda case, got, *_: float(a_number("a number (a fraction)")(case, got)),
@@ -636,8 +612,8 @@ def check_reservation_live(fn: Callable[[list[int], list[int], int], float], see
         label=lambda prompts, outputs, max_len: f"predict_reservation_live({prompts}, {outputs}, max_len={max_len})",
         reference=_fragmentation.reservation_live_fraction,
         mistakes=_RESERVATION_MISTAKES,
-        hint="Weight each request by output_len (the steps it runs) and count what it holds on average, "
-        "prompt_len + (output_len + 1) / 2, over max_len.",
+        hint="Weight each request by output_len (the steps it runs) and count what it holds on average, prompt_len + "
+        "(output_len + 1) / 2, over max_len.",
         compare=lambda got, want: same(got, want, abs_tol=0.0),
         returns=lambda case, got, *_: float(a_number("a fraction (a float)", finite=True)(case, got)),
     )

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from ..paged import BlockManager
 from ..sequence import SamplingParams, Sequence
 from ..serving.scheduler import Scheduler, preempt_newest
-from ._core import CheckResult, ExerciseError, an_int, call_learner, check, describe, diagnose, hidden_rng, passed
+from ._core import CheckResult, ExerciseError, an_int, call_learner, check, describe, diagnose, hidden_rng, mistaken
+from ._core import passed
 from .ch06_phases import check_schedule_running, check_schedule_waiting
 
 __all__ = [
@@ -325,7 +326,7 @@ def _predicted_ttft(
 
 
 def _predict_wrong(
-    case: PredictCase, *, chunk_full=False, no_decodes=False, one_fixed=False, floor=False, full_steps=False
+    *case: float, chunk_full=False, no_decodes=False, one_fixed=False, floor=False, full_steps=False
 ) -> tuple[int, float]:
     p, d, b, f, t = case
     chunk = b if chunk_full else b - d
@@ -338,31 +339,17 @@ def _same_prediction(got, want) -> bool:
     return got[0] == want[0] and math.isclose(got[1], want[1], rel_tol=1e-9, abs_tol=1e-9)
 
 
-_PREDICT_MISTAKES = [
-    (
-        "The decodes go first: each step, the older requests' decode tokens come out of the budget, and the prompt's "
-        "chunk gets what is left, budget - num_decodes.",
-        lambda *c: _predict_wrong(c, chunk_full=True),
-    ),
-    (
-        "The decodes share every step with the chunk: the steps feed the prompt's tokens and num_decodes decode tokens "
-        "each, and the per-token cost counts them all.",
-        lambda *c: _predict_wrong(c, no_decodes=True),
-    ),
-    (
-        "Every step pays the fixed cost: steps * fixed_ms, not fixed_ms once.",
-        lambda *c: _predict_wrong(c, one_fixed=True),
-    ),
-    (
-        "A partial chunk is a step too: ceil(prompt_len / chunk) steps, not floor.",
-        lambda *c: _predict_wrong(c, floor=True),
-    ),
-    (
-        "The last chunk is usually smaller than the others: count the tokens fed (the prompt, plus the decodes of every "
-        "step), not steps * budget.",
-        lambda *c: _predict_wrong(c, full_steps=True),
-    ),
-]
+_PREDICT_MISTAKES = mistaken(
+    _predict_wrong,
+    chunk_full="The decodes go first: each step, the older requests' decode tokens come out of the budget, and the "
+    "prompt's chunk gets what is left, budget - num_decodes.",
+    no_decodes="The decodes share every step with the chunk: the steps feed the prompt's tokens and num_decodes decode "
+    "tokens each, and the per-token cost counts them all.",
+    one_fixed="Every step pays the fixed cost: steps * fixed_ms, not fixed_ms once.",
+    floor="A partial chunk is a step too: ceil(prompt_len / chunk) steps, not floor.",
+    full_steps="The last chunk is usually smaller than the others: count the tokens fed (the prompt, plus the decodes "
+    "of every step), not steps * budget.",
+)
 
 
 def _predict_cases(rng) -> list[PredictCase]:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from ..paged.prefix_cache import FreeBlockQueue, PrefixCachingBlockManager, hash_block_tokens
 from ._core import CheckResult, ExerciseError, call_learner, case_rng, check, describe, diagnose, fail, hidden_rng
-from ._core import learner_runs, lend, passed
+from ._core import learner_runs, lend, mistaken, passed
 
 __all__ = ["check_block_hashes", "check_lru_takes", "check_prefix_lookup"]
 
@@ -66,21 +66,14 @@ _HASH_MISTAKES = [
         "for the whole prefix; the same tokens after a different prefix have different K/V.",
         lambda *case: _block_hashes(*case, chain=False),
     ),
-    (
-        "Only full blocks get a hash: a partly filled last block is still being written, and cannot be shared.",
-        lambda *case: _block_hashes(*case, partial=True),
-    ),
-    (
-        "The salt goes into the first block's extra keys only: every later hash inherits it through the chain.",
-        lambda *case: _block_hashes(*case, salt_everywhere=True),
-    ),
-    (
-        "Without a salt the extra keys are empty, (), not (None,).",
-        lambda *case: _block_hashes(*case, salt_none_key=True),
-    ),
-    (
-        "Put cache_salt into the first block's extra keys, (cache_salt,): without it two tenants share blocks.",
-        lambda *case: _block_hashes(*case, salt_forgotten=True),
+    *mistaken(
+        _block_hashes,
+        partial="Only full blocks get a hash: a partly filled last block is still being written, and cannot be shared.",
+        salt_everywhere="The salt goes into the first block's extra keys only: every later hash inherits it through "
+        "the chain.",
+        salt_none_key="Without a salt the extra keys are empty, (), not (None,).",
+        salt_forgotten="Put cache_salt into the first block's extra keys, (cache_salt,): without it two tenants share "
+        "blocks.",
     ),
 ]
 
@@ -129,8 +122,8 @@ def check_block_hashes(block_hashes: Callable, seed: int = 0) -> CheckResult:
         ),
         reference=_block_hashes,
         mistakes=_HASH_MISTAKES,
-        hint="For each full block i: hash_fn(hash of block i-1 or None, its block_size tokens, (cache_salt,) for "
-        "block 0 with a salt, else ()).",
+        hint="For each full block i: hash_fn(hash of block i-1 or None, its block_size tokens, (cache_salt,) for block "
+        "0 with a salt, else ()).",
         compare=operator.eq,
         returns=_a_list("(one hash per full block)"),
     )
@@ -275,8 +268,8 @@ def check_lru_takes(lru_takes: Callable, seed: int = 0) -> CheckResult:
         label=lambda n, ops: f"lru_takes({n}, {describe(ops, limit=5)})",
         reference=_lru_takes,
         mistakes=_LRU_MISTAKES,
-        hint="Keep the free blocks in order: take from the head, put a freed block at the tail, and remove a hit "
-        "block from wherever it is.",
+        hint="Keep the free blocks in order: take from the head, put a freed block at the tail, and remove a hit block "
+        "from wherever it is.",
         compare=operator.eq,
         returns=_a_list("of block ids", ints=True),
         call=_lru_call,

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 
 from ..serving import step_budget
-from ._core import CheckResult, ExerciseError, a_number, check, describe, diagnose, hidden_rng, passed, same
+from ._core import CheckResult, ExerciseError, a_number, check, describe, diagnose, mistaken, hidden_rng, passed, same
 
 __all__ = ["check_gpu_floor", "check_overlap_gain", "check_step_bytes"]
 
@@ -45,32 +45,18 @@ def _bytes_wrong(
     return weights + per_token * sum(lens)
 
 
-_BYTES_MISTAKES = [
-    (
-        "The cache holds K and V: two tensors per layer and KV head, so 2 * layers * kv_heads * head_dim * bytes per "
-        "token.",
-        lambda *c: _bytes_wrong(*c, no_v=True),
-    ),
-    (
-        "With grouped-query attention the cache has num_key_value_heads heads, not num_attention_heads: the query "
-        "heads share them.",
-        lambda *c: _bytes_wrong(*c, q_heads=True),
-    ),
-    (
-        "A step reads every weight once, whatever the batch: the sequences share the read (that is why batching "
-        "pays), so the weights count once, not once per sequence.",
-        lambda *c: _bytes_wrong(*c, per_seq=True),
-    ),
-    (
-        "The weights are read every step too: num_parameters * dtype_bytes, on top of the cache.",
-        lambda *c: _bytes_wrong(*c, no_weights=True),
-    ),
-    ("Every layer has its own K and V: multiply by num_hidden_layers.", lambda *c: _bytes_wrong(*c, no_layers=True)),
-    (
-        "Count bytes, not elements: multiply the cache's elements by dtype_bytes.",
-        lambda *c: _bytes_wrong(*c, no_dtype=True),
-    ),
-]
+_BYTES_MISTAKES = mistaken(
+    _bytes_wrong,
+    no_v="The cache holds K and V: two tensors per layer and KV head, so 2 * layers * kv_heads * head_dim * bytes per "
+    "token.",
+    q_heads="With grouped-query attention the cache has num_key_value_heads heads, not num_attention_heads: the query "
+    "heads share them.",
+    per_seq="A step reads every weight once, whatever the batch: the sequences share the read (that is why batching "
+    "pays), so the weights count once, not once per sequence.",
+    no_weights="The weights are read every step too: num_parameters * dtype_bytes, on top of the cache.",
+    no_layers="Every layer has its own K and V: multiply by num_hidden_layers.",
+    no_dtype="Count bytes, not elements: multiply the cache's elements by dtype_bytes.",
+)
 
 _SMOLLM2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
 
