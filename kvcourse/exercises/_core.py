@@ -17,12 +17,14 @@ copies on *the learner's device* (:func:`handed`): the model's device for a chec
 the model, the device kernels run on for chapter 5's kernels, else :func:`learner_device`.
 What comes back is compared on the CPU (:func:`on_host`), where the typical mistakes are
 computed too.
+
+The skeleton every check shares is at the end: :func:`check` (the seed key, the answer's validation and refused
+references, an unwritten answer reported) and :func:`diagnose` (the loop over the cases, with a hint per mistake).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import hashlib
 import inspect
@@ -784,16 +786,17 @@ def a_number(what: str = "a number", finite: bool = False) -> Callable[..., floa
 
 
 def _copy_for_learner(value: Any, device: Any) -> Any:
-    """What the learner's code is given for a case's input: tensors on ``device`` (copies), containers copied."""
+    """What the learner's code is given for a case's input: tensors copied to ``device``, lists, tuples, sets and
+    dicts copied (the learner may write into them), anything else (numbers, a callable the check lends) as it is."""
     import torch
 
     if isinstance(value, torch.Tensor):
         return handed(value, learner_device(device))
-    if isinstance(value, (dict, list, tuple, set)):
-        if isinstance(value, dict):
-            return {k: _copy_for_learner(v, device) for k, v in value.items()}
+    if type(value) is dict:
+        return {k: _copy_for_learner(v, device) for k, v in value.items()}
+    if type(value) in (list, tuple, set):
         return type(value)(_copy_for_learner(v, device) for v in value)
-    return copy.copy(value) if isinstance(value, (bytearray,)) else value
+    return value
 
 
 def diagnose(
