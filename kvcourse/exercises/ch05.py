@@ -799,6 +799,16 @@ def _lengths(lens: list[int]) -> str:
     return str(lens) if len(lens) < 5 else f"[{lens[0]}, ... {len(lens)} lengths]"
 
 
+_KV_BYTES_MISTAKES = [
+    ("Both K and V are read: twice the bytes of K alone.", lambda lens, h, d, nb: _kv_bytes(lens, h, d, nb) // 2),
+    ("Each sequence reads its own seq_len, not the longest one: sum the lengths.",
+     lambda lens, h, d, nb: 2 * len(lens) * max(lens) * h * d * nb),
+    ("bytes_per_value is already in bytes (2 for fp16): do not multiply by 8 bits.",
+     lambda lens, h, d, nb: 8 * _kv_bytes(lens, h, d, nb)),
+    ("Every KV head stores its own K and V: multiply by num_kv_heads.", lambda lens, h, d, nb: _kv_bytes(lens, 1, d, nb)),
+]  # fmt: skip
+
+
 @check("ch05.check_kv_bytes", takes="fn(seq_lens, num_kv_heads, head_dim, bytes_per_value)")
 def check_kv_bytes(fn: Callable[[list[int], int, int, int], int], seed: int = 0) -> CheckResult:
     """``fn(seq_lens, num_kv_heads, head_dim, bytes_per_value)``: bytes of K and V one layer's decode step reads."""
@@ -806,17 +816,16 @@ def check_kv_bytes(fn: Callable[[list[int], int, int, int], int], seed: int = 0)
     cases = [([512], 8, 128, 2), ([100, 2000, 7], 8, 128, 2), ([4096] * 32, 8, 128, 1), ([1, 1], 3, 64, 4)]
     cases += [([rng.randint(1, 5000) for _ in range(rng.randint(2, 6))], rng.choice([1, 2, 4, 8]),
                rng.choice([64, 128, 256]), rng.choice([1, 2, 4])) for _ in range(4)]  # fmt: skip
-    diagnose(fn, cases, label=lambda lens, hkv, d, nbytes: f"kv_bytes({_lengths(lens)}, {hkv}, {d}, {nbytes})",
-             reference=_kv_bytes, mistakes=[
-        ("Both K and V are read: twice the bytes of K alone.", lambda lens, h, d, nb: _kv_bytes(lens, h, d, nb) // 2),
-        ("Each sequence reads its own seq_len, not the longest one: sum the lengths.",
-         lambda lens, h, d, nb: 2 * len(lens) * max(lens) * h * d * nb),
-        ("bytes_per_value is already in bytes (2 for fp16): do not multiply by 8 bits.",
-         lambda lens, h, d, nb: 8 * _kv_bytes(lens, h, d, nb)),
-        ("Every KV head stores its own K and V: multiply by num_kv_heads.",
-         lambda lens, h, d, nb: _kv_bytes(lens, 1, d, nb)),
-    ], hint="Count tokens x KV heads x head_dim x bytes per value, for K and for V.", compare=operator.eq,
-             returns=_a_byte_count)  # fmt: skip
+    diagnose(
+        fn,
+        cases,
+        label=lambda lens, hkv, d, nbytes: f"kv_bytes({_lengths(lens)}, {hkv}, {d}, {nbytes})",
+        reference=_kv_bytes,
+        mistakes=_KV_BYTES_MISTAKES,
+        hint="Count tokens x KV heads x head_dim x bytes per value, for K and for V.",
+        compare=operator.eq,
+        returns=_a_byte_count,
+    )
     # The chapter's scenario fits on one H100 SXM (80 GB): 17.2 GB of cache and 16.1 GB of fp16 weights.
     step = 32 * _kv_bytes([4096] * 32, 8, 128, 2)
     h100 = GPU_PEAKS["H100-SXM"]
