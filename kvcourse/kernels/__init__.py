@@ -19,6 +19,8 @@ The Triton kernels (chapter 5's, and the layer's fused ops), each beside the ref
 * :mod:`.triton_cache_fp8` -- :func:`reshape_and_cache_fp8`, the K/V write into an fp8 (e4m3) pool;
 * :mod:`.split_plan` -- a decode step's split-KV work planned on the host from its real lengths, into a buffer
   :func:`~.triton_paged.paged_decode_planned` reads (what a CUDA graph can replay);
+* :mod:`.triton_fused_decode` -- :func:`rope_cache_decode`, a decode step's attention in one launch a layer: RoPE
+  of q and k, the cache write, the planned paged read and the merge of split sequences;
 * :mod:`.triton_fused` -- a layer's small ops, one kernel each, equal to :mod:`.fused_torch`'s versions:
   :func:`rms_norm`, :func:`fused_add_rms_norm`, :func:`rotary_embedding`, :func:`silu_and_mul` (vLLM's
   names; these names of this package are the kernels themselves, on the GPU or in the interpreter);
@@ -74,6 +76,7 @@ _TRITON_NAMES = {
     "reshape_and_cache_int8": ".triton_cache",
     "reshape_and_cache_fp8": ".triton_cache_fp8",
     "paged_decode_planned": ".triton_paged",
+    "rope_cache_decode": ".triton_fused_decode",
     "rms_norm": ".triton_fused",
     "fused_add_rms_norm": ".triton_fused",
     "rotary_embedding": ".triton_fused",

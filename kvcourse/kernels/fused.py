@@ -51,13 +51,14 @@ __all__ = [
 ]
 
 USE_TRITON = True  # False: the torch versions on a CUDA device too (see the module doc)
+KERNEL_DEVICES = ("cuda",)  # where the kernels run; kvcourse.bench.launch_count adds the CPU (Triton's interpreter)
 _TRITON_MISSING = False  # set when Triton failed to import, so that the warning is given once
 
 
 def _triton_kernels(x: torch.Tensor) -> ModuleType | None:
     """:mod:`.triton_fused` when ``x``'s op should run as a Triton kernel (on CUDA), else None (the torch version)."""
     global _TRITON_MISSING
-    if not USE_TRITON or x.device.type != "cuda" or _TRITON_MISSING:
+    if not USE_TRITON or x.device.type not in KERNEL_DEVICES or _TRITON_MISSING:
         return None
     try:
         from . import triton_fused  # imports Triton: only ever here, on a GPU
