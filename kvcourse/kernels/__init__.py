@@ -15,8 +15,7 @@ The Triton kernels (chapter 5's, and the layer's fused ops), each beside the ref
 
 * :mod:`.triton_decode` -- :func:`decode_attention`, one query per sequence on a contiguous cache;
 * :mod:`.triton_paged` -- :func:`paged_decode_attention` through block tables, split-KV, int8 reads;
-* :mod:`.triton_cache` -- :func:`reshape_and_cache`, the K/V write (float and int8);
-* :mod:`.triton_cache_fp8` -- :func:`reshape_and_cache_fp8`, the K/V write into an fp8 (e4m3) pool;
+* :mod:`.triton_cache` -- :func:`reshape_and_cache`, the K/V write (float, int8 and fp8 (e4m3) pools);
 * :mod:`.split_plan` -- a decode step's split-KV work planned on the host from its real lengths, into a buffer
   :func:`~.triton_paged.paged_decode_planned` reads (what a CUDA graph can replay);
 * :mod:`.triton_fused_decode` -- :func:`rope_cache_decode`, a decode step's attention in one launch a layer: RoPE
@@ -74,7 +73,7 @@ _TRITON_NAMES = {
     "choose_num_splits": ".triton_paged",
     "reshape_and_cache": ".triton_cache",
     "reshape_and_cache_int8": ".triton_cache",
-    "reshape_and_cache_fp8": ".triton_cache_fp8",
+    "reshape_and_cache_fp8": ".triton_cache",
     "paged_decode_planned": ".triton_paged",
     "rope_cache_decode": ".triton_fused_decode",
     "rms_norm": ".triton_fused",
