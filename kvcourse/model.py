@@ -37,7 +37,7 @@ from torch import nn
 
 from .backends import AttentionBackend, ContiguousBackend, KVCacheLike, NoCache, paged_backend
 from .batch import ForwardBatch
-from .kernels.fused import add_rms_norm, rms_norm, rope, rope_tables_signed, silu_and_mul
+from .kernels.fused import add_rms_norm, embed_rms_norm, rms_norm, rope, rope_tables_signed, silu_and_mul
 
 __all__ = [
     "KVCacheLike",
@@ -223,12 +223,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, residual, cos, sin, attn):
+    def forward(self, x, residual, cos, sin, attn, normed: bool = False):
         """``x + attn(norm(x))``, then ``+ mlp(norm(...))``, with each add fused into the norm after it:
-        returns ``(mlp output, residual)``, whose sum is the layer's output (``residual=None``: the first layer)."""
-        if residual is None:
+        returns ``(mlp output, residual)``, whose sum is the layer's output (``residual=None``: the first layer).
+        ``normed``: ``x`` is this layer's input norm already, ``residual`` its input (the first layer's norm is
+        fused with the embedding lookup, :func:`~kvcourse.kernels.fused.embed_rms_norm`)."""
+        if residual is None and not normed:
             x, residual = self.input_layernorm(x), x
-        else:
+        elif not normed:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos, sin, attn)
         x, residual = self.post_attention_layernorm(x, residual)
@@ -352,9 +354,13 @@ class LlamaModel(nn.Module):
             cos, sin = self.rope_tables_signed(positions.device, num_positions or int(positions.max()) + 1)
         else:
             cos, sin = self.rope_rows(positions, num_positions)
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, attn)
+        if self.layers:  # the embedding lookup and the first layer's norm: one kernel on a GPU
+            first = self.layers[0].input_layernorm
+            x, residual = embed_rms_norm(input_ids, self.embed_tokens.weight, first.weight, first.eps)
+        else:
+            x, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, attn, normed=i == 0)
         return self.norm(x, residual)[0]
 
     def rope_rows(self, positions: torch.Tensor, num_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,8 @@
 * a step of one-token sequences only (``all_decode``: every CUDA graph's decode step) does all three in one kernel a
   layer, :func:`~kvcourse.kernels.triton_fused_decode.rope_cache_decode`: RoPE of q and k, the cache write and
   the planned paged attention with its merge (``applies_rope``: the model hands it the unrotated QKV projection and
-  the whole RoPE tables, :meth:`TritonBackend.attend_qkv`). Three launches a layer fewer: 250 a step, not 342;
+  the whole RoPE tables, :meth:`TritonBackend.attend_qkv`). Three launches a layer fewer (with the embedding fused
+  with the first norm, 249 a step, not 342: ``python -m kvcourse.bench.launch_count``);
 * ``prefill`` (a prompt, or a chunk of one) stays torch's SDPA: a prefill is compute-bound matrix
   multiplication, a different kernel (FlashAttention's), outside chapter 5.
 

@@ -73,7 +73,7 @@ OTHER_HEADS = ((8, 8), (64, 8))
 # A layer's small ops (:mod:`~kvcourse.kernels.triton_fused`), compiled at the shapes of the models named here:
 # (hidden size, intermediate size, q heads, kv heads, head dim). RoPE rotates Q and K together (Hq + Hkv heads).
 NAMED_LAYERS = {"SmolLM2-135M": (576, 1536, 9, 3, 64)}
-FUSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+FUSED_OPS = ("rms_norm", "embed_rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
 # Every target compiles all three (a T4 has no bf16 arithmetic: what Triton makes of bf16 there is reported too).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FUSED_TOKENS = (1, 64, 2048)  # a decode step, a batch of decodes, a prefill chunk (only the grid depends on it)
@@ -293,6 +293,8 @@ def _launch_fused(config: Config) -> None:
         x, weight = torch.empty(n, config.width, dtype=dtype), torch.empty(config.width, dtype=dtype)
         if config.op == "rms_norm":
             triton_fused._launch_rms_norm(x, weight, 1e-5)
+        elif config.op == "embed_rms_norm":  # x as the embedding table, one row per token
+            triton_fused._launch_rms_norm(x, weight, 1e-5, torch.zeros(n, dtype=torch.int64))
         else:
             triton_fused._launch_fused_add_rms_norm(x, x.clone(), weight, 1e-5)
 
@@ -448,6 +450,7 @@ def fused_configurations(target: Target) -> list[Config]:
     for (hidden, intermediate, hq, hkv, d), dtype, n in itertools.product(NAMED_LAYERS.values(), DTYPES, FUSED_TOKENS):
         out += [
             Config("rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
+            Config("embed_rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
             Config("fused_add_rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
             Config("rotary_embedding", dtype, (hq, hkv), d, tokens=n),
             Config("silu_and_mul", dtype, (hq, hkv), d, tokens=n, width=intermediate),

@@ -36,11 +36,13 @@ from types import ModuleType
 import torch
 
 # the torch versions live in their own module, which the Triton kernels fall back to without importing this one
-from .fused_torch import add_rms_norm_torch, rms_norm_torch, rope_torch, silu_and_mul_torch
+from .fused_torch import add_rms_norm_torch, embed_rms_norm_torch, rms_norm_torch, rope_torch, silu_and_mul_torch
 
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_torch",
+    "embed_rms_norm",
+    "embed_rms_norm_torch",
     "rms_norm",
     "rms_norm_torch",
     "rope",
@@ -80,6 +82,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if kernels is not None:
         return kernels.rms_norm(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
+
+
+def embed_rms_norm(
+    ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedding lookup and the first layer's norm in one step: ``rows = table[ids]``; returns
+    ``(rms_norm(rows), rows)`` (the rows are the first residual)."""
+    kernels = _triton_kernels(table)
+    if kernels is not None:
+        return kernels.embed_rms_norm(ids, table, weight, eps)
+    return embed_rms_norm_torch(ids, table, weight, eps)
 
 
 def add_rms_norm(
