@@ -22,7 +22,9 @@ does: Q, K and V come out of one packed matmul (``qkv_proj``), gate and up out o
 Triton kernels on a GPU). The textbook names still work: ``attn.k_proj`` is a view of the K rows of the
 packed weight, usable as the ``nn.Linear`` it replaced, so chapters 1-2 can call ``k_proj(x)``. Hugging
 Face checkpoints load through :func:`pack_state_dict`. The residual travels beside the hidden state
-(``layer(x, residual) -> (x, residual)``) so that each residual add is fused into the norm after it.
+(``layer(x, residual) -> (x, residual)``) so that each residual add is fused into the norm after it. A backend
+that says ``applies_rope`` (the ``"triton"`` backend on a step of one-token sequences) takes the unrotated QKV
+and the whole RoPE tables instead, and rotates, stores and attends in one kernel: 8 launches a layer, not 11.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch import nn
 
 from .backends import AttentionBackend, ContiguousBackend, KVCacheLike, NoCache, paged_backend
 from .batch import ForwardBatch
-from .kernels.fused import add_rms_norm, rms_norm, rope, rope_tables_signed, silu_and_mul
+from .kernels.fused import add_rms_norm, embed_rms_norm, rms_norm, rope, rope_tables_signed, silu_and_mul
 
 __all__ = [
     "KVCacheLike",
@@ -182,10 +184,13 @@ class Attention(nn.Module):
         """``x [..., hidden]`` (``[B, T, hidden]``, or ``[N, hidden]`` for a packed step) -> the same shape."""
         lead, d = x.shape[:-1], self.head_dim
         qkv = self.qkv_proj(x).view(*lead, self.n_heads + 2 * self.n_kv_heads, d)  # [..., Hq + 2 Hkv, D]
-        # Q and K sit side by side in the packed output: RoPE rotates both heads' groups in one call.
-        qk, v = qkv.split((self.n_heads + self.n_kv_heads, self.n_kv_heads), dim=-2)
-        q, k = rope(qk, cos, sin).split((self.n_heads, self.n_kv_heads), dim=-2)  # [..., H, D]: token-major views
-        out = attn(self.layer_idx, q, k, v)  # the backend stores K/V (or not) and attends
+        if getattr(attn, "applies_rope", False):  # one kernel rotates, stores and attends; cos, sin: whole tables
+            out = attn.attend_qkv(self.layer_idx, qkv, cos, sin)
+        else:
+            # Q and K sit side by side in the packed output: RoPE rotates both heads' groups in one call.
+            qk, v = qkv.split((self.n_heads + self.n_kv_heads, self.n_kv_heads), dim=-2)
+            q, k = rope(qk, cos, sin).split((self.n_heads, self.n_kv_heads), dim=-2)  # [..., H, D]: token-major views
+            out = attn(self.layer_idx, q, k, v)  # the backend stores K/V (or not) and attends
         return self.o_proj(out.reshape(*lead, self.n_heads * d))
 
 
@@ -218,12 +223,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, residual, cos, sin, attn):
+    def forward(self, x, residual, cos, sin, attn, normed: bool = False):
         """``x + attn(norm(x))``, then ``+ mlp(norm(...))``, with each add fused into the norm after it:
-        returns ``(mlp output, residual)``, whose sum is the layer's output (``residual=None``: the first layer)."""
-        if residual is None:
+        returns ``(mlp output, residual)``, whose sum is the layer's output (``residual=None``: the first layer).
+        ``normed``: ``x`` is this layer's input norm already, ``residual`` its input (the first layer's norm is
+        fused with the embedding lookup, :func:`~kvcourse.kernels.fused.embed_rms_norm`)."""
+        if residual is None and not normed:
             x, residual = self.input_layernorm(x), x
-        else:
+        elif not normed:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos, sin, attn)
         x, residual = self.post_attention_layernorm(x, residual)
@@ -343,10 +350,17 @@ class LlamaModel(nn.Module):
         """The decoder stack: ``input_ids [B, T]`` at ``positions [T]`` -> final-norm hidden states ``[B, T, hidden]``
         (or a packed step: ``[N]`` at ``[N]`` -> ``[N, hidden]``). ``num_positions``: more than the largest
         position, if the caller knows it (else it is read from ``positions``, a read back on a GPU)."""
-        cos, sin = self.rope_rows(positions, num_positions)
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, attn)
+        if getattr(attn, "applies_rope", False):  # the backend reads the tables at the step's positions itself
+            cos, sin = self.rope_tables_signed(positions.device, num_positions or int(positions.max()) + 1)
+        else:
+            cos, sin = self.rope_rows(positions, num_positions)
+        if self.layers:  # the embedding lookup and the first layer's norm: one kernel on a GPU
+            first = self.layers[0].input_layernorm
+            x, residual = embed_rms_norm(input_ids, self.embed_tokens.weight, first.weight, first.eps)
+        else:
+            x, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, attn, normed=i == 0)
         return self.norm(x, residual)[0]
 
     def rope_rows(self, positions: torch.Tensor, num_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,13 +368,18 @@ class LlamaModel(nn.Module):
         ``[T, 1, D]`` in the model's dtype: rows of tables kept per device (see :meth:`rope_tables`)."""
         if num_positions is None:
             num_positions = int(positions.max()) + 1 if positions.numel() else 1
-        key = (positions.device, self.dtype)
+        cos, sin = self.rope_tables_signed(positions.device, num_positions)
+        return cos[positions][:, None], sin[positions][:, None]  # [T, 1, D]: broadcast over heads
+
+    def rope_tables_signed(self, device: torch.device, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole tables :meth:`rope_rows` reads, ``[L, D]`` with ``L >= num_positions``, in the model's dtype."""
+        key = (device, self.dtype)
         cos, sin = self._rope_signed.get(key, (None, None))
         if cos is None or cos.shape[0] < num_positions:
-            full_cos, full_sin = self._rope_table(num_positions, positions.device)
+            full_cos, full_sin = self._rope_table(num_positions, device)
             cos, sin = rope_tables_signed(full_cos.to(self.dtype), full_sin.to(self.dtype))
             self._rope_signed[key] = (cos, sin)
-        return cos[positions][:, None], sin[positions][:, None]  # [T, 1, D]: broadcast over heads
+        return cos, sin
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of every position up to the largest in ``positions``, ``[L, D]``: computed once and

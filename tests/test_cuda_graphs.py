@@ -396,9 +396,9 @@ def test_a_decode_graph_splits_from_the_steps_real_lengths(monkeypatch):
     assert graphs.static_batch(("decode", 2)).split_plan is plan
     assert graphs.static_batch(("mixed", 64)).split_plan is None  # the ragged kernel plans nothing
     planned = []
-    real = triton_backend.paged_decode_planned
-    monkeypatch.setattr(triton_backend, "paged_decode_planned", lambda *a, **k: planned.append(1) or real(*a, **k))
+    real = triton_backend.rope_cache_decode  # a decode step's attention: one kernel a layer, reading the plan
+    monkeypatch.setattr(triton_backend, "rope_cache_decode", lambda *a, **k: planned.append(a[8]) or real(*a, **k))
     graphs.forward(("decode", 2))
-    assert len(planned) == model.config.num_hidden_layers  # every layer's decode read the plan
+    assert planned == [plan] * model.config.num_hidden_layers  # every layer's decode read the plan
     graphs.load_padding(("decode", 2))
     assert plan.chunk == 0  # what a graph is recorded on

@@ -10,7 +10,7 @@ import torch
 
 from kvcourse.kernels.fp8 import FP8, FP8_MAX, paged_decode_attention_fp8_ref, reshape_and_cache_fp8_ref
 from kvcourse.kernels.testing import random_paged_case
-from kvcourse.kernels.triton_cache_fp8 import float_to_e4m3_bits, reshape_and_cache_fp8
+from kvcourse.kernels.triton_cache import float_to_e4m3_bits, reshape_and_cache_fp8
 from kvcourse.kernels.triton_runtime import fallbacks, kernel_device, reset_fallbacks, tl, triton
 
 DEVICE = kernel_device()

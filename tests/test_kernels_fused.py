@@ -114,6 +114,21 @@ def test_fused_add_rms_norm(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(1,), (2, 7)], ids=["decode", "batch"])
+def test_embed_rms_norm(dtype, shape):
+    """The embedding lookup and the first norm in one kernel (issue 49): the rows bit for bit, the norm as rms_norm."""
+    g = torch.Generator().manual_seed(_seed("embed_rms_norm", dtype, shape))
+    table, weight = _randn(g, 50, HIDDEN, dtype=dtype), _weight(g, HIDDEN, dtype)
+    ids = torch.randint(0, 50, shape, generator=g).to(DEVICE)
+    ids.view(-1)[-1] = ids.view(-1)[0]  # a token twice
+    out, rows = tf.embed_rms_norm(ids, table, weight, EPS)
+    want_out, want_rows = fused.embed_rms_norm_torch(ids, table, weight, EPS)
+    assert torch.equal(rows, want_rows) and rows.shape == (*shape, HIDDEN)
+    assert_matches(out, want_out)
+    assert torch.equal(out, tf.rms_norm(rows, weight, EPS))  # what the first layer's norm computed before
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     "n, heads, head_dim", [(1, HEADS, HEAD_DIM), (19, HEADS, HEAD_DIM), (5, 2, 128)], ids=["decode", "prefill", "D128"]
 )

@@ -71,9 +71,17 @@ def _check_report(report: dict) -> None:
     fused = {"_rms_norm_kernel", "_fused_add_rms_norm_kernel", "_rotary_embedding_kernel", "_silu_and_mul_kernel"}
     for capability in (75, 80, 90):
         mine = [r for r in rows if r["capability"] == capability and r["kernel"] in fused]
-        assert {r["kernel"] for r in mine} == fused and len(mine) == 4 * 3 * 3, mine
+        assert {r["kernel"] for r in mine} == fused and len(mine) == 5 * 3 * 3, mine  # rms_norm: with an embedding too
         assert all(r["model"] == "SmolLM2-135M" and r["stack_bytes"] == 0 and not r["mma"] for r in mine), mine
     assert row(90, "rms_norm dtype=bf16 hidden=576 tokens=2048", "_rms_norm_kernel")["BLOCK"] == 1024
+    # A decode step's attention in one kernel (kernels/triton_fused_decode.py): RoPE, cache write, paged read and
+    # merge; every dtype, no spills, tensor cores where the paged kernel has them.
+    for capability in (75, 80, 90):
+        for dtype in ("fp16", "bf16", "fp32"):
+            config = f"rope_cache_decode q={dtype} kv={dtype} heads=9/3 D=64 block=16"
+            assert row(capability, config, "_rope_cache_decode_kernel")["stack_bytes"] == 0
+    config = "rope_cache_decode q=fp16 kv=fp16 heads=32/8 D=128 block=16"
+    assert row(90, config, "_rope_cache_decode_kernel")["mma"] and row(80, config, "_rope_cache_decode_kernel")["mma"]
     assert row(75, "silu_and_mul dtype=fp16 intermediate=1536 tokens=1", "_silu_and_mul_kernel")["num_warps"] == 4
 
 

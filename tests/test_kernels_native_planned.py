@@ -1,7 +1,7 @@
 """Issue 50's new kernel paths compiled for a T4, an A100 and an H100 (sm_75, sm_80, sm_90) on this CPU: no spills.
 
 The planned paged decode (``_paged_decode_kernel`` with ``PLANNED``) and its merge (``_merge_planned_kernel``), and the
-fp8 cache write (``_reshape_and_cache_fp8_kernel``), at the named models' heads (SmolLM2's 9/3/64, Llama-3-8B's
+fp8 cache write (``_reshape_and_cache_kernel`` on an e4m3 pool), at the named models' heads (SmolLM2's 9/3/64, Llama-3-8B's
 32/8/128), in every query dtype, on float and int8 pools, with the launch parameters the wrappers pick on each GPU.
 :mod:`kvcourse.bench.compile_check` records and compiles the launches (``compile_launch``); its sweep does not
 know these kernels yet, so they are recorded here (the same way: each kernel's ``run`` replaced by a recorder).
@@ -18,11 +18,11 @@ from tests.test_kernels_native import ROOT, TIMEOUT, _env
 SCRIPT = r"""
 import functools, json, torch
 from kvcourse.bench import compile_check as cc
-from kvcourse.kernels import triton_cache_fp8, triton_paged
+from kvcourse.kernels import triton_cache, triton_paged
 from kvcourse.kernels.split_plan import SplitPlan
 
 kernels = (triton_paged._paged_decode_kernel, triton_paged._merge_planned_kernel,
-           triton_cache_fp8._reshape_and_cache_fp8_kernel)
+           triton_cache._reshape_and_cache_kernel)
 launches = []
 for k in kernels:
     k.run = functools.partial(lambda kernel, *a, grid, warmup, **kw: launches.append((cfg, cc.Launch(kernel, a, kw))), k)
@@ -50,8 +50,8 @@ for target in cc.TARGETS:
             cfg = f"cache-fp8 dtype={dtype} heads={hkv} D={d} tokens={n}"
             new = torch.empty(n, hkv, d, dtype=dtype)
             pool = torch.empty(4, 16, hkv, d, dtype=torch.float8_e4m3fn)
-            triton_cache_fp8._launch(new, new.clone(), pool, pool.clone(), torch.empty(pool.shape[:3]),
-                                     torch.empty(pool.shape[:3]), torch.zeros(n, dtype=torch.int64))
+            triton_cache._launch(new, new.clone(), pool, pool.clone(), torch.zeros(n, dtype=torch.int64),
+                                 torch.empty(pool.shape[:3]), torch.empty(pool.shape[:3]))
     seen = {}
     for cfg, launch in launches:
         key = (launch.kernel.__name__, cc._launch_key(launch))
@@ -70,7 +70,7 @@ def test_issue_50_kernels_compile_for_t4_a100_h100_without_spills(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    kernels = {"_paged_decode_kernel", "_merge_planned_kernel", "_reshape_and_cache_fp8_kernel"}
+    kernels = {"_paged_decode_kernel", "_merge_planned_kernel", "_reshape_and_cache_kernel"}
     for capability in (75, 80, 90):
         mine = [r for r in rows if r["capability"] == capability]
         assert {r["kernel"] for r in mine} == kernels

@@ -8,6 +8,11 @@
   the batch carries a split plan (``batch.split_plan``, :class:`~kvcourse.kernels.split_plan.SplitPlan`, filled from
   the step's real lengths), through :func:`~kvcourse.kernels.triton_paged.paged_decode_planned`, whose launch does
   not depend on the lengths: a CUDA graph recorded once splits every replayed step as its own lengths need;
+* a step of one-token sequences only (``all_decode``: every CUDA graph's decode step) does all three in one kernel a
+  layer, :func:`~kvcourse.kernels.triton_fused_decode.rope_cache_decode`: RoPE of q and k, the cache write and
+  the planned paged attention with its merge (``applies_rope``: the model hands it the unrotated QKV projection and
+  the whole RoPE tables, :meth:`TritonBackend.attend_qkv`). Three launches a layer fewer (with the embedding fused
+  with the first norm, 249 a step, not 342: ``python -m kvcourse.bench.launch_count``);
 * ``prefill`` (a prompt, or a chunk of one) stays torch's SDPA: a prefill is compute-bound matrix
   multiplication, a different kernel (FlashAttention's), outside chapter 5.
 
@@ -25,7 +30,10 @@ from collections import Counter
 
 import torch
 
+from ..kernels.fused import rope
+from ..kernels.split_plan import SplitPlan, plan_capacity
 from ..kernels.triton_cache import reshape_and_cache
+from ..kernels.triton_fused_decode import rope_cache_decode, rope_cache_decode_ref
 from ..kernels.triton_paged import choose_num_splits, num_sms, paged_decode, paged_decode_planned
 from ..kernels.triton_runtime import check_kernel_device, counting_runs, launch_or_fallback
 from . import register
@@ -63,6 +71,34 @@ class TritonBackend(KernelSteps, PagedTorchBackend):
     """
 
     capturable = True
+    fuse_attention = True  # False: the unfused launches in every step (to count or time one against the other)
+
+    def __init__(self, kv_pool, batch) -> None:
+        super().__init__(kv_pool, batch)
+        # A step of one-token sequences rotates, stores and attends in one kernel a layer, reading its split-KV work
+        # from a plan: the graph's (refilled each step), or one made here from the step's lengths.
+        self.applies_rope = self.fuse_attention and self.all_decode and bool(self.decode_seqs)
+        self.plan = batch.split_plan
+        if self.applies_rope and self.plan is None:
+            hkv, sms = kv_pool.num_kv_heads, num_sms(kv_pool.k_cache[0].device)
+            self.plan = SplitPlan(plan_capacity(batch.num_seqs, hkv, sms), batch.num_seqs, batch.input_ids.device)
+            self.plan.fill(list(batch.seq_lens_host), hkv, sms)
+
+    def attend_qkv(self, layer_idx: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A decode step's attention from the packed, unrotated ``qkv [B, Hq + 2 Hkv, D]`` and the model's whole
+        RoPE tables ``cos, sin [L, D]`` (signed sin): RoPE, the cache write and attention, one launch."""
+        k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
+        positions, hkv = self.batch.positions, k_cache.shape[2]
+        if qkv.dtype != k_cache.dtype:  # a pool in another dtype than the model (the tests' float64 pools)
+            hq = qkv.shape[1] - 2 * hkv
+            q, k = rope(qkv[:, : hq + hkv], cos[positions][:, None], sin[positions][:, None]).split((hq, hkv), 1)
+            return self(layer_idx, q, k, qkv[:, hq + hkv :])
+        args = (qkv, cos, sin, positions, self.batch.slot_mapping, k_cache, v_cache, self.decode_tables)
+        config = (qkv.dtype, qkv.shape[-1], qkv.shape[1], hkv, k_cache.shape[1])
+        with counting_runs(self.runs):
+            return launch_or_fallback("rope_cache_decode", qkv.device, config,
+                                      lambda: rope_cache_decode(*args, self.plan, self.scale),
+                                      lambda: rope_cache_decode_ref(*args, self.scale))  # fmt: skip
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]

@@ -17,6 +17,8 @@ never import these):
   spills, shared memory, tensor-core instructions or not (``python -m kvcourse.bench.compile_check``).
 * :mod:`.instructions` -- the int8 kernel's SASS instruction counts for an H100, compiled on a CPU
   (``python -m kvcourse.bench.instructions``).
+* :mod:`.launch_count` -- the kernels one engine decode step launches, counted on a CPU (Triton's interpreter and
+  a dispatch-mode counter; ``python -m kvcourse.bench.launch_count [--unfused]``).
 
 Benchmarks measure; they never assert a speed in a test. Results that come from a GPU are written with
 their provenance (GPU, driver, CUDA, torch, triton) under ``benchmarks/results/``.

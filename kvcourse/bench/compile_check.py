@@ -73,19 +73,20 @@ OTHER_HEADS = ((8, 8), (64, 8))
 # A layer's small ops (:mod:`~kvcourse.kernels.triton_fused`), compiled at the shapes of the models named here:
 # (hidden size, intermediate size, q heads, kv heads, head dim). RoPE rotates Q and K together (Hq + Hkv heads).
 NAMED_LAYERS = {"SmolLM2-135M": (576, 1536, 9, 3, 64)}
-FUSED_OPS = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
+FUSED_OPS = ("rms_norm", "embed_rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
 # Every target compiles all three (a T4 has no bf16 arithmetic: what Triton makes of bf16 there is reported too).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FUSED_TOKENS = (1, 64, 2048)  # a decode step, a batch of decodes, a prefill chunk (only the grid depends on it)
 # The kernels with tl.dot.
-_ATTENTION_KERNELS = ("_decode_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_ragged_paged_kernel")
+_ATTENTION_KERNELS = ("_decode_kernel", "_paged_decode_kernel", "_merge_splits_kernel", "_ragged_paged_kernel",
+                      "_rope_cache_decode_kernel")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One launch of one wrapper: what it runs on (the tensors are made small; the kernel sees the same)."""
 
-    op: str  # "decode" | "paged" | "ragged" | "cache", or one of FUSED_OPS
+    op: str  # "decode" | "paged" | "ragged" | "cache" | "rope_cache_decode", or one of FUSED_OPS
     dtype: torch.dtype  # the query's (or the new K/V's) dtype
     heads: tuple[int, int]  # (q heads, kv heads); the cache write sees only kv heads
     head_dim: int
@@ -168,13 +169,14 @@ def _kernels() -> tuple:
     from ..kernels import triton_fused
     from ..kernels.triton_cache import _reshape_and_cache_kernel
     from ..kernels.triton_decode import _decode_kernel
+    from ..kernels.triton_fused_decode import _rope_cache_decode_kernel
     from ..kernels.triton_paged import _merge_splits_kernel, _paged_decode_kernel
     from ..kernels.triton_ragged import _ragged_paged_kernel
 
     fused = (triton_fused._rms_norm_kernel, triton_fused._fused_add_rms_norm_kernel,
              triton_fused._rotary_embedding_kernel, triton_fused._silu_and_mul_kernel)  # fmt: skip
     return (_decode_kernel, _paged_decode_kernel, _merge_splits_kernel, _ragged_paged_kernel, _reshape_and_cache_kernel,
-            *fused)  # fmt: skip
+            _rope_cache_decode_kernel, *fused)  # fmt: skip
 
 
 @contextmanager
@@ -252,11 +254,21 @@ def launches_for(config: Config, target: Target | None) -> list[Launch]:
             pool = torch.empty(max(4, config.tokens), config.block_size, hkv, d, dtype=cache_dtype)
             scales = (torch.empty(pool.shape[:3]), torch.empty(pool.shape[:3])) if config.kv_int8 else ()
             cache_launch(new, new.clone(), pool, pool.clone(), torch.zeros(config.tokens, dtype=torch.int64), *scales)
+        elif config.op == "rope_cache_decode":  # a decode step of two sequences, the packed QKV as the model has it
+            from ..kernels.split_plan import SplitPlan
+            from ..kernels.triton_fused_decode import rope_cache_decode
+
+            pool = torch.empty(4, config.block_size, hkv, d, dtype=dtype)
+            table, rows = torch.empty(8, d, dtype=dtype), torch.zeros(2, dtype=torch.int64)
+            rope_cache_decode(torch.empty(2, hq + 2 * hkv, d, dtype=dtype), table, table.clone(), rows, rows.clone(),
+                              pool, pool.clone(), torch.zeros(2, 2, dtype=torch.int32), SplitPlan(4, 2, "cpu"),
+                              d**-0.5, capability=cap)  # fmt: skip
         elif config.op in FUSED_OPS:
             _launch_fused(config)
         else:
             raise ValueError(
-                f"config.op must be 'decode', 'paged', 'ragged', 'cache' or one of {FUSED_OPS}, got {config.op!r}"
+                f"config.op must be 'decode', 'paged', 'ragged', 'cache', 'rope_cache_decode' or one of {FUSED_OPS}, "
+                f"got {config.op!r}"
             )
     return launches
 
@@ -281,6 +293,8 @@ def _launch_fused(config: Config) -> None:
         x, weight = torch.empty(n, config.width, dtype=dtype), torch.empty(config.width, dtype=dtype)
         if config.op == "rms_norm":
             triton_fused._launch_rms_norm(x, weight, 1e-5)
+        elif config.op == "embed_rms_norm":  # x as the embedding table, one row per token
+            triton_fused._launch_rms_norm(x, weight, 1e-5, torch.zeros(n, dtype=torch.int64))
         else:
             triton_fused._launch_fused_add_rms_norm(x, x.clone(), weight, 1e-5)
 
@@ -411,6 +425,8 @@ def configurations(target: Target, quick: bool = False) -> list[Config]:
                 out.append(Config("paged", dtype, (hq, hkv), d, kv_int8, block_size, s))
             if not kv_int8:  # the ragged kernel (a mixed step's attention in a CUDA graph) reads float pools only
                 out += [Config("ragged", dtype, (hq, hkv), d, False, block_size) for block_size in blocks]
+                # and so does a decode step's fused attention (RoPE, cache write, paged read, merge: one kernel)
+                out += [Config("rope_cache_decode", dtype, (hq, hkv), d, False, block_size) for block_size in blocks]
             for block_size, n in itertools.product(blocks, tokens):  # BLOCK_T follows the count; 1 is specialised
                 out.append(Config("cache", dtype, (hq, hkv), d, kv_int8, block_size, tokens=n))
         if target.capability >= 89:  # fp8 pools: the paged read, where the GPU converts e4m3 (no cache write yet)
@@ -423,6 +439,7 @@ def configurations(target: Target, quick: bool = False) -> list[Config]:
         Config("decode", torch.float32, tiny, 8),
         Config("paged", torch.float32, tiny, 8, False, 4, 1),
         Config("ragged", torch.float32, tiny, 8, False, 4),
+        Config("rope_cache_decode", torch.float32, tiny, 8, False, 4),
     ]
     return out + fused_configurations(target)
 
@@ -433,6 +450,7 @@ def fused_configurations(target: Target) -> list[Config]:
     for (hidden, intermediate, hq, hkv, d), dtype, n in itertools.product(NAMED_LAYERS.values(), DTYPES, FUSED_TOKENS):
         out += [
             Config("rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
+            Config("embed_rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
             Config("fused_add_rms_norm", dtype, (hq, hkv), d, tokens=n, width=hidden),
             Config("rotary_embedding", dtype, (hq, hkv), d, tokens=n),
             Config("silu_and_mul", dtype, (hq, hkv), d, tokens=n, width=intermediate),

@@ -15,10 +15,11 @@ The Triton kernels (chapter 5's, and the layer's fused ops), each beside the ref
 
 * :mod:`.triton_decode` -- :func:`decode_attention`, one query per sequence on a contiguous cache;
 * :mod:`.triton_paged` -- :func:`paged_decode_attention` through block tables, split-KV, int8 reads;
-* :mod:`.triton_cache` -- :func:`reshape_and_cache`, the K/V write (float and int8);
-* :mod:`.triton_cache_fp8` -- :func:`reshape_and_cache_fp8`, the K/V write into an fp8 (e4m3) pool;
+* :mod:`.triton_cache` -- :func:`reshape_and_cache`, the K/V write (float, int8 and fp8 (e4m3) pools);
 * :mod:`.split_plan` -- a decode step's split-KV work planned on the host from its real lengths, into a buffer
   :func:`~.triton_paged.paged_decode_planned` reads (what a CUDA graph can replay);
+* :mod:`.triton_fused_decode` -- :func:`rope_cache_decode`, a decode step's attention in one launch a layer: RoPE
+  of q and k, the cache write, the planned paged read and the merge of split sequences;
 * :mod:`.triton_fused` -- a layer's small ops, one kernel each, equal to :mod:`.fused_torch`'s versions:
   :func:`rms_norm`, :func:`fused_add_rms_norm`, :func:`rotary_embedding`, :func:`silu_and_mul` (vLLM's
   names; these names of this package are the kernels themselves, on the GPU or in the interpreter);
@@ -72,8 +73,9 @@ _TRITON_NAMES = {
     "choose_num_splits": ".triton_paged",
     "reshape_and_cache": ".triton_cache",
     "reshape_and_cache_int8": ".triton_cache",
-    "reshape_and_cache_fp8": ".triton_cache_fp8",
+    "reshape_and_cache_fp8": ".triton_cache",
     "paged_decode_planned": ".triton_paged",
+    "rope_cache_decode": ".triton_fused_decode",
     "rms_norm": ".triton_fused",
     "fused_add_rms_norm": ".triton_fused",
     "rotary_embedding": ".triton_fused",

@@ -63,7 +63,7 @@ def reshape_and_cache_fp8_ref(
 ) -> None:
     """Quantize new tokens' ``key, value [N, Hkv, D]`` to e4m3 (:func:`quantize_fp8`) and write them and their scales
     at ``slot_mapping [N]`` (-1: skip): the fp8 pool's cache write, what
-    :func:`~kvcourse.kernels.triton_cache_fp8.reshape_and_cache_fp8` must equal bit for bit."""
+    :func:`~kvcourse.kernels.triton_cache.reshape_and_cache_fp8` must equal bit for bit."""
     check_fp8_pool(key_cache, value_cache, k_scale, v_scale)
     check_reshape_and_cache(key, value, _float_view(key_cache, key), _float_view(value_cache, key), slot_mapping)
     keep = slot_mapping >= 0

@@ -36,11 +36,13 @@ from types import ModuleType
 import torch
 
 # the torch versions live in their own module, which the Triton kernels fall back to without importing this one
-from .fused_torch import add_rms_norm_torch, rms_norm_torch, rope_torch, silu_and_mul_torch
+from .fused_torch import add_rms_norm_torch, embed_rms_norm_torch, rms_norm_torch, rope_torch, silu_and_mul_torch
 
 __all__ = [
     "add_rms_norm",
     "add_rms_norm_torch",
+    "embed_rms_norm",
+    "embed_rms_norm_torch",
     "rms_norm",
     "rms_norm_torch",
     "rope",
@@ -51,13 +53,14 @@ __all__ = [
 ]
 
 USE_TRITON = True  # False: the torch versions on a CUDA device too (see the module doc)
+KERNEL_DEVICES = ("cuda",)  # where the kernels run; kvcourse.bench.launch_count adds the CPU (Triton's interpreter)
 _TRITON_MISSING = False  # set when Triton failed to import, so that the warning is given once
 
 
 def _triton_kernels(x: torch.Tensor) -> ModuleType | None:
     """:mod:`.triton_fused` when ``x``'s op should run as a Triton kernel (on CUDA), else None (the torch version)."""
     global _TRITON_MISSING
-    if not USE_TRITON or x.device.type != "cuda" or _TRITON_MISSING:
+    if not USE_TRITON or x.device.type not in KERNEL_DEVICES or _TRITON_MISSING:
         return None
     try:
         from . import triton_fused  # imports Triton: only ever here, on a GPU
@@ -79,6 +82,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if kernels is not None:
         return kernels.rms_norm(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
+
+
+def embed_rms_norm(
+    ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedding lookup and the first layer's norm in one step: ``rows = table[ids]``; returns
+    ``(rms_norm(rows), rows)`` (the rows are the first residual)."""
+    kernels = _triton_kernels(table)
+    if kernels is not None:
+        return kernels.embed_rms_norm(ids, table, weight, eps)
+    return embed_rms_norm_torch(ids, table, weight, eps)
 
 
 def add_rms_norm(

@@ -13,7 +13,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["add_rms_norm_torch", "rms_norm_torch", "rope_torch", "silu_and_mul_torch"]
+__all__ = ["add_rms_norm_torch", "embed_rms_norm_torch", "rms_norm_torch", "rope_torch", "silu_and_mul_torch"]
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,3 +54,11 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     """:func:`.fused.silu_and_mul`'s torch version, on any device."""
     half = gate_up.shape[-1] // 2
     return F.silu(gate_up[..., :half]) * gate_up[..., half:]
+
+
+def embed_rms_norm_torch(
+    ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`.fused.embed_rms_norm`'s torch version, on any device."""
+    rows = torch.nn.functional.embedding(ids, table)
+    return rms_norm_torch(rows, weight, eps), rows

@@ -44,7 +44,7 @@ import torch
 from . import fused_torch
 from .triton_runtime import check_kernel_device, interpreting, launch_or_fallback, tl, triton
 
-__all__ = ["fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
+__all__ = ["embed_rms_norm", "fused_add_rms_norm", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
 MAX_TILE = 32768  # values one program holds (a row, or RoPE's H x D padded): 16 warps, 64 per thread at most
 SILU_BLOCK = 1024  # SiLU-and-mul's tile: rows longer than this take several programs
@@ -83,13 +83,19 @@ def _rms_normalize(
 
 @triton.jit
 def _rms_norm_kernel(
-    X, Weight, Out, stride_xn, stride_on, eps,
+    X, Weight, Out, Ids, Rows, stride_xn, stride_on, stride_rn, eps,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, BF16_BY_HAND: tl.constexpr,
+    GATHER: tl.constexpr,  # X is an embedding table: row n reads row Ids[n], and writes it to Rows (the residual)
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)  # int64: row * stride passes 2**31 in a long prefill of a wide model
     cols = tl.arange(0, BLOCK)  # the whole row in one tile (BLOCK = HIDDEN rounded up to a power of two)
     mask = cols < HIDDEN
-    x = tl.load(X + row * stride_xn + cols, mask=mask, other=0.0).to(tl.float32)
+    if GATHER:
+        x = tl.load(X + tl.load(Ids + row).to(tl.int64) * stride_xn + cols, mask=mask, other=0.0)
+        tl.store(Rows + row * stride_rn + cols, x, mask=mask)
+    else:
+        x = tl.load(X + row * stride_xn + cols, mask=mask, other=0.0)
+    x = x.to(tl.float32)
     w = tl.load(Weight + cols, mask=mask, other=0.0).to(tl.float32)
     out = _rms_normalize(x, w, eps, HIDDEN, X.dtype.element_ty, Out.dtype.element_ty, BF16_BY_HAND)
     tl.store(Out + row * stride_on + cols, out.to(Out.dtype.element_ty), mask=mask)
@@ -165,18 +171,21 @@ def num_warps(tile: int) -> int:
     return max(4, min(16, tile // 512))
 
 
-def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x [N, hidden]`` (last dim contiguous), ``weight [hidden]`` contiguous -> a new ``[N, hidden]``."""
-    n, hidden = x.shape
+def _launch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ids: torch.Tensor | None = None):
+    """``x [N, hidden]`` (last dim contiguous), ``weight [hidden]`` contiguous -> a new ``[N, hidden]``.
+
+    With ``ids [N]``: ``x`` is an embedding table, row ``n`` is its row ``ids[n]``; returns ``(normed, rows)``."""
+    n, hidden = x.shape if ids is None else (ids.numel(), x.shape[1])
     out = torch.empty((n, hidden), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    if n == 0:
-        return out
-    block = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(n,)](
-        x, weight, out, x.stride(0), out.stride(0), eps,
-        HIDDEN=hidden, BLOCK=block, BF16_BY_HAND=interpreting(), num_warps=num_warps(block),
-    )  # fmt: skip
-    return out
+    rows = out if ids is None else torch.empty((n, hidden), dtype=x.dtype, device=x.device)
+    if n:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(n,)](
+            x, weight, out, x if ids is None else ids, rows, x.stride(0), out.stride(0), rows.stride(0), eps,
+            HIDDEN=hidden, BLOCK=block, BF16_BY_HAND=interpreting(), GATHER=ids is not None,
+            num_warps=num_warps(block),
+        )  # fmt: skip
+    return out if ids is None else (out, rows)
 
 
 def _launch_fused_add_rms_norm(
@@ -281,6 +290,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         lambda: fused_torch.rms_norm_torch(rows, weight, eps),
     )
     return out.view(x.shape)
+
+
+def embed_rms_norm(
+    ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`.fused.embed_rms_norm` in one kernel: ``ids [...]`` -> ``(rms_norm(table[ids]), table[ids])``."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64) or ids.device != table.device:
+        raise TypeError(f"ids must be an int32/int64 tensor on the table's device ({table.device}), got {ids!r}")
+    if table.dim() != 2:
+        raise ValueError(f"table must be [vocab, hidden], got shape {tuple(table.shape)}")
+    _check_norm_args(table, weight, eps)
+    flat, table, weight = ids.reshape(-1), _last_dim_contiguous(table), weight.contiguous()
+    out, rows = launch_or_fallback(
+        "embed_rms_norm",
+        table.device,
+        (table.dtype, weight.dtype, table.shape[1]),
+        lambda: _launch_rms_norm(table, weight, float(eps), flat),
+        lambda: fused_torch.embed_rms_norm_torch(flat, table, weight, eps),
+    )
+    return out.view(*ids.shape, -1), rows.view(*ids.shape, -1)
 
 
 def fused_add_rms_norm(
