@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import itertools
-import json
-from pathlib import Path
 
 import torch
 
+from kvcourse import results
 from kvcourse.bench import splits
-
-RESULTS = Path(splits.__file__).resolve().parents[1] / "results"
 
 
 def test_split_counts_leave_every_split_a_tile_and_include_the_heuristics():
@@ -53,7 +50,7 @@ def test_choose_num_splits_is_fitted_to_the_committed_h200_sweep():
     from kvcourse.bench.kernels import NUM_KV_HEADS
     from kvcourse.kernels.triton_paged import choose_num_splits
 
-    sweep = json.loads((RESULTS / "splits-nvidia-h200-2026-11-28.json").read_text())
+    sweep = results.load("splits-nvidia-h200-2026-11-28.json")
     sms = sweep["provenance"]["sms"]
     new, old = [], []
     for row in sweep["rows"]:
