@@ -323,7 +323,7 @@ def paged_decode(
     fp8 = quantized and k_cache.dtype == torch.float8_e4m3fn
     if capability is None:
         capability = compute_capability(q.device)
-    cfg = tile_config(head_dim, q.dtype, capability, k_cache.dtype, int8_conversion)
+    cfg = tile_config(head_dim, q.dtype, capability, k_cache.dtype)
     scales = (k_scale, v_scale) if quantized else (q, q)  # unused pointers for a float pool
     s_strides = k_scale.stride() if quantized else (0, 0, 0)
     if out is None:
