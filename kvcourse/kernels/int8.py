@@ -78,7 +78,7 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 
 def scaled(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * scale`` in ``dtype``, one scale per vector of ``q [..., D]`` (int8 or fp8, its type checked by the caller)."""
+    """``q * scale`` in ``dtype``, one scale per vector of ``q [..., D]`` (int8 or fp8, checked by the caller)."""
     if scale.shape != q.shape[:-1]:
         raise ValueError(f"scale must have shape {list(q.shape[:-1])} (q's without D), got {list(scale.shape)}")
     return (q.to(torch.float32) * scale.to(torch.float32)[..., None]).to(dtype)

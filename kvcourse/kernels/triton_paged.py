@@ -80,9 +80,10 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_
     keeps them to :data:`PROGRAMS_PER_SM` per streaming multiprocessor (``num_sms``) and every split of the longest
     context :data:`MIN_SPLIT_TOKENS` positions or more, at most :data:`MAX_SPLITS`; a longest context under
     :data:`SPLIT_FROM_TOKENS` is not split. Why, from ``kvcourse/results/splits-nvidia-h200-2026-11-28.json``: at
-    2,048 tokens or fewer, any split cost more than it saved (a split launches the merge too, about 0.05-0.07 ms
-    more at batch 1), while from 8k tokens on the fastest counts ran 2-16 times more programs than the first
-    heuristic's two per SM. Powers of two, because counts in between were not faster (and were timed less).
+    2,048 tokens or fewer most counts ran slower than one split (26 of the 34 timed; a split also launches the
+    merge), and one split was within 10% of the fastest at 4 of those 6 shapes; from 8k tokens on, the fastest
+    counts ran 2 to 31 times the first heuristic's two programs per SM (except 1 x 8k: fastest at 8 splits, 16 to
+    64 within 10%). Powers of two, because the counts in between timed were not faster.
     The inputs are host ints, so an engine decides without reading the device. ``num_sms=None`` (the CPU
     interpreter, where programs run one after another) gives 1.
     """
