@@ -6,6 +6,7 @@ import itertools
 
 import torch
 
+from kvcourse import results
 from kvcourse.bench import splits
 
 
@@ -41,3 +42,24 @@ def test_without_a_gpu_it_refuses_and_the_smoke_run_checks_agreement(capsys):
     assert splits.main(["--smoke"]) == 0
     out = capsys.readouterr().out
     assert "no CUDA GPU" in out and "agree" in out
+
+
+def test_choose_num_splits_is_fitted_to_the_committed_h200_sweep():
+    """The rule against every count the H200 timed: within 10% of the fastest at most shapes, and never far behind
+    the first heuristic (each row's ``chosen``) where that one was better."""
+    from kvcourse.bench.kernels import NUM_KV_HEADS
+    from kvcourse.kernels.triton_paged import choose_num_splits
+
+    sweep = results.load("splits-nvidia-h200-2026-11-28.json")
+    sms = sweep["provenance"]["sms"]
+    new, old = [], []
+    for row in sweep["rows"]:
+        fastest = min(row["ms"].values())
+        picked = str(choose_num_splits(row["batch"], NUM_KV_HEADS, row["context"], sms))
+        assert picked in row["ms"], f"{row['batch']} x {row['context']}: {picked} splits were not timed"
+        new.append(row["ms"][picked] / fastest)
+        old.append(row["ms"][str(row["chosen"])] / fastest)
+    near = sum(r < 1.1 for r in new)
+    assert near > len(new) / 2 and near > sum(r < 1.1 for r in old)  # 11 of 13 shapes; the first heuristic: 3
+    assert max(n / o for n, o in zip(new, old)) < 1.5  # worst: 32 x 2,048 unsplit, 1.43x the old 2 splits
+    assert max(new) < min(2.0, max(old))  # worst shape 1.43x the fastest; the old rule's 2.63x

@@ -197,14 +197,14 @@ def test_gpu_tiles_are_legal_and_fit_a_t4(head_dim, dtype, capability, kv_int8):
 
 
 def test_choose_num_splits():
-    # H100 (132 SMs): batch 1 x 8 KV heads = 8 programs; 2 x 132 / 8 = 33 splits of a 64k context.
-    assert choose_num_splits(1, 8, 65536, 132) == 33
-    # A short context is not cut into splits of fewer than 256 tokens: 600 tokens -> 3 splits.
-    assert choose_num_splits(1, 8, 600, 132) == 3
-    # A big batch fills the GPU by itself: 64 x 8 = 512 programs >= 264.
-    assert choose_num_splits(64, 8, 65536, 132) == 1
-    # MQA at batch 1 on a 40-SM T4: 80 wanted, capped at MAX_SPLITS.
-    assert choose_num_splits(1, 1, 1 << 20, 40) == MAX_SPLITS
+    # H100 (132 SMs): batch 1 x 8 KV heads = 8 programs; up to 32 x 132 / 8 = 528 splits: capped at MAX_SPLITS.
+    assert choose_num_splits(1, 8, 65536, 132) == MAX_SPLITS
+    # No split shorter than 256 tokens: 8,192 tokens -> 32 splits (a power of two).
+    assert choose_num_splits(1, 8, 8192, 132) == 32 and choose_num_splits(1, 8, 5000, 132) == 16
+    # A context under 4,096 tokens is not split at all: the merge's launch would cost more.
+    assert choose_num_splits(1, 8, 4095, 132) == 1 and choose_num_splits(1, 8, 600, 132) == 1
+    # A big batch fills the GPU by itself: 64 x 8 = 512 programs, 32 x 132 / 512 = 8.25 -> 8 splits.
+    assert choose_num_splits(64, 8, 65536, 132) == 8 and choose_num_splits(1024, 8, 65536, 132) == 1
     assert choose_num_splits(1, 8, 65536, None) == 1  # the interpreter: programs run one by one
     with pytest.raises(ValueError, match="max_seq_len"):
         choose_num_splits(1, 8, 0, 132)

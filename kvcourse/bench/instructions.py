@@ -1,6 +1,6 @@
 """What the paged decode kernel compiles to, instruction by instruction: the evidence a GPU-less session can gather.
 
-    TRITON_INTERPRET=0 python -m kvcourse.bench.instructions [--json report.json]
+    TRITON_INTERPRET=0 python -m kvcourse.bench.instructions [--json report.json] [--note "how Triton was installed"]
 
 On an NVIDIA H200 the int8 paged kernel read half of fp16's bytes and took about twice its time, flat at ~1,000
 GB/s on every shape (issue 30, :mod:`.measured`): not bandwidth-bound. Four suspects: unvectorised int8 loads,
@@ -91,7 +91,7 @@ def paged_variants(
     }
 
 
-def report(capabilities: tuple[int, ...] = (90, 80), dtypes=(torch.float16, torch.bfloat16)) -> dict:
+def report(capabilities: tuple[int, ...] = (90, 80), dtypes=(torch.float16, torch.bfloat16), note: str = "") -> dict:
     """One row per (target, query dtype, variant): tiles, registers, stack and :func:`instruction_mix`."""
     import triton
 
@@ -114,19 +114,21 @@ def report(capabilities: tuple[int, ...] = (90, 80), dtypes=(torch.float16, torc
     return {"what": "static SASS instruction counts of _paged_decode_kernel (python -m kvcourse.bench.instructions)",
             "date": dt.date.today().isoformat(), "commit": commit, "machine": "compiled on a CPU, no GPU",
             "triton": triton.__version__, "torch": torch.__version__,
-            "shape": "32 query / 8 KV heads, head_dim 128, blocks of 16, 1 split", "rows": rows}  # fmt: skip
+            "shape": "32 query / 8 KV heads, head_dim 128, blocks of 16, 1 split", "note": note,
+            "rows": rows}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcourse.bench.instructions", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="write the report here")
+    parser.add_argument("--note", default="", help="recorded in the report: how this Triton was installed, say")
     args = parser.parse_args(argv)
     from ..kernels.triton_runtime import interpreting
 
     if interpreting():
         print("instructions needs Triton in compile mode: run it with TRITON_INTERPRET=0", file=sys.stderr)
         return 2
-    out = report()
+    out = report(note=args.note)
     cols = ("global_load_128", "shared_byte_load", "ldmatrix", "conversion_unit", "byte_permute", "logic",
             "packed_half_math", "tensor_core", "registers", "stack_bytes")  # fmt: skip
     print(f"{'sm':>3} {'dtype':<5} {'variant':<26} {'BLOCK_N':>7} " + " ".join(f"{c[:12]:>12}" for c in cols))

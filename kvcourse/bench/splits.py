@@ -2,8 +2,8 @@
 
     python -m kvcourse.bench splits [--out benchmarks/results] [--smoke]
 
-:func:`~kvcourse.kernels.triton_paged.choose_num_splits` aims for two programs per streaming multiprocessor, with
-at most one split per started 256 positions. The first GPU run (an H200, ``kernels-nvidia-h200-2026-11-26.json``)
+:func:`~kvcourse.kernels.triton_paged.choose_num_splits` first aimed for two programs per streaming multiprocessor,
+with at most one split per started 256 positions. The first GPU run (an H200, ``kernels-nvidia-h200-2026-11-26.json``)
 questioned it from both sides: at 512 tokens the heuristic's split ran slower than one split at every batch it
 split (20 GB/s against 34 at batch 1), and at batch 1 the 8k and 32k contexts reached a third of the 64k
 bandwidth with about the same number of splits. Its alternatives were never timed. This benchmark times
@@ -11,7 +11,8 @@ bandwidth with about the same number of splits. Its alternatives were never time
 blocks of 16) at every split count 1, 2, 4, ..., 64 that leaves each split 16 or more positions, on batches of 1,
 8 and 32 at contexts of 512 to 32k tokens and on 1 x 64k. Each row keeps every count's median time, the
 heuristic's count, the fastest count and the heuristic's time over the fastest; ``summary`` names the shapes where
-the heuristic is 10% or more off. The next heuristic is fitted to this file (``splits-<gpu>-<date>.json``).
+the heuristic is 10% or more off. The heuristic now in place was fitted to the first such file,
+``kvcourse/results/splits-nvidia-h200-2026-11-28.json`` (``tests/test_bench_splits.py`` checks it against the file).
 
 Without a GPU it refuses (the interpreter times Python); ``--smoke`` then checks on a tiny shape that every split
 count computes the same attention as one split (correctness only).

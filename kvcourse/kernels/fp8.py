@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .int8 import _float_view, absmax_scales, check_int8_pool, check_paged_int8, dequantized_decode_ref
-from .reference import check_reshape_and_cache
+from .int8 import absmax_scales, check_int8_pool, quantized_decode_ref, reshape_and_cache_quantized_ref, scaled
 
 __all__ = [
     "FP8",
@@ -42,9 +41,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     """``q [..., D] float8_e4m3fn``, ``scale [...]`` -> ``q * scale`` in ``dtype``."""
     if not isinstance(q, torch.Tensor) or q.dtype != FP8:
         raise TypeError(f"q must be a torch.float8_e4m3fn tensor [..., D], got {getattr(q, 'dtype', type(q).__name__)}")
-    if scale.shape != q.shape[:-1]:
-        raise ValueError(f"scale must have shape {list(q.shape[:-1])} (q's without D), got {list(scale.shape)}")
-    return (q.to(torch.float32) * scale.to(torch.float32)[..., None]).to(dtype)
+    return scaled(q, scale, dtype)
 
 
 def check_fp8_pool(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
@@ -64,15 +61,9 @@ def reshape_and_cache_fp8_ref(
     """Quantize new tokens' ``key, value [N, Hkv, D]`` to e4m3 (:func:`quantize_fp8`) and write them and their scales
     at ``slot_mapping [N]`` (-1: skip): the fp8 pool's cache write, what
     :func:`~kvcourse.kernels.triton_cache.reshape_and_cache_fp8` must equal bit for bit."""
-    check_fp8_pool(key_cache, value_cache, k_scale, v_scale)
-    check_reshape_and_cache(key, value, _float_view(key_cache, key), _float_view(value_cache, key), slot_mapping)
-    keep = slot_mapping >= 0
-    idx = slot_mapping[keep].to(torch.int64)
-    hkv, d = key_cache.shape[2:]
-    for x, cache, scales in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
-        q, s = quantize_fp8(x[keep])
-        cache.view(-1, hkv, d)[idx] = q
-        scales.view(-1, hkv)[idx] = s
+    reshape_and_cache_quantized_ref(
+        key, value, key_cache, value_cache, k_scale, v_scale, slot_mapping, quantize_fp8, FP8
+    )
 
 
 def paged_decode_attention_fp8_ref(
@@ -86,6 +77,4 @@ def paged_decode_attention_fp8_ref(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Paged decode attention on an fp8 pool: dequantize to fp32, then the float reference; ``[B, Hq, D]``."""
-    lens = check_paged_int8(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, FP8)
-    k, v = dequantize_fp8(k_cache, k_scale), dequantize_fp8(v_cache, v_scale)
-    return dequantized_decode_ref(q, k, v, block_tables, seq_lens, lens, scale)
+    return quantized_decode_ref(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale, FP8)

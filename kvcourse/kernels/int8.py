@@ -31,11 +31,12 @@ __all__ = [
     "absmax_scales",
     "check_int8_pool",
     "dequantize_int8",
-    "dequantized_decode_ref",
     "empty_int8_pool",
     "paged_decode_attention_int8_ref",
     "quantize_int8",
+    "quantized_decode_ref",
     "reshape_and_cache_int8_ref",
+    "reshape_and_cache_quantized_ref",
 ]
 
 QMAX = 127  # symmetric: -127 .. 127 (-128 unused, so q and -q are both representable)
@@ -73,6 +74,11 @@ def absmax_scales(x: object, qmax: float) -> tuple[torch.Tensor, torch.Tensor, t
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q [..., D] int8``, ``scale [...]`` -> ``q * scale`` in ``dtype``."""
     _check_int("q", q, q.ndim, "[..., D]", dtypes=(torch.int8,))
+    return scaled(q, scale, dtype)
+
+
+def scaled(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale`` in ``dtype``, one scale per vector of ``q [..., D]`` (int8 or fp8, checked by the caller)."""
     if scale.shape != q.shape[:-1]:
         raise ValueError(f"scale must have shape {list(q.shape[:-1])} (q's without D), got {list(scale.shape)}")
     return (q.to(torch.float32) * scale.to(torch.float32)[..., None]).to(dtype)
@@ -136,13 +142,20 @@ def reshape_and_cache_int8_ref(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Quantize new tokens' ``key, value [N, Hkv, D]`` and write them at ``slot_mapping [N]`` (-1: skip)."""
-    check_int8_pool(key_cache, value_cache, k_scale, v_scale)
+    reshape_and_cache_quantized_ref(key, value, key_cache, value_cache, k_scale, v_scale, slot_mapping, quantize_int8)
+
+
+def reshape_and_cache_quantized_ref(
+    key, value, key_cache, value_cache, k_scale, v_scale, slot_mapping, quantize, dtype: torch.dtype = torch.int8
+) -> None:
+    """The cache write of a quantized pool, with ``quantize`` (:func:`quantize_int8`, or fp8's for ``dtype`` e4m3)."""
+    check_int8_pool(key_cache, value_cache, k_scale, v_scale, dtype)
     check_reshape_and_cache(key, value, _float_view(key_cache, key), _float_view(value_cache, key), slot_mapping)
     keep = slot_mapping >= 0
     idx = slot_mapping[keep].to(torch.int64)
     hkv, d = key_cache.shape[2:]
     for x, cache, scales in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
-        q, s = quantize_int8(x[keep])
+        q, s = quantize(x[keep])
         cache.view(-1, hkv, d)[idx] = q
         scales.view(-1, hkv)[idx] = s
 
@@ -179,21 +192,16 @@ def paged_decode_attention_int8_ref(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Paged decode attention on an int8 pool: dequantize to fp32, then the float reference; ``[B, Hq, D]``."""
-    lens = check_paged_int8(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens)
-    k, v = dequantize_int8(k_cache, k_scale), dequantize_int8(v_cache, v_scale)
-    return dequantized_decode_ref(q, k, v, block_tables, seq_lens, lens, scale)
+    return quantized_decode_ref(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale)
 
 
-def dequantized_decode_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    lens: list[int],
-    scale: float | None,
+def quantized_decode_ref(
+    q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale, dtype: torch.dtype = torch.int8
 ) -> torch.Tensor:
-    """The float reference on a dequantized fp32 pool ``k, v``, inputs already checked; ``[B, Hq, D]`` in q's dtype."""
+    """Paged decode attention on a quantized pool of ``dtype`` (int8 or fp8): dequantized to fp32, then the float
+    reference; ``[B, Hq, D]`` in q's dtype."""
+    lens = check_paged_int8(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, dtype)
+    k, v = scaled(k_cache, k_scale), scaled(v_cache, v_scale)
     scale = _default_scale(scale, q.shape[-1])
     q_pos = (seq_lens.to(torch.int64) - 1)[:, None]
     out = paged_attention(q.float()[:, None], q_pos, k, v, block_tables, seq_lens, scale, max(lens))[:, 0]

@@ -9,7 +9,7 @@ is the buffer's capacity, fixed at recording; programs past the plan exit at onc
 
 **The plan.** The context of every sequence is cut into chunks of one size, ``chunk``, the smallest multiple of
 ``align`` (at least ``min_chunk``) for which the chunks of the whole step number no more than the GPU wants
-(``2 * num_sms / Hkv`` programs per KV head, as :func:`~.triton_paged.choose_num_splits` aims for) and fit the
+(``2 * num_sms / Hkv`` programs per KV head, what :func:`~.triton_paged.choose_num_splits` first aimed for) and fit the
 buffer. A long sequence gets many chunks, a short one a single one, so the work is balanced across sequences of
 different lengths, which one split count for all could not do. Each chunk is one *work item*, one row of ``work``:
 

@@ -46,7 +46,6 @@ def tile_config(
     dtype: torch.dtype,
     capability: int | None,
     kv_dtype: torch.dtype | None = None,
-    int8_conversion: str = "bits",
 ) -> dict[str, int]:
     """Launch parameters for the decode kernels: tile width, warps, pipeline stages.
 
@@ -67,12 +66,10 @@ def tile_config(
     * **int8 K/V**: converting each tile to the query's dtype keeps both copies live. At 4 warps and
       2 stages, D = 128, that took 128-136 registers with bf16/fp16 queries (8 bytes spilled on
       sm_90) and spilled 136-248 bytes with fp32 queries. 8 warps halve the tile per thread (76-108
-      registers); fp32 queries also drop to one stage (about 50-65). Converting by bits
-      (:func:`~.triton_paged.int8_to_float`, ``int8_conversion="bits"``) instead of ``I2F`` spilled 8 bytes on
-      sm_90 at D = 128 with fp16 or bf16 queries and 32-wide tiles (80 registers), and 8-24 bytes at D = 64
-      with bf16 queries and more than one split; fp8 pools spilled 8 bytes with bf16 queries at D = 128 for GQA
-      groups of 1 and 8 (and 16 bytes with fp16 queries in 16-wide tiles). So on sm_90 and later int8 takes 16-wide
-      tiles, and fp8 does with bf16 queries: the choices that spill nothing in the full sweep.
+      registers); fp32 queries also drop to one stage (about 50-65). fp8 pools spilled 8 bytes with bf16 queries at
+      D = 128 for GQA groups of 1 and 8, so on sm_90 and later fp8 with bf16 queries takes 16-wide tiles. (int8
+      converted by bits took them too, while its conversion kept the int8 tile live beside the converted one; since
+      :func:`~.triton_paged.int8_tile_to_float` converts in the loading registers, 32-wide tiles spill nothing.)
     """
     block_d = head_tile(head_dim)
     if capability is None:  # the interpreter: fewer, wider iterations
@@ -86,10 +83,8 @@ def tile_config(
         warps = 8
         if dtype == torch.float32:
             stages = 1
-        elif capability >= 90:
-            bits = kv_dtype == torch.int8 and int8_conversion == "bits"
-            if bits or (kv_dtype == torch.float8_e4m3fn and dtype == torch.bfloat16):
-                block_n = 16
+        elif capability >= 90 and kv_dtype == torch.float8_e4m3fn and dtype == torch.bfloat16:
+            block_n = 16
     return dict(BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=stages)  # powers of two, all
 
 

@@ -31,13 +31,12 @@ shape of 32 or more sequences and 64k or more tokens (:mod:`kvcourse.bench.measu
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from .fp8 import paged_decode_attention_fp8_ref
 from .int8 import check_paged_int8, paged_decode_attention_int8_ref
-from .reference import _default_scale, check_block_tables, check_paged, paged_attention
+from .reference import _default_scale, check_block_tables, check_paged, paged_decode_attention_ref
 from .split_plan import SplitPlan
 from .triton_decode import LOG2E, group_rows, tile_config
 from .triton_runtime import (
@@ -53,8 +52,12 @@ from .triton_runtime import (
 __all__ = [
     "INT8_CONVERSIONS",
     "MAX_SPLITS",
+    "MIN_SPLIT_TOKENS",
+    "PROGRAMS_PER_SM",
+    "SPLIT_FROM_TOKENS",
     "choose_num_splits",
     "decode_workspace",
+    "int8_tile_to_float",
     "int8_to_float",
     "paged_decode",
     "paged_decode_attention",
@@ -65,26 +68,32 @@ __all__ = [
 ]
 
 MAX_SPLITS = 64  # stage 2 merges up to this many partial results per head in one tile
-MIN_SPLIT_TOKENS = 256  # at most one split per started 256 positions: fewer, longer splits merge cheaper
+MIN_SPLIT_TOKENS = 256  # no split shorter than this: fewer, longer splits merge cheaper
+SPLIT_FROM_TOKENS = 4096  # a shorter longest context is read unsplit (see choose_num_splits)
+PROGRAMS_PER_SM = 32  # stage 1's programs aimed at, at most, per streaming multiprocessor
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, max_seq_len: int, num_sms: int | None) -> int:
-    """How many KV splits a decode step should use: enough programs to fill the GPU, no more than the context allows.
+    """How many KV splits a decode step should use, fitted to every count timed on an H200 (``bench splits``).
 
-    Stage 1 runs ``batch_size * num_kv_heads * num_splits`` programs. Aim for two per streaming
-    multiprocessor (``num_sms``), with at most one split per started :data:`MIN_SPLIT_TOKENS` positions
-    of the longest context (so 300 tokens allow 2 splits of 150: the constant bounds the count, it is
-    not a minimum length), and at most :data:`MAX_SPLITS`. A big batch already fills the GPU: 1 split.
-    ``num_sms=None`` (the CPU interpreter, where programs run one after another) also gives 1.
+    Stage 1 runs ``batch_size * num_kv_heads * num_splits`` programs. The count is the largest power of two that
+    keeps them to :data:`PROGRAMS_PER_SM` per streaming multiprocessor (``num_sms``) and every split of the longest
+    context :data:`MIN_SPLIT_TOKENS` positions or more, at most :data:`MAX_SPLITS`; a longest context under
+    :data:`SPLIT_FROM_TOKENS` is not split. Why, from ``kvcourse/results/splits-nvidia-h200-2026-11-28.json``: at
+    2,048 tokens or fewer most counts ran slower than one split (26 of the 34 timed; a split also launches the
+    merge), and one split was within 10% of the fastest at 4 of those 6 shapes; from 8k tokens on, the fastest
+    counts ran 2 to 31 times the first heuristic's two programs per SM (except 1 x 8k: fastest at 8 splits, 16 to
+    64 within 10%). Powers of two, because the counts in between timed were not faster.
+    The inputs are host ints, so an engine decides without reading the device. ``num_sms=None`` (the CPU
+    interpreter, where programs run one after another) gives 1.
     """
     for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads), ("max_seq_len", max_seq_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if num_sms is None:
+    if num_sms is None or max_seq_len < SPLIT_FROM_TOKENS:
         return 1
-    wanted = math.ceil(2 * num_sms / (batch_size * num_kv_heads))
-    useful = math.ceil(max_seq_len / MIN_SPLIT_TOKENS)
-    return max(1, min(wanted, useful, MAX_SPLITS))
+    most = min(PROGRAMS_PER_SM * num_sms // (batch_size * num_kv_heads), max_seq_len // MIN_SPLIT_TOKENS, MAX_SPLITS)
+    return 1 << (max(most, 1).bit_length() - 1)  # the largest power of two <= most
 
 
 @functools.cache
@@ -113,6 +122,22 @@ def int8_to_float(x, dtype: tl.constexpr):
         return biased16.to(tl.float16, bitcast=True) - 1152.0
     biased = (x.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80) | 0x4B000000
     return (biased.to(tl.float32, bitcast=True) - 8388736.0).to(dtype)
+
+
+@triton.jit
+def int8_tile_to_float(x, dtype: tl.constexpr):
+    """:func:`int8_to_float` on a ``[rows, cols]`` tile, done in the registers that loaded it (``cols`` even).
+
+    Converted as one elementwise chain, the compiler moved the conversion after the tile's change to the tensor
+    cores' operand layout, so the int8 tile crossed shared memory as single bytes (16 ``LDS.U8`` a loop on sm_80).
+    Splitting the tile into its even and odd columns and joining them back, operations the compiler cannot move an
+    operand layout through, keeps the conversion where the load leaves the values: 128-bit shared loads after the
+    asynchronous copy, the 16-bit tile to the tensor cores by ``ldmatrix`` (``python -m kvcourse.bench.instructions``).
+    """
+    rows: tl.constexpr = x.shape[0]
+    cols: tl.constexpr = x.shape[1]
+    even, odd = tl.split(tl.reshape(x, [rows, cols // 2, 2]))
+    return tl.reshape(tl.join(int8_to_float(even, dtype), int8_to_float(odd, dtype)), [rows, cols])
 
 
 @triton.jit
@@ -188,7 +213,7 @@ def _paged_decode_kernel(
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         if KV_INT8:  # int8 -> the query's dtype is exact (|x| <= 127); the scales come after the dots
             if INT8_BITS:
-                k, v = int8_to_float(k, q.dtype), int8_to_float(v, q.dtype)
+                k, v = int8_tile_to_float(k, q.dtype), int8_tile_to_float(v, q.dtype)
             else:
                 k, v = k.to(q.dtype), v.to(q.dtype)
         elif KV_FP8:  # e4m3 -> the query's dtype: exact (fp16 holds every e4m3 value), one conversion in hardware
@@ -299,7 +324,7 @@ def paged_decode(
     fp8 = quantized and k_cache.dtype == torch.float8_e4m3fn
     if capability is None:
         capability = compute_capability(q.device)
-    cfg = tile_config(head_dim, q.dtype, capability, k_cache.dtype, int8_conversion)
+    cfg = tile_config(head_dim, q.dtype, capability, k_cache.dtype)
     scales = (k_scale, v_scale) if quantized else (q, q)  # unused pointers for a float pool
     s_strides = k_scale.stride() if quantized else (0, 0, 0)
     if out is None:
@@ -504,30 +529,11 @@ def paged_decode_attention(
     Equal to :func:`~kvcourse.kernels.reference.paged_decode_attention_ref`.
     """
     check_paged(q, k_cache, v_cache, "[B, Hq, D]")
-    check_kernel_device("q", q)
     lens = check_block_tables(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1], q.device)
     if len(lens) != q.shape[0]:
         raise ValueError(f"block_tables and seq_lens have {len(lens)} rows but q has batch size {q.shape[0]}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (head_dim), got strides {t.stride()}")
-    scale = _default_scale(scale, q.shape[-1])
-    splits = check_num_splits(num_splits, q.shape[0], k_cache.shape[2], max(lens), q.device)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-
-    def reference() -> torch.Tensor:
-        q_pos = (seq_lens.to(torch.int64) - 1)[:, None]
-        return paged_attention(q[:, None], q_pos, k_cache, v_cache, block_tables, seq_lens, scale, max(lens))[:, 0]
-
-    config = (q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2], k_cache.shape[1], splits)
-    return launch_or_fallback(
-        "paged_decode_attention",
-        q.device,
-        config,
-        lambda: paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits),
-        reference,
-    )
+    return _checked_launch("paged_decode_attention", paged_decode_attention_ref, q, k_cache, v_cache, (),
+                           block_tables, seq_lens, lens, scale, num_splits)  # fmt: skip
 
 
 def paged_decode_attention_int8(
@@ -573,16 +579,25 @@ def paged_decode_attention_fp8(
 def _quantized_decode(
     name, reference, dtype, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale, num_splits
 ) -> torch.Tensor:
-    """The checks and the launch shared by the int8 and fp8 wrappers."""
+    """The int8 and fp8 wrappers: their pool's checks, then :func:`_checked_launch`."""
     lens = check_paged_int8(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, dtype)
-    check_kernel_device("q", q)
-    for what, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{what} must be contiguous in its last dimension (head_dim), got strides {t.stride()}")
     if k_scale.stride() != v_scale.stride():
         raise ValueError(
             f"k_scale and v_scale must have one layout, got strides {k_scale.stride()} and {v_scale.stride()}"
         )
+    return _checked_launch(name, reference, q, k_cache, v_cache, (k_scale, v_scale), block_tables, seq_lens, lens,
+                           scale, num_splits)  # fmt: skip
+
+
+def _checked_launch(
+    name, reference, q, k_cache, v_cache, scales, block_tables, seq_lens, lens, scale, num_splits
+) -> torch.Tensor:
+    """What every paged wrapper checks after its pool's own checks, then the launch, or ``reference`` (called as
+    ``reference(q, k_cache, v_cache, *scales, block_tables, seq_lens, scale)``) where the kernel cannot compile."""
+    check_kernel_device("q", q)
+    for what, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{what} must be contiguous in its last dimension (head_dim), got strides {t.stride()}")
     scale = _default_scale(scale, q.shape[-1])
     splits = check_num_splits(num_splits, q.shape[0], k_cache.shape[2], max(lens), q.device)
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -592,6 +607,6 @@ def _quantized_decode(
         name,
         q.device,
         config,
-        lambda: paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, k_scale, v_scale),
-        lambda: reference(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale),
+        lambda: paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, splits, *scales),
+        lambda: reference(q, k_cache, v_cache, *scales, block_tables, seq_lens, scale),
     )
