@@ -1,7 +1,12 @@
-"""One request's state (:class:`Sequence`) and how its next tokens are picked (:class:`SamplingParams`).
+"""A request's state: how it generates (:class:`SamplingParams`), each of its samples (:class:`Sequence`),
+and the request that groups them with its timings (:class:`Request`, :class:`RequestMetrics`), as vLLM's
+``sequence.py`` held ``Sequence``, ``SequenceGroup`` and ``RequestMetrics`` side by side. A request runs as one
+sequence until its prompt is prefilled; with ``n > 1`` samples it then forks into ``n`` sequences that share the
+prompt's blocks.
 
 Bookkeeping only: this module imports no torch (see :mod:`kvcourse.control`). The sampler, which
-draws tokens from logits with torch, is :class:`kvcourse.sampling.Sampler`.
+draws tokens from logits with torch, is :class:`kvcourse.sampling.Sampler`; the engine hands each
+request its samplers.
 
 A sequence is its token ids (prompt, then the tokens generated so far), how many of them already have
 K/V in the cache (``num_computed_tokens``), and where it is in its life (``status``). Its block table
@@ -12,12 +17,17 @@ is one copy of it that cannot drift.
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Iterable, Sequence as SequenceABC
+import math
+from collections.abc import Callable, Hashable, Iterable, Sequence as SequenceABC
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 from .checks import check_float, check_int, is_int
 
-__all__ = ["SamplingParams", "Sequence", "SequenceStatus"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Request", "RequestMetrics", "SamplingParams", "Sequence", "SequenceStatus", "TokenOutput"]
 
 
 SEED_MAX = 2**64 - 1  # the largest seed torch.Generator.manual_seed takes
@@ -156,3 +166,120 @@ class Sequence:
             f"Sequence(seq_id={self.seq_id!r}, status={self.status.value}, prompt={self.num_prompt_tokens}, "
             f"generated={self.num_tokens - self.num_prompt_tokens}, computed={self.num_computed_tokens})"
         )
+
+
+class TokenOutput(NamedTuple):
+    """One token streamed out of a step: sample ``index`` of request ``request_id``."""
+
+    request_id: Hashable
+    index: int
+    token_id: int
+    finished: bool  # this sample is done (stop token or max_new_tokens)
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (seconds on the engine's clock) and step numbers of one request's life.
+
+    ``ttft`` (time to first token) = first token - arrival, so it includes ``queue_time`` (arrival to
+    the first step that ran it). ``tpot`` (time per output token) is the mean gap between a sample's
+    tokens after the first: (finish - first token) / (tokens of the longest sample - 1).
+    """
+
+    arrival_time: float
+    arrival_step: int
+    num_prompt_tokens: int
+    first_scheduled_time: float | None = None
+    first_scheduled_step: int | None = None
+    first_token_time: float | None = None
+    first_token_step: int | None = None
+    finish_time: float | None = None
+    finish_step: int | None = None
+    num_output_tokens: int = 0  # over all samples
+    max_sample_tokens: int = 0  # the longest sample's output length
+    num_preemptions: int = 0
+
+    @property
+    def queue_time(self) -> float:
+        return math.nan if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float:
+        return math.nan if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float:
+        if self.finish_time is None or self.first_token_time is None or self.max_sample_tokens < 2:
+            return math.nan
+        return (self.finish_time - self.first_token_time) / (self.max_sample_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> float:
+        return math.nan if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+class Request:
+    """One prompt and its samples (vLLM's ``SequenceGroup``). ``seqs[i]`` is sample ``i`` (only ``seqs[0]`` until
+    the first token), with id ``(request_id, i)``. It picks its samples' tokens and forks them (:meth:`samples_of`,
+    :meth:`pick`). ``samplers[i]`` draws sample ``i``'s tokens (a :class:`~kvcourse.sampling.Sampler` each, all
+    made before the request is queued, so that nothing in a later step, the fork, can fail on them)."""
+
+    def __init__(
+        self,
+        request_id: Hashable,
+        seq: Sequence,
+        metrics: RequestMetrics,
+        samplers: SequenceABC[Callable[[torch.Tensor], int]],
+    ) -> None:
+        if len(samplers) != seq.params.n:
+            raise ValueError(f"samplers must hold one sampler per sample (n={seq.params.n}), got {len(samplers)}")
+        self.request_id = request_id
+        self.params: SamplingParams = seq.params
+        self.seqs: list[Sequence] = [seq]
+        self.samplers = list(samplers)
+        self.metrics = metrics
+        self.cancelled = False
+
+    @property
+    def needs_fork(self) -> bool:
+        """Its first token is being sampled and it wants more than one sample."""
+        return self.params.n > 1 and len(self.seqs) == 1
+
+    def samples_of(self, seq: Sequence) -> list[Sequence]:
+        """The sequences whose next token ``seq``'s logits give: ``seq`` alone, or, at the first token of a
+        request with ``n > 1`` samples, the ``n - 1`` forked from it (new sequences for the caller to start on
+        ``seq``'s blocks) and then ``seq``."""
+        return [*(self.fork() if self.needs_fork else []), seq]
+
+    def pick(self, seq: Sequence, logits: torch.Tensor, argmax: int) -> int:
+        """Sample ``seq``'s next token from its ``logits`` row; ``argmax`` is that row's argmax (taken for the
+        whole batch at once: most requests are greedy). A sampled token draws from ``seq``'s own generator."""
+        return argmax if self.params.greedy else self.samplers[seq.seq_id[1]](logits)
+
+    def fork(self) -> list[Sequence]:
+        """Samples ``1 .. n-1``, copies of sample 0 with their own seeds (call before sample 0's first token)."""
+        parent = self.seqs[0]
+        children = [parent.fork((self.request_id, i)) for i in range(1, self.params.n)]
+        self.seqs += children
+        return children
+
+    @property
+    def is_finished(self) -> bool:
+        return self.cancelled or (len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs))
+
+    @property
+    def outputs(self) -> list[list[int]]:
+        """Each sample's generated tokens so far."""
+        return [s.output_token_ids for s in self.seqs]
+
+    @property
+    def status(self) -> str:
+        if self.cancelled:
+            return SequenceStatus.CANCELLED.value
+        if self.is_finished:
+            return SequenceStatus.FINISHED.value
+        return "running" if any(s.status is SequenceStatus.RUNNING for s in self.seqs) else "waiting"
+
+    def __repr__(self) -> str:
+        m = self.metrics
+        return f"Request({self.request_id!r}, {self.status}, prompt={m.num_prompt_tokens}, n={self.params.n})"

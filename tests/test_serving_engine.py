@@ -212,7 +212,8 @@ def test_a_request_samples_its_tokens_and_forks_its_samples_at_the_first_one():
 
     logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(max_new_tokens=4, n=3, temperature=1.0, seed=5)
-    request = Request(7, Sequence((7, 0), [1, 2, 3], params), RequestMetrics(0.0, 0, 3))
+    samplers = [Sampler(params, i) for i in range(3)]
+    request = Request(7, Sequence((7, 0), [1, 2, 3], params), RequestMetrics(0.0, 0, 3), samplers)
     first = request.samples_of(request.seqs[0])
     # The two forked samples come first (new sequences on the parent's tokens), then the parent.
     assert [seq.seq_id for seq in first] == [(7, 1), (7, 2), (7, 0)]
@@ -220,7 +221,13 @@ def test_a_request_samples_its_tokens_and_forks_its_samples_at_the_first_one():
     got = [request.pick(seq, logits, argmax=-1) for seq in first]
     assert got == [Sampler(params, i)(logits) for i in (1, 2, 0)]  # sample i: seed + i
     assert [seq.seq_id for seq in request.samples_of(request.seqs[1])] == [(7, 1)]  # no more forks
-    greedy = Request(8, Sequence((8, 0), [1], SamplingParams(n=2)), RequestMetrics(0.0, 0, 1))
+    greedy_params = SamplingParams(n=2)
+    greedy = Request(
+        8,
+        Sequence((8, 0), [1], greedy_params),
+        RequestMetrics(0.0, 0, 1),
+        [Sampler(greedy_params, i) for i in range(2)],
+    )
     assert [greedy.pick(seq, logits, argmax=42) for seq in greedy.samples_of(greedy.seqs[0])] == [42, 42]
 
 

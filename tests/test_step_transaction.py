@@ -34,7 +34,7 @@ def _state(engine: Engine) -> tuple:
     """Everything a failed step must leave as it was."""
     s, bm = engine.scheduler, engine.block_manager
     snap = bm.snapshot()
-    snap["host"] = dict(snap["host"])
+    snap["host"] = dict(snap["host"] or {})  # None: no host pool
     return (
         [q.seq_id for q in s.waiting],
         [q.seq_id for q in s.running],

@@ -273,15 +273,18 @@ class BlockManager:
         raised, the forward ran out of memory), so a failed step leaves no slot reserved. The copies
         are shallow where the entries are immutable: a few list and dict copies, no block data.
         """
+        host = self.host.snapshot() if self.host.num_blocks else None  # an empty host pool never changes
         return {"_free": self._free.copy(), "_ref_counts": list(self._ref_counts),
                 "_tables": {seq_id: list(t) for seq_id, t in self._tables.items()},
                 "_num_tokens": dict(self._num_tokens), "_swapped": dict(self._swapped),
-                "_transfers": list(self._transfers), "host": self.host.snapshot()}  # fmt: skip
+                "_transfers": list(self._transfers), "host": host}  # fmt: skip
 
     def restore(self, state: dict) -> None:
         """Put the pool back as it was when ``state`` (from :meth:`snapshot`) was taken."""
         state = dict(state)
-        self.host.restore(state.pop("host"))
+        host = state.pop("host")
+        if host is not None:
+            self.host.restore(host)
         vars(self).update(state)
 
     def take_transfers(self) -> list[BlockTransfer]:

@@ -6,9 +6,10 @@
   :class:`~kvcourse.paged.PrefixCachingBlockManager`).
 * :mod:`.model_runner` -- :class:`ModelRunner`: a scheduled step as one ``ForwardBatch`` and one forward,
   after the step's block moves between the device and host pools.
-* :mod:`.request` -- :class:`Request` (a prompt, its samples, its :class:`RequestMetrics`).
-* :mod:`.engine` -- :class:`Engine`: ``generate``, ``add_request`` / ``step`` / ``abort``, ``stream``, ``stats``.
-* :mod:`.stats` -- :class:`StepRecorder`: the per-step event log and counters; latency percentiles.
+* :mod:`.engine` -- :class:`Engine`: ``generate``, ``add_request`` / ``step`` / ``abort``, ``stream``, ``stats``;
+  its :class:`StepRecorder` writes the per-step event log and counters. A :class:`Request` (a prompt, its samples,
+  its :class:`RequestMetrics`) lives beside its sequences in :mod:`kvcourse.sequence`.
+* :mod:`.stats` -- :class:`StepEvent`, latency percentiles, ``Engine.stats``.
 * :mod:`.load` -- open-loop load: Poisson arrivals on a modelled clock, SLO attainment, goodput,
   Little's law.
 * :mod:`.baselines` -- one-at-a-time and static batching, to compare against.
@@ -21,15 +22,15 @@ from ..lazy import lazy_exports
 _EXPORTS = {  # name -> the submodule that defines it, imported when the name is first read
     "Engine": ".engine",
     "ModelRunner": ".model_runner",
-    "Request": ".request",
-    "RequestMetrics": ".request",
-    "TokenOutput": ".request",
+    "Request": "..sequence",
+    "RequestMetrics": "..sequence",
+    "TokenOutput": "..sequence",
     "ScheduledSeq": ".scheduler",
     "Scheduler": ".scheduler",
     "SchedulerOutput": ".scheduler",
     "preempt_newest": ".scheduler",
     "StepEvent": ".stats",
-    "StepRecorder": ".stats",
+    "StepRecorder": ".engine",
     "latency_summary": ".stats",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

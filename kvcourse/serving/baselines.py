@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 from ..checks import check_int
 from ..sampling import Sampler
-from ..sequence import SamplingParams, Sequence
+from ..sequence import RequestMetrics, SamplingParams, Sequence
 from .model_runner import ModelRunner
-from .request import RequestMetrics
 from .stats import StepEvent
 
 __all__ = ["StaticRun", "serve_static"]

@@ -7,9 +7,9 @@ nano-vllm's ``LLMEngine.step``):
 2. the :class:`~kvcourse.serving.ModelRunner` packs their inputs, does the copy-on-write copies and runs one
    forward over all of them;
 3. every sequence that reached the end of its tokens samples its next one, picked by its
-   :class:`~kvcourse.serving.Request` (a request with ``n`` samples forks into ``n`` sequences at its
+   :class:`~kvcourse.sequence.Request` (a request with ``n`` samples forks into ``n`` sequences at its
    first token); finished sequences free their blocks;
-4. a :class:`~kvcourse.serving.stats.StepRecorder` counts what the step did.
+4. a :class:`StepRecorder` (at the end of this file) counts what the step did.
 
 With ``overlap`` (on a GPU, by default), steps 1-2 of the next step run while the device computes this one, before
 step 3 reads its tokens back: the GPU no longer waits for the host to schedule and pack (:meth:`Engine._plan_ahead`).
@@ -22,22 +22,23 @@ as they come. :attr:`Engine.stats` counts what happened; :attr:`Engine.events` l
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence as SequenceABC
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence as SequenceABC
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from ..checks import check_bool, check_callable, check_float, check_hashable, check_int, check_token_ids
-from ..sequence import SamplingParams, Sequence
+from ..sampling import Sampler
+from ..sequence import Request, RequestMetrics, SamplingParams, Sequence, TokenOutput
 from .model_runner import UNKNOWN_TOKEN, ModelRunner, PackedStep
-from .request import Request, TokenOutput
 from .scheduler import PreemptionPolicy, Scheduler, SchedulerOutput
-from .stats import StepEvent, StepRecorder
+from .stats import StepEvent, engine_stats
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "StepRecorder"]
 
 
 @dataclass
@@ -185,7 +186,8 @@ class Engine:
         # its longest prefill fits the budget.
         self.scheduler.check(seq, cache_salt=cache_salt, name=f"request {request_id!r}")
         metrics = self.recorder.new_metrics(seq.num_prompt_tokens)  # arrival: at _enqueue
-        return Request(request_id, seq, metrics)  # builds its samplers: nothing left that can fail
+        samplers = [Sampler(params, i) for i in range(params.n)]  # all now: nothing left that can fail
+        return Request(request_id, seq, metrics, samplers)
 
     def _enqueue(self, request: Request, cache_salt: str | None, auto_id: bool) -> None:
         """Queue a checked request (nothing here raises, so nothing is left half-queued)."""
@@ -443,7 +445,7 @@ class Engine:
         ``overlapped_steps`` steps had the next one scheduled while they ran; ``overlap_rollbacks`` times a stop
         token undid that guess.
         """
-        return self.recorder.stats(self.requests, self.runner)
+        return engine_stats(self.recorder.counters, self.requests, self.runner)
 
     @property
     def events(self) -> list[StepEvent]:
@@ -456,3 +458,109 @@ class Engine:
             f"max_num_seqs={self.scheduler.max_num_seqs}, backend={self.runner.backend!r}, "
             f"unfinished={len(self._unfinished)})"
         )
+
+
+class StepRecorder:
+    """The engine's bookkeeping, in one place, so that its loop only runs steps: the counters behind
+    ``Engine.stats``, each request's :class:`~kvcourse.sequence.RequestMetrics` (times in seconds since ``t0``, and step
+    numbers), and one :class:`~kvcourse.serving.StepEvent` per step (``Engine.events``). What they add up to is
+    reported by :mod:`kvcourse.serving.stats`.
+
+    Args:
+        scheduler: the engine's scheduler (its queues and pool are read after each step).
+        request_of: ``seq_id -> Request`` of the unfinished sequences, kept by the engine.
+        t0: the clock's reading when the engine started.
+    """
+
+    COUNTERS = ("steps", "preemptions", "prompt_tokens", "recomputed_tokens", "generated_tokens",
+                "batched_tokens", "finished", "cancelled", "copy_on_write_copies", "max_blocks_saved_by_sharing",
+                "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "swapped_out", "swapped_in",
+                "overlapped_steps", "overlap_rollbacks")  # fmt: skip
+
+    def __init__(self, scheduler: Scheduler, request_of: Mapping[Hashable, Request], t0: float) -> None:
+        self.scheduler, self.request_of, self.t0 = scheduler, request_of, t0
+        self.counters = dict.fromkeys(self.COUNTERS, 0)
+        self.events: list[StepEvent] = []
+
+    @property
+    def num_steps(self) -> int:
+        return self.counters["steps"]
+
+    def new_metrics(self, num_prompt_tokens: int) -> RequestMetrics:
+        """A request's metrics at its creation (its arrival time is stamped when it is queued)."""
+        return RequestMetrics(math.nan, self.num_steps, num_prompt_tokens)
+
+    def arrived(self, request: Request, now: float) -> None:
+        request.metrics.arrival_time = now - self.t0
+
+    def cancelled(self, request: Request, now: float) -> None:
+        request.metrics.finish_time, request.metrics.finish_step = now - self.t0, self.num_steps
+        self.counters["cancelled"] += 1
+
+    def observe(self) -> dict:
+        """The scheduler's queues and pool as a step leaves them (its tokens appended, before the next step is
+        scheduled): what :meth:`record` logs. The overlapped engine reads them before it schedules ahead."""
+        sched = self.scheduler
+        bm = sched.block_manager  # blocks held by the running samples, less those they hold once
+        held = sum(len(bm.block_table(seq.seq_id)) for seq in sched.running)
+        return {"num_free_blocks": bm.num_free_blocks, "num_waiting": len(sched.waiting),
+                "num_running": len(sched.running), "blocks_saved_by_sharing": held - bm.num_used_blocks}  # fmt: skip
+
+    def record(
+        self,
+        out: SchedulerOutput,
+        sampled: Mapping[Hashable, int],
+        finished: list,
+        start: float,
+        end: float,
+        observed: dict | None = None,
+    ) -> None:
+        """Count one step: what the scheduler did (``out``), the tokens ``sampled`` (``seq_id -> token``),
+        the sequences that ``finished``; ``start`` and ``end`` on the engine's clock; ``observed``: the queues
+        and pool after the step (:meth:`observe`; ``None``: as they are now)."""
+        step = self.num_steps
+        observed = dict(self.observe() if observed is None else observed)
+        self._count(out, sampled, observed.pop("blocks_saved_by_sharing"))
+        self._time_requests(out, sampled, finished, step, start, end)
+        ids = lambda seqs: tuple(seq.seq_id for seq in seqs)  # noqa: E731  (request_id, sample index)
+        self.events.append(StepEvent(
+            step=step, start=start - self.t0, duration=end - start,
+            scheduled=tuple((s.seq.seq_id[0], s.seq.seq_id[1], s.num_new_tokens, s.kind) for s in out.scheduled),
+            admitted=ids(out.admitted), preempted=ids(out.preempted), finished=ids(finished),
+            num_copies=len(out.copies), **observed,
+        ))  # fmt: skip
+
+    def _count(self, out: SchedulerOutput, sampled: Mapping[Hashable, int], saved: int) -> None:
+        c = self.counters
+        c["steps"] += 1
+        c["preemptions"] += len(out.preempted)
+        c["swapped_out"] += len(out.swapped_out)
+        c["swapped_in"] += len(out.swapped_in)
+        c["copy_on_write_copies"] += len(out.copies)
+        c["prefix_cache_queried_tokens"] += out.num_prefix_cache_queried_tokens
+        c["prefix_cache_hit_tokens"] += out.num_prefix_cache_hit_tokens
+        c["generated_tokens"] += len(sampled)
+        c["batched_tokens"] += out.num_batched_tokens
+        c["recomputed_tokens"] += sum(s.num_recomputed_tokens for s in out.scheduled)
+        c["max_blocks_saved_by_sharing"] = max(c["max_blocks_saved_by_sharing"], saved)
+
+    def _time_requests(self, out, sampled, finished, step: int, start: float, end: float) -> None:
+        for seq in out.admitted:
+            m = self.request_of[seq.seq_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time, m.first_scheduled_step = start - self.t0, step
+        for seq in out.preempted:
+            self.request_of[seq.seq_id].metrics.num_preemptions += 1
+        for seq_id in sampled:
+            m = self.request_of[seq_id].metrics
+            m.num_output_tokens += 1
+            if m.first_token_time is None:
+                m.first_token_time, m.first_token_step = end - self.t0, step
+                self.counters["prompt_tokens"] += m.num_prompt_tokens
+        for seq in finished:
+            request = self.request_of[seq.seq_id]
+            m = request.metrics
+            m.max_sample_tokens = max(m.max_sample_tokens, len(seq.output_token_ids))
+            if request.is_finished and m.finish_time is None:  # its last sample: once per request
+                m.finish_time, m.finish_step = end - self.t0, step
+                self.counters["finished"] += 1

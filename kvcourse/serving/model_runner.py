@@ -244,7 +244,7 @@ class ModelRunner:
         key = None if all_logits or self.graphs is None else self.graphs.lookup(seqs)
         if key is not None:
             return PackedStep(out, self.graphs.input_ids, graph=key, last=self.graphs.load_inputs(seqs, key))
-        batch = ForwardBatch.build(seqs, self.block_size, self.kv_store.device)
+        batch = ForwardBatch.build(seqs, self.block_size, self.model.device)  # where the model and its pool are
         return PackedStep(out, batch.input_ids, batch=batch, all_logits=all_logits)
 
     def launch(self, step: PackedStep) -> torch.Tensor:

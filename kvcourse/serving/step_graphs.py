@@ -90,7 +90,8 @@ class StepGraphs:
     def __init__(
         self, model, kv_store, backend: str, max_num_seqs: int, max_num_batched_tokens: int, capture: bool = True
     ) -> None:
-        self.backend_cls = backend_class(backend)
+        # Both backends looked up once, now: a step only calls them.
+        self.backend_cls, self.ragged_cls = backend_class(backend), backend_class("triton-ragged")
         if not getattr(self.backend_cls, "capturable", False):
             raise ValueError(
                 f"backend {backend!r} cannot be captured in a CUDA graph (it decides shapes from the "
@@ -240,7 +241,7 @@ class StepGraphs:
     def forward(self, key: GraphKey) -> None:
         """The decoder stack over the bucket's rows, into ``self.hidden``: what a graph records."""
         batch = self.static_batch(key)
-        backend = self.backend_cls if key[0] == "decode" else backend_class("triton-ragged")
+        backend = self.backend_cls if key[0] == "decode" else self.ragged_cls
         hidden = self.model.step_hidden_states(batch, backend(self.kv_store, batch))
         self.hidden[: key[1]].copy_(hidden)
 
