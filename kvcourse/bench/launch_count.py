@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -168,9 +169,27 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Kernels one engine decode step launches (counted on a CPU).")
     parser.add_argument("--batch", type=int, default=2, help="sequences in the step")
     parser.add_argument("--unfused", action="store_true", help="RoPE, cache write, paged kernel and merge apart")
+    parser.add_argument("--json", help="write both counts (fused and unfused), with provenance, to this file")
     args = parser.parse_args(argv)
-    TritonBackend.fuse_attention = not args.unfused
     model = load_pretrained()[0]  # SmolLM2-135M, offline (the count does not depend on the weights)
+    if args.json:
+        from ..utils import cpu_model
+        from .kernels import provenance
+
+        report = {"what": "kernels one engine decode step launches (python -m kvcourse.bench.launch_count)"}
+        for fused in (True, False):
+            TritonBackend.fuse_attention = fused
+            report["fused" if fused else "unfused"] = decode_step_launches(model, batch_size=args.batch)
+        TritonBackend.fuse_attention = True
+        report |= {
+            "batch": args.batch,
+            "provenance": provenance(torch.device("cpu")) | {"machine": cpu_model()},
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"kernels a decode step: {report['unfused']['total']} unfused, {report['fused']['total']} fused")
+        return
+    TritonBackend.fuse_attention = not args.unfused
     counts = decode_step_launches(model, batch_size=args.batch)
     layers = Counter(counts["per_layer"])
     print(f"kernels a decode step: {counts['total']} ({', '.join(f'{n} x {k}' for k, n in layers.items())} a layer, "
