@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .checks import check_int
-from .kernels.reference import slot_mapping, slots_of  # the slot formula, beside the cache write that uses it
+from .kernels.reference import slot_mapping  # the slot formula, one sequence on the host: slots_of's reference
 
-__all__ = ["ForwardBatch", "SeqSlice", "slot_mapping"]
+__all__ = ["ForwardBatch", "SeqSlice", "slot_mapping", "slots_of"]
 
 
 @dataclass(frozen=True)
@@ -281,3 +281,12 @@ def _validate(batch: ForwardBatch) -> tuple[list[int], list[int], int]:
     if len(set(slots)) != len(slots):
         raise ValueError("slot_mapping names one slot twice: two sequences overlap in the pool")
     return qsl, lens, max_block
+
+
+def slots_of(
+    block_tables: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """:func:`slot_mapping` for many sequences at once, in tensor ops: token ``i`` of sequence
+    ``seq_idx[i]`` at ``positions[i]``, read through ``block_tables [B, M]``. Unchecked."""
+    blocks = block_tables[seq_idx, positions // block_size].to(torch.int64)
+    return blocks * block_size + positions % block_size

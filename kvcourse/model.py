@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backends import AttentionBackend, ContiguousBackend, KVCacheLike, NoCache, paged_backend
+from .backends import AttentionBackend, ContiguousBackend, KVCacheLike, NoCache, backend_class
 from .batch import ForwardBatch
 from .kernels.fused import add_rms_norm, embed_rms_norm, rms_norm, rope, rope_tables_signed, silu_and_mul
 
@@ -293,9 +293,11 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward_batch(
-        self, batch: ForwardBatch, kv_pool, backend: str = "paged-torch", all_logits: bool = False
+        self, batch: ForwardBatch, kv_pool, backend: str | type = "paged-torch", all_logits: bool = False
     ) -> torch.Tensor:
         """One ragged step on a paged pool: logits ``[B, vocab]`` at each sequence's last new token.
+
+        ``backend``: a paged backend's name (:mod:`kvcourse.backends`) or its class (a runner looks it up once).
 
         ``all_logits=True`` returns ``[N, vocab]``, one row per packed token. The caller has already
         allocated every slot the batch writes (copy-on-write copies included).
@@ -316,7 +318,8 @@ class LlamaModel(nn.Module):
         if lo < 0 or hi >= self.config.vocab_size:
             self.check_token_ids(batch.input_ids, "batch.input_ids")  # raises, naming the bad ids
         batch = batch.to(self.device)
-        hidden = self.step_hidden_states(batch, paged_backend(backend, kv_pool, batch))
+        backend_cls = backend if isinstance(backend, type) else backend_class(backend)
+        hidden = self.step_hidden_states(batch, backend_cls(kv_pool, batch))
         if not all_logits:
             hidden = hidden[batch.last_token_indices]  # only the rows whose next token we need
         return self.lm_head(hidden)

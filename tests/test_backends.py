@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvcourse
-from kvcourse.backends import backend_class, backend_names, paged_backend, register
+from kvcourse.backends import backend_class, backend_names, register
 from kvcourse.backends.paged import PagedReferenceBackend, PagedTorchBackend
 from kvcourse.batch import ForwardBatch, SeqSlice, slot_mapping
 from kvcourse.compression import Int8PagedKVStore
@@ -170,9 +170,9 @@ def test_a_backend_refuses_another_kind_of_store():
     _, store, batch, _ = _case_step(0, 4, torch.float32)
     int8 = Int8PagedKVStore(1, store.num_blocks, 4, 2, 16)
     with pytest.raises(TypeError, match="backend 'paged-torch' needs a PagedKVStore, got Int8PagedKVStore"):
-        paged_backend("paged-torch", int8, batch)
+        backend_class("paged-torch")(int8, batch)
     with pytest.raises(TypeError, match="backend 'paged-int8-torch' needs a Int8PagedKVStore, got PagedKVStore"):
-        paged_backend("paged-int8-torch", store, batch)
+        backend_class("paged-int8-torch")(store, batch)
 
 
 def test_the_runner_builds_the_store_its_backend_needs(tiny_model, device):
@@ -231,6 +231,19 @@ def test_forward_batch_checks_a_hand_made_batch(tiny_model):
                        block_tables=torch.tensor([[0]], dtype=torch.int32), block_size=4)  # fmt: skip
     with pytest.raises(ValueError, match="positions of sequence 0 must be consecutive"):
         tiny_model.forward_batch(bad, runner.kv_store)
+
+
+def test_forward_batch_takes_a_backend_by_name_or_by_class(tiny_model):
+    # The runner passes the class it looked up once; a chapter passes the name. Same step, same logits.
+    runs = []
+    for backend in ("paged-torch", PagedTorchBackend):
+        runner = ModelRunner(tiny_model, num_blocks=8, block_size=4)
+        runs.append(
+            tiny_model.forward_batch(ForwardBatch.build([SeqSlice([1, 2, 3], 0, [0])], 4), runner.kv_store, backend)
+        )
+    assert torch.equal(*runs)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        tiny_model.forward_batch(ForwardBatch.build([SeqSlice([1], 0, [0])], 4), runner.kv_store, "cuda")
 
 
 # ---- RoPE tables, computed once ------------------------------------------------------------------

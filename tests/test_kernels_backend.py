@@ -276,10 +276,10 @@ def test_triton_imported_before_kvcourse_gets_a_clear_error():
 
 def test_unknown_backend_lists_triton():
     store, batch, _ = _synthetic_step(0)
-    from kvcourse.backends import paged_backend
+    from kvcourse.backends import backend_class
 
     with pytest.raises(
         ValueError,
         match=r"backend must be one of \['paged-int8-torch', 'paged-reference', 'paged-torch', 'triton', 'triton-int8', 'triton-ragged'\], got 'tirton'",
     ):
-        paged_backend("tirton", store, batch)
+        backend_class("tirton")

@@ -44,7 +44,6 @@ __all__ = [
     "NoCache",
     "backend_class",
     "backend_names",
-    "paged_backend",
     "register",
 ]
 
@@ -90,8 +89,3 @@ def backend_class(name: str) -> type:
     if name not in _REGISTRY:
         importlib.import_module(_MODULES[name], __name__)
     return _REGISTRY[name]
-
-
-def paged_backend(name: str, kv_pool, batch) -> AttentionBackend:
-    """The paged backend called ``name``, built for one step of ``batch`` on ``kv_pool``."""
-    return backend_class(name)(kv_pool, batch)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..batch import ForwardBatch
-from ..kernels.reference import compute_dtype, paged_attention, reshape_and_cache_ref
+from ..kernels.reference import compute_dtype, paged_attention
 from ..paged.kv_store import PagedKVStore
 from . import register
 
@@ -96,7 +96,9 @@ class PagedBackend:
         k_cache, v_cache = self.pool.k_cache[layer_idx], self.pool.v_cache[layer_idx]
         if k.dtype != k_cache.dtype:  # a pool in another dtype than the model (tests use float64 pools)
             k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-        reshape_and_cache_ref(k, v, k_cache, v_cache, self.batch.slot_mapping, check=False)
+        flat = (-1, *k_cache.shape[2:])  # the pool viewed as one row of slots: the copies land in place
+        k_cache.view(flat).index_copy_(0, self.batch.slot_mapping, k)
+        v_cache.view(flat).index_copy_(0, self.batch.slot_mapping, v)
 
     def decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         """The decoding sequences' queries ``[Bd, Hq, D]`` -> their outputs ``[Bd, Hq, D]``."""

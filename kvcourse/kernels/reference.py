@@ -43,7 +43,6 @@ __all__ = [
     "repeat_kv",
     "reshape_and_cache_ref",
     "slot_mapping",
-    "slots_of",
 ]
 
 # Token slots read per step of the tile loop: bounds the K/V workspace whatever the context length.
@@ -455,7 +454,7 @@ def slot_mapping(block_table: Sequence[int], positions: Sequence[int] | range, b
     pool viewed as one flat array of ``num_blocks * block_size`` token slots.
     """
     check_int("block_size", block_size, min=1)
-    table = list(block_table)
+    table, positions = list(block_table), list(positions)
     limit = len(table) * block_size
     for pos in positions:
         if not 0 <= pos < limit:
@@ -463,19 +462,8 @@ def slot_mapping(block_table: Sequence[int], positions: Sequence[int] | range, b
                 f"positions must lie in [0, {limit}) for a block table of {len(table)} blocks of {block_size}, "
                 f"got {pos}"
             )
-    # Lists in, a list out: computed on the host, whatever torch's default device.
-    pos = torch.tensor(list(positions), dtype=torch.int64, device="cpu")
-    table_row = torch.tensor([table], dtype=torch.int64, device="cpu")
-    return slots_of(table_row, torch.zeros_like(pos), pos, block_size).tolist()
-
-
-def slots_of(
-    block_tables: torch.Tensor, seq_idx: torch.Tensor, positions: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """:func:`slot_mapping` for many sequences at once, in tensor ops: token ``i`` of sequence
-    ``seq_idx[i]`` at ``positions[i]``, read through ``block_tables [B, M]``. Unchecked."""
-    blocks = block_tables[seq_idx, positions // block_size].to(torch.int64)
-    return blocks * block_size + positions % block_size
+    # Lists in, a list out, on the host (the batch computes the same in tensor ops: kvcourse.batch.slots_of).
+    return [table[pos // block_size] * block_size + pos % block_size for pos in positions]
 
 
 def reshape_and_cache_ref(

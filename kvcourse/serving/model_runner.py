@@ -6,7 +6,8 @@ The engine hands it the scheduler's decision for the step, a
 1. :meth:`ModelRunner.prepare` packs every scheduled sequence's new tokens into one
    :class:`~kvcourse.batch.ForwardBatch` on the device (or a graph's static buffers), a :class:`PackedStep`;
 2. :meth:`ModelRunner.launch` moves blocks between the device and host pools, does the copy-on-write copies,
-   then runs the model once: ``model.forward_batch(batch, kv_store, backend)``.
+   then runs the model once: ``model.forward_batch(batch, kv_store, backend_cls)``, the backend's class looked up
+   once, when the runner is made.
 
 Two calls, so that an engine can pack step n+1 while the device runs step n (the engine's ``overlap``): a token
 sampled in step n that the host has not read yet is written into step n+1's inputs on the device
@@ -139,7 +140,7 @@ class ModelRunner:
                 f"num_cpu_blocks needs a float pool (block moves copy K and V only); backend {backend!r} "
                 f"stores a {backend_cls.store_type.__name__}"
             )
-        self.model, self.backend = model, backend
+        self.model, self.backend, self.backend_cls = model, backend, backend_cls
         # The pools first: they check that they fit in memory before anything big is built.
         self.kv_store = backend_cls.make_store(model.config, num_blocks, block_size, model.dtype, model.device)
         # The host pool: same layout, in CPU memory (on a CPU-only machine both pools share the same DRAM).
@@ -267,7 +268,7 @@ class ModelRunner:
         with torch.profiler.record_function(FORWARD_SCOPE):  # a label for profile_step (else a no-op)
             if step.graph is not None:
                 return self.graphs.replay(step.graph, step.last)
-            return self.model.forward_batch(step.batch, self.kv_store, self.backend, all_logits=step.all_logits)
+            return self.model.forward_batch(step.batch, self.kv_store, self.backend_cls, all_logits=step.all_logits)
 
     def feed_tokens(self, step: PackedStep, rows: Sequence[int], tokens: torch.Tensor, picks: Sequence[int]) -> None:
         """Write ``tokens[picks[i]]`` into the packed step's input id at row ``rows[i]``, on the device: the tokens
