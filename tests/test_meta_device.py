@@ -366,7 +366,8 @@ def test_generate_every_way(tiny):
 @pytest.mark.parametrize("options", [
     dict(),
     dict(enable_prefix_caching=True, num_cpu_blocks=8, preemption_mode="swap", max_num_batched_tokens=8),
-], ids=["default", "prefix-cache-swap-chunked"])  # fmt: skip
+    dict(overlap=True, enable_prefix_caching=True),
+], ids=["default", "prefix-cache-swap-chunked", "overlap"])  # fmt: skip
 def test_one_engine_run(tiny, options):
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10, 11], [4, 4]]
     params = [
@@ -552,3 +553,30 @@ def test_the_checks_diagnose_wrong_answers_with_the_package_on_meta():
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "reject", *files],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+def test_fused_decode_attention_in_the_interpreter():
+    """Issue 49's one-kernel-a-layer decode attention (RoPE, cache write, planned read, in-kernel merge) makes every
+    tensor (its output, partials and arrival counters) on its inputs' device."""
+    from kvcourse.kernels.fused import rope_tables_signed
+    from kvcourse.kernels.split_plan import SplitPlan, plan_capacity
+    from kvcourse.kernels.triton_fused_decode import rope_cache_decode
+    from kvcourse.kernels.triton_runtime import interpreting
+    from kvcourse.model import rope_cos_sin
+
+    if not interpreting():
+        pytest.skip("Triton compiles for the GPU here: its kernels cannot take CPU tensors")
+    seq_lens, hq, hkv, d = [9, 40], 4, 2, 16
+    case = random_paged_case(23, seq_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=16, device="cpu")
+    qkv = torch.randn(len(seq_lens), hq + 2 * hkv, d, generator=_g(24))
+    cos, sin = rope_tables_signed(*rope_cos_sin(torch.arange(64, device="cpu"), d, 10000.0))
+
+    def decode():
+        plan = SplitPlan(plan_capacity(len(seq_lens), hkv, 4), len(seq_lens), "cpu")
+        plan.fill(seq_lens, hkv, 4, min_chunk=16)  # 4 SMs: the 40-token context splits, merged in the kernel
+        k_pool, v_pool = case.k_cache.clone(), case.v_cache.clone()
+        out = rope_cache_decode(qkv, cos, sin, case.positions, case.slot_mapping, k_pool, v_pool,
+                                case.block_tables, plan, d**-0.5)  # fmt: skip
+        return out, k_pool, v_pool
+
+    on_meta_and_normally(decode)

@@ -273,7 +273,7 @@ class ModelRunner:
     def feed_tokens(self, step: PackedStep, rows: Sequence[int], tokens: torch.Tensor, picks: Sequence[int]) -> None:
         """Write ``tokens[picks[i]]`` into the packed step's input id at row ``rows[i]``, on the device: the tokens
         the step before sampled, which the host has not read (``tokens`` lives where the inputs do)."""
-        index = torch.tensor([list(rows), list(picks)], dtype=torch.int64)
+        index = torch.tensor([list(rows), list(picks)], dtype=torch.int64, device="cpu")  # built on the host
         if tokens.device.type == "cuda":  # pinned: the copy does not wait for the device
             index = index.pin_memory()
         index = index.to(tokens.device, non_blocking=True)
